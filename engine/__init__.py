@@ -1,0 +1,19 @@
+"""cbserve's continuous-batching engine for HuggingFace transformers causal LMs."""
+
+from engine.config import ContinuousBatchingConfig
+from engine.generate import generate_batch, use_cbserve
+from engine.llm_engine import LLMEngine
+from engine.manager import ContinuousBatchingManager
+from engine.request import GenerationOutput, QueueFullError, RequestStatus, SamplingParams
+
+__all__ = [
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "GenerationOutput",
+    "LLMEngine",
+    "QueueFullError",
+    "RequestStatus",
+    "SamplingParams",
+    "generate_batch",
+    "use_cbserve",
+]

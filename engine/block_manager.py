@@ -1,0 +1,122 @@
+"""The KV block ledger: which block belongs to whom, an O(1) LRU free list, and prefix caching.
+
+A full block is keyed by a chained hash of (parent block's hash, its token ids). Freed blocks keep
+their hash and stay findable until they are reused: the free list is an LRU, evicting one block at
+a time (never the whole cache). Blocks are refcounted so requests sharing a prefix share blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from engine.request import Request
+
+
+def chain_hash(parent: int, token_ids: list[int]) -> int:
+    data = parent.to_bytes(8, "little") + np.asarray(token_ids, dtype=np.int64).tobytes()
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # every block with refcount 0; the head is evicted first
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found in the cache
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix caching ---------------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> int:
+        """Attach cached blocks holding a prefix of a new request's tokens; returns tokens reused.
+
+        The last token is never taken from the cache: its logits are needed, so it is recomputed.
+        """
+        assert not req.block_ids
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent = 0
+        for i in range((req.num_tokens - 1) // bs):
+            tokens = req.token_ids[i * bs : (i + 1) * bs]
+            h = chain_hash(parent, tokens)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != tuple(tokens):
+                break
+            if self.ref_count[block] == 0:
+                del self.free[block]
+            self.ref_count[block] += 1
+            req.block_ids.append(block)
+            req.block_hashes.append(h)
+            parent = h
+        return len(req.block_ids) * bs
+
+    def count_lookup(self, num_prompt_tokens: int, num_cached: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += min(num_cached, num_prompt_tokens)
+
+    def register_full_blocks(self, req: Request) -> None:
+        """Make the request's newly completed blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(req.block_hashes), req.num_computed // bs):
+            parent = req.block_hashes[-1] if req.block_hashes else 0
+            tokens = req.token_ids[i * bs : (i + 1) * bs]
+            h = chain_hash(parent, tokens)
+            block = req.block_ids[i]
+            req.block_hashes.append(h)
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+                self.block_tokens[block] = tuple(tokens)
+
+    # -- allocation -------------------------------------------------------------------------------
+    def can_grow(self, req: Request, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(req.block_ids) <= len(self.free)
+
+    def grow(self, req: Request, num_tokens: int) -> None:
+        """Give the request enough blocks to hold `num_tokens` tokens (caller checked `can_grow`)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(req.block_ids)):
+            block, _ = self.free.popitem(last=False)
+            self._forget(block)
+            self.ref_count[block] = 1
+            req.block_ids.append(block)
+
+    def release(self, req: Request) -> None:
+        """Drop the request's references; blocks reaching zero go back to the free list."""
+        for block in reversed(req.block_ids):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+                if self.block_hash[block] is None:  # nothing worth keeping: reuse it first
+                    self.free.move_to_end(block, last=False)
+        req.block_ids = []
+        req.block_hashes = []
+
+    def _forget(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hash[block] = None
+            self.block_tokens[block] = None

@@ -1,0 +1,117 @@
+"""`ContinuousBatchingConfig`: the engine's knobs, with transformers' names, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Configuration of the continuous-batching engine.
+
+    Sizes left as None are derived at start-up from the model and the memory available
+    (see `engine.memory` and the start-up log line that reports them).
+    """
+
+    # Tokens per KV block (transformers calls this `page_size`; both names are accepted).
+    block_size: int = 256
+    # Blocks in the KV cache; None sizes the cache from `max_memory_percent`.
+    num_blocks: int | None = None
+    # Token budget of one step: decodes plus prompt chunks. None: derived at start-up.
+    max_batch_tokens: int | None = None
+    # Share of the memory free after the model loads that the KV cache may take.
+    max_memory_percent: float = 0.9
+    # Cap on requests running at once. None: derived at start-up.
+    max_requests_per_batch: int | None = None
+    # Cap on blocks one request may hold (context = this x block_size). None: no cap beyond the cache.
+    max_blocks_per_request: int | None = None
+    # Prefix caching: requests sharing a prompt prefix share its full blocks.
+    allow_block_sharing: bool = True
+    # GPU only (see docs/gpu.md): prepare step N+1 on the host while step N runs.
+    use_async_batching: bool | None = None
+    # GPU only: CUDA graphs, as a bool or a (varlen, decode) pair.
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
+    # "fifo": running decodes first, then prompt chunks; "prefill_first": prompt chunks first.
+    scheduler_type: str = "fifo"
+    # Return the sampled token's logprob for every request by default.
+    return_logprobs: bool = False
+    # Host pool (GiB) for swapping preempted requests' KV blocks; 0 recomputes them instead.
+    cpu_offload_space: float = 0.0
+    # Waiting requests accepted before `add_request` refuses with QueueFullError; 0 = unbounded.
+    max_queue_size: int = 0
+    # Accepted for transformers compatibility: per-request sampling parameters always work.
+    per_request_processors: bool = False
+    # Seed of the sampler for requests that do not bring their own.
+    seed: int | None = None
+    # Attention backend: "cpu" (torch SDPA), "cuda" (flash-attn), or None to pick from the device.
+    attn_backend: str | None = None
+    # transformers' name for block_size.
+    page_size: dataclasses.InitVar[int | None] = None
+
+    def __post_init__(self, page_size: int | None) -> None:
+        if page_size is not None:
+            if self.block_size not in (256, page_size):
+                raise ValueError(
+                    f"block_size ({self.block_size}) and page_size ({page_size}) are the same knob; give one"
+                )
+            self.block_size = page_size
+        self._validate()
+
+    def _validate(self) -> None:
+        def positive_int(name: str, value: Any, allow_none: bool = True) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive_int("block_size", self.block_size, allow_none=False)
+        for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_blocks_per_request"):
+            positive_int(name, getattr(self, name))
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        pct = self.max_memory_percent
+        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct <= 1:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {pct!r}")
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        space = self.cpu_offload_space
+        if isinstance(space, bool) or not isinstance(space, (int, float)) or space < 0:
+            raise ValueError(f"cpu_offload_space must be a number of GiB >= 0, got {space!r}")
+        if isinstance(self.max_queue_size, bool) or not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
+        graph = self.use_cuda_graph
+        if isinstance(graph, list):
+            self.use_cuda_graph = graph = tuple(graph)
+        if not (graph is None or isinstance(graph, bool)) and not (
+            isinstance(graph, tuple) and len(graph) == 2 and all(isinstance(g, bool) for g in graph)
+        ):
+            raise ValueError(f"use_cuda_graph must be a bool or a (varlen, decode) pair of bools, got {graph!r}")
+        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.use_async_batching is not None and not isinstance(self.use_async_batching, bool):
+            raise ValueError(f"use_async_batching must be a bool or null, got {self.use_async_batching!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.attn_backend not in (None, "cpu", "cuda"):
+            raise ValueError(f"attn_backend must be 'cpu', 'cuda' or null, got {self.attn_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)] + ["page_size"]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ContinuousBatchingConfig:
+        """Build from a mapping (YAML, environment); an unknown key is a ValueError naming it."""
+        known = set(cls.field_names())
+        for key in values:
+            if key not in known:
+                raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

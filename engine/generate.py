@@ -1,0 +1,73 @@
+"""`generate_batch`: run a list of prompts to completion with continuous batching, in this thread."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import ContinuousBatchingConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationOutput
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: torch.nn.Module,
+    inputs: list[list[int]],
+    generation_config=None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    progress_bar: bool = True,
+    record_timestamps: bool = False,
+    max_new_tokens: int | None = None,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt; returns {request_id: GenerationOutput} in input order.
+
+    `kwargs` are per-request parameters applied to every prompt (temperature, top_k, top_p, seed,
+    eos_token_id, ignore_eos, logprobs, ...). A prompt that fails validation gets a FAILED output
+    carrying the error; the others still run.
+    """
+    if not inputs:
+        return {}
+    engine = LLMEngine(model, continuous_batching_config, generation_config)
+    try:
+        outputs: dict[str, GenerationOutput] = {}
+        reqs = []
+        for i, ids in enumerate(inputs):
+            rid = f"req_{i}"
+            try:
+                req = engine.make_request(
+                    ids, request_id=rid, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps, **kwargs
+                )
+            except ValueError as exc:
+                outputs[rid] = _failed(rid, ids, str(exc))
+                continue
+            engine.add_request(req)
+            reqs.append(req)
+            outputs[rid] = None  # keeps input order
+        with tqdm(total=len(reqs), disable=not progress_bar, desc=f"Generating {len(reqs)} requests", unit="req") as bar:
+            while engine.has_unfinished():
+                done = sum(r.is_finished for r in engine.step())
+                if done:
+                    bar.update(done)
+        for req in reqs:
+            outputs[req.request_id] = req.to_output()
+        return outputs
+    finally:
+        engine.close()
+
+
+def _failed(request_id: str, ids: Any, error: str) -> GenerationOutput:
+    from engine.request import RequestStatus
+
+    prompt = list(ids) if isinstance(ids, (list, tuple)) else []
+    return GenerationOutput(request_id, prompt_ids=prompt, error=error, status=RequestStatus.FAILED, finish_reason="error")
+
+
+def use_cbserve(model: torch.nn.Module) -> torch.nn.Module:
+    """One-line opt-in: `model.generate_batch(...)` then runs on cbserve's engine."""
+    model.generate_batch = types.MethodType(generate_batch, model)
+    return model

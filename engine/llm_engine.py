@@ -1,0 +1,253 @@
+"""The engine: owns the cache, the scheduler, the model runner and the sampler.
+
+`step()` is the whole loop body: schedule, run the model once, append sampled tokens, finish what
+is done. It is synchronous and single-threaded; `ContinuousBatchingManager` runs it on a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from engine.backends import get_backend
+from engine.block_manager import BlockManager
+from engine.config import ContinuousBatchingConfig
+from engine.kv_cache import PagedKVCache, kv_geometry
+from engine.model_runner import ModelRunner, use_paged_attention
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.sizing import plan_sizes
+
+logger = logging.getLogger("cbserve.engine")
+
+DEFAULT_MAX_NEW_TOKENS = 256
+SAMPLING_KEYS = {
+    "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "min_new_tokens", "logprobs", "do_sample",
+}  # fmt: skip
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None):
+        self.config = config = config or ContinuousBatchingConfig()
+        self.model = model.eval()
+        self.generation_config = generation_config or getattr(model, "generation_config", None)
+        text_config = model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_context = getattr(text_config, "max_position_embeddings", None)
+        param = next(model.parameters())
+        num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
+
+        self.backend = get_backend(param.device, config.attn_backend)
+        self.backend.check_config(config.block_size)
+        self.sizes = plan_sizes(config, model, num_layers, num_kv_heads, head_dim, param.dtype, param.device)
+        logger.info("cbserve engine: %s", self.sizes.summary())
+        self.block_size = config.block_size
+        self.cache = PagedKVCache(
+            num_layers, self.sizes.num_blocks, config.block_size, num_kv_heads, head_dim, param.dtype, param.device
+        )
+        self.block_manager = BlockManager(self.sizes.num_blocks, config.block_size, config.allow_block_sharing)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.sizes.max_batch_tokens,
+            self.sizes.max_requests,
+            prefill_first=config.scheduler_type == "prefill_first",
+        )
+        self.runner = ModelRunner(model, self.cache, self.backend)
+        self.sampler = Sampler(config.seed)
+        self._previous_attn = use_paged_attention(model)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.step_times = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+
+    # -- requests -------------------------------------------------------------------------------
+    def make_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        **sampling: Any,
+    ) -> Request:
+        """Validate one request; every problem is a ValueError that says what is wrong."""
+        if request_id is None:
+            request_id = f"req_{uuid.uuid4().hex[:16]}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.flatten().tolist()
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise ValueError("input_ids must be a non-empty list of token ids (the prompt is empty)")
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids holds {t!r}, which is not a token id in [0, {self.vocab_size})")
+        if max_new_tokens is None:
+            max_new_tokens = getattr(self.generation_config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        total = len(input_ids) + max_new_tokens
+        if self.max_context is not None and len(input_ids) >= self.max_context:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the model's context is {self.max_context} tokens"
+            )
+        capacity = self.block_size * min(self.sizes.num_blocks, self.config.max_blocks_per_request or 1 << 62)
+        if total > capacity:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds "
+                f"the KV cache capacity for one request ({capacity} tokens)"
+            )
+        unknown = set(sampling) - SAMPLING_KEYS
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        params = self._sampling_params(sampling)
+        params.validate(self.vocab_size)
+        if params.logprobs is None and self.config.return_logprobs:
+            params.logprobs = 0
+        eos = self._eos_ids(eos_token_id) if not ignore_eos else frozenset()
+        stops = frozenset(stop_token_ids or ())
+        for t in stops:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids holds {t!r}, which is not a token id")
+        return Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
+
+    def _sampling_params(self, given: dict[str, Any]) -> SamplingParams:
+        gc = self.generation_config
+        params = SamplingParams()
+        do_sample = given.pop("do_sample", None)
+        if do_sample is None:
+            do_sample = bool(getattr(gc, "do_sample", False)) and "temperature" not in given
+        if do_sample:
+            params.temperature = float(getattr(gc, "temperature", None) or 1.0)
+            params.top_k = int(getattr(gc, "top_k", None) or 0)
+            params.top_p = float(getattr(gc, "top_p", None) or 1.0)
+        for key, value in given.items():
+            if value is not None:
+                setattr(params, key, value)
+        return params
+
+    def _eos_ids(self, eos_token_id) -> frozenset[int]:
+        if eos_token_id is None:
+            eos_token_id = getattr(self.generation_config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(self.model.config, "eos_token_id", None)
+        if eos_token_id is None:
+            return frozenset()
+        if isinstance(eos_token_id, int):
+            eos_token_id = [eos_token_id]
+        return frozenset(int(t) for t in eos_token_id if t is not None and t >= 0)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.prompt_tokens_total += req.num_prompt_tokens
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        req.finish(reason, error)
+        return req
+
+    def fail_all(self, error: str) -> list[Request]:
+        return [self.abort_request(rid, "error", error) for rid in list(self.requests)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One iteration; returns the requests that got a token or finished."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sample_reqs: list[Request] = []
+        sample_rows: list[int] = []
+        for row, (req, n) in enumerate(batch.items):
+            if req.num_computed + n == req.num_tokens:
+                sample_reqs.append(req)
+                sample_rows.append(row)
+        t1 = time.perf_counter()
+        logits = self.runner.run(batch, sample_rows)
+        t2 = time.perf_counter()
+        for req, n in batch.items:
+            req.num_computed += n
+            self.block_manager.register_full_blocks(req)
+        result = self.sampler(logits, sample_reqs, self.config.return_logprobs)
+        t3 = time.perf_counter()
+        now = time.perf_counter()
+        for i, req in enumerate(sample_reqs):
+            self._append_token(req, result.tokens[i], now)
+            if result.logprobs is not None and req.sampling.logprobs is not None:
+                req.logprobs.append(result.logprobs[i])
+                if req.top_logprobs is not None:
+                    req.top_logprobs.append(result.top_logprobs[i])
+        self.generation_tokens_total += len(sample_reqs)
+        for req, _ in batch.items:
+            if req.status == RequestStatus.PREFILLING and req.num_computed >= req.num_prompt_tokens:
+                req.status = RequestStatus.DECODING
+        for req in sample_reqs:
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+                self.scheduler.remove(req)
+        t4 = time.perf_counter()
+        times = self.step_times
+        times["schedule"] += t1 - t0
+        times["forward"] += t2 - t1
+        times["sample"] += t3 - t2
+        times["output"] += t4 - t3
+        return sample_reqs
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.timestamps is not None:
+            req.timestamps.append(now)
+        if token in req.eos_token_ids and req.num_generated > req.sampling.min_new_tokens - 1:
+            req.finish("stop")
+        elif token in req.stop_token_ids:
+            req.finish("stop")
+        elif req.num_generated >= req.max_new_tokens:
+            req.finish("length")
+        elif self.max_context is not None and req.num_tokens >= self.max_context:
+            req.finish("length")
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": bm.usage,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_queries_total": bm.prefix_queries,
+            "prefix_cache_hits_total": bm.prefix_hits,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_free_blocks": bm.num_free,
+            "num_blocks": bm.num_blocks,
+        }
+
+    def close(self) -> None:
+        """Give the model back its original attention implementation."""
+        if self._previous_attn is not None and self._previous_attn != self.model.config._attn_implementation:
+            try:
+                self.model.set_attn_implementation(self._previous_attn)
+            except (ValueError, ImportError):  # e.g. an implementation this machine cannot load
+                pass

@@ -1,0 +1,267 @@
+"""`ContinuousBatchingManager`: the engine on a background thread, with transformers' API.
+
+The loop is event-driven: it sleeps on an Event while there is nothing to do and wakes when a
+request or a cancellation arrives. Results go to the request's own queue or to its registered
+handler, never through a shared queue that has to be re-queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from engine.config import ContinuousBatchingConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationOutput, QueueFullError, Request
+
+logger = logging.getLogger("cbserve.manager")
+
+
+class _Route:
+    """Where one request's outputs go: a queue, or a callback on an asyncio loop."""
+
+    __slots__ = ("queue", "handler", "finished")
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        self.handler: tuple[Callable[[GenerationOutput], Any], asyncio.AbstractEventLoop] | None = None
+        self.finished = False
+
+
+class ContinuousBatchingManager:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config=None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+    ) -> None:
+        self.config = continuous_batching_config or ContinuousBatchingConfig()
+        self.engine = LLMEngine(model, self.config, generation_config)
+        self.model = model
+        self._inbox: list[Request] = []
+        self._cancels: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._routes: dict[str, _Route] = {}
+        self._any: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids in delivery order
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._hard_stop = False
+        self._accepting = True
+        self._fatal: BaseException | None = None
+        self.warmed_up = False
+
+    # -- control --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.is_running():
+            logger.warning("the manager is already running")
+            return
+        self._stopping = self._hard_stop = False
+        self._accepting = True
+        self._thread = threading.Thread(target=self._loop, name="cbserve-engine", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False, **_: Any) -> None:
+        """Stop accepting requests; finish the in-flight ones (or abort them with hard_stop), then exit."""
+        with self._lock:
+            self._accepting = False
+            self._stopping = True
+            self._hard_stop = self._hard_stop or hard_stop
+        self._wake.set()
+        if block:
+            self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.engine.close()
+
+    def warmup(self) -> None:
+        """Run one small step so the first real request does not pay for lazy initialisation."""
+        if self.warmed_up:
+            return
+        if self.is_running():
+            raise RuntimeError("warmup() must be called before start()")
+        req = self.engine.make_request([0] * min(8, self.engine.block_size), max_new_tokens=2, ignore_eos=True)
+        self.engine.add_request(req)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        self.engine.prompt_tokens_total = self.engine.generation_tokens_total = 0
+        self.warmed_up = True
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        if not self._accepting or self._fatal is not None:
+            raise RuntimeError("the manager is stopped: it accepts no new requests")
+        with self._lock:
+            if request_id is not None and request_id in self._routes:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            req = self.engine.make_request(
+                input_ids,
+                request_id=request_id,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+                streaming=streaming,
+                record_timestamps=record_timestamps,
+                **kwargs,
+            )
+            limit = self.config.max_queue_size
+            if limit and len(self._inbox) + len(self.engine.scheduler.waiting) >= limit:
+                raise QueueFullError(f"the request queue is full ({limit} waiting)")
+            self._routes[req.request_id] = _Route()
+            self._inbox.append(req)
+        self._wake.set()
+        return req.request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, **kwargs: Any) -> list[str]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, **kwargs) for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.append(request_id)
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output of one request (or of any request); None when none came within `timeout`."""
+        if request_id is None:
+            return self._get_any(timeout)
+        route = self._routes.get(request_id)
+        if route is None:
+            return None
+        try:
+            out = route.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if out.is_finished():
+            with self._lock:
+                self._routes.pop(request_id, None)
+        return out
+
+    def _get_any(self, timeout: float | None) -> GenerationOutput | None:
+        while True:
+            try:
+                rid = self._any.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            out = self.get_result(rid, timeout=0)
+            if out is not None:
+                return out  # else: already taken by a get_result(rid) caller; look further
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """Every output of one request, in order; ends when it finishes."""
+        while request_id in self._routes:
+            out = self.get_result(request_id, timeout=None)
+            if out is None:
+                return
+            yield out
+            if out.is_finished():
+                return
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while self.is_running() or not self._any.empty():
+            out = self._get_any(timeout=0.5)
+            if out is not None:
+                yield out
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
+        """Deliver this request's outputs to `callback`, run on the calling asyncio loop."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            route = self._routes.get(request_id)
+            if route is None:
+                raise KeyError(f"unknown request_id {request_id!r}")
+            route.handler = (callback, loop)
+            pending = []
+            while not route.queue.empty():
+                pending.append(route.queue.get_nowait())
+            if route.finished:
+                self._routes.pop(request_id, None)
+        for out in pending:
+            loop.call_soon(callback, out)
+
+    def stats(self) -> dict[str, float]:
+        stats = self.engine.stats()
+        stats["num_requests_waiting"] += len(self._inbox)
+        return stats
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _deliver(self, out: GenerationOutput) -> None:
+        with self._lock:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                return
+            finished = out.is_finished()
+            route.finished = finished
+            if route.handler is not None:
+                if finished:
+                    self._routes.pop(out.request_id, None)
+                callback, loop = route.handler
+            else:
+                route.queue.put(out)
+                self._any.put(out.request_id)
+                return
+        try:
+            loop.call_soon_threadsafe(callback, out)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+            hard = self._hard_stop
+        for req in inbox:
+            self.engine.add_request(req)
+        if hard:
+            cancels = list(self.engine.requests)
+        for rid in cancels:
+            req = self.engine.abort_request(rid)
+            if req is not None:
+                self._deliver(req.to_output())
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wake.clear()
+                self._drain_inbox()
+                if not engine.has_unfinished():
+                    if self._stopping:
+                        return
+                    self._wake.wait()
+                    continue
+                try:
+                    updated = engine.step()
+                except Exception as exc:  # a failing step fails its requests, not the server
+                    logger.exception("engine step failed")
+                    for req in engine.fail_all(f"{type(exc).__name__}: {exc}"):
+                        self._deliver(req.to_output())
+                    continue
+                for req in updated:
+                    if req.streaming or req.is_finished:
+                        self._deliver(req.to_output())
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            self._fatal = exc
+            logger.exception("the engine loop died")
+            for req in engine.fail_all(f"engine loop died: {exc}"):
+                self._deliver(req.to_output())
+            raise

@@ -1,0 +1,93 @@
+"""Runs one step: packs every scheduled token into a ragged [1, T] batch and calls the model once.
+
+The step's metadata (positions, slots, lengths, block tables) is built with tensor ops; the only
+Python loops are per sequence, never per token. The LM head runs on the last position of each
+sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import ATTN_IMPLEMENTATION, StepContext
+from engine.backends import AttentionBackend, AttentionMetadata
+from engine.kv_cache import PagedKVCache
+from engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self.block_size = cache.block_size
+
+    def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        reqs = [r for r, _ in batch.items]
+        q_lens = [n for _, n in batch.items]
+        starts = [r.num_computed for r in reqs]
+        k_lens = [s + n for s, n in zip(starts, q_lens)]
+        token_ids: list[int] = []
+        for r, s, n in zip(reqs, starts, q_lens):
+            token_ids.extend(r.token_ids[s : s + n])
+
+        num_seqs = len(reqs)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+        cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+        total = len(token_ids)
+        offset_in_seq = torch.arange(total) - cu_seqlens_q[:-1].long()[seq_idx]
+        positions = torch.tensor(starts, dtype=torch.long)[seq_idx] + offset_in_seq
+
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            block_tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        bs = self.block_size
+        blocks = block_tables[seq_idx, torch.div(positions, bs, rounding_mode="floor")].long()
+        slot_mapping = blocks * bs + positions % bs
+
+        num_decodes = 0
+        while num_decodes < num_seqs and q_lens[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            cu_seqlens_q=cu_seqlens_q.to(self.device),
+            seq_lens_k=torch.tensor(k_lens, dtype=torch.int32, device=self.device),
+            block_tables=block_tables.to(self.device),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(k_lens),
+            block_size=bs,
+            q_lens=q_lens,
+            k_lens=k_lens,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return input_ids, positions.to(self.device), meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Forward the step; returns float32 logits [len(sample_rows), vocab] for those sequences."""
+        input_ids, positions, meta = self.build_metadata(batch)
+        self.backend.prepare(meta)
+        last = (meta.cu_seqlens_q[1:] - 1).long()
+        logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=logits_rows,
+            cb_step=StepContext(self.backend, self.cache, meta),
+        )
+        return out.logits[0].float()
+
+
+def use_paged_attention(model: torch.nn.Module) -> str | None:
+    """Switch the model to cbserve's attention; returns the previous implementation to restore."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return previous

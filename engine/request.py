@@ -1,0 +1,203 @@
+"""A request's state inside the engine, its sampling parameters, and the output users receive."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+
+class RequestStatus(IntEnum):
+    """Lifecycle of a request (transformers' names and order)."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+
+
+class QueueFullError(RuntimeError):
+    """`add_request` refused: `max_queue_size` requests are already waiting."""
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. temperature 0 (or None with no sampling asked) is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        def number(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            return float(value)
+
+        if number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < number("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= number("min_p", self.min_p) <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                    raise ValueError(f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
+                number("logit_bias value", bias)
+
+
+@dataclass
+class GenerationOutput:
+    """What a request produced so far (streamed) or in the end (finished)."""
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1, -1)
+    timestamps: list[float] | None = None
+    # cbserve's additions
+    new_tokens: list[int] = field(default_factory=list)  # since the previous streamed output
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+
+class Request:
+    """One sequence in the engine: its tokens, how many are in the KV cache, its blocks."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_ids: frozenset[int],
+        stop_token_ids: frozenset[int] = frozenset(),
+        streaming: bool = False,
+        record_timestamps: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = stop_token_ids
+        self.streaming = streaming
+        self.timestamps: list[float] | None = [] if record_timestamps else None
+
+        self.status = RequestStatus.PENDING
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling.seed)
+        self.num_streamed = 0  # generated tokens already handed out
+
+        self.created_time = time.perf_counter()
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason = reason
+        self.error = error
+        self.status = RequestStatus.FAILED if error is not None else RequestStatus.FINISHED
+        self.finished_time = time.perf_counter()
+
+    def to_output(self) -> GenerationOutput:
+        generated = self.generated_ids
+        new = generated[self.num_streamed :]
+        self.num_streamed = len(generated)
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=self.token_ids[: self.num_prompt_tokens],
+            generated_tokens=generated,
+            logprobs=list(self.logprobs),
+            error=self.error,
+            status=self.status,
+            created_time=self.created_time,
+            lifespan=(self.scheduled_time or -1, self.finished_time or -1),
+            timestamps=list(self.timestamps) if self.timestamps is not None else None,
+            new_tokens=new,
+            top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            scheduled_time=self.scheduled_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,112 @@
+"""Picks one token per sequence, vectorised over the batch, with per-request parameters.
+
+Greedy rows take the argmax (the fast path when every row is greedy). Sampled rows go through
+temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with q ~ Exp(1):
+a request with a seed draws q from its own generator, so its tokens do not depend on what else
+is in the batch. Logprobs are those of the model's raw distribution (log_softmax of the logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float] | None  # of the sampled token, per row; None when no row asked
+    top_logprobs: list[dict[int, float] | None] | None
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], default_logprobs: bool = False) -> SampleResult:
+        want_logprobs = default_logprobs or any(r.sampling.logprobs is not None for r in reqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._process(logits, reqs)
+        greedy = [r.sampling.greedy for r in reqs]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, reqs, greedy)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleResult(token_list, None, None)
+        sampled = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        tops: list[dict[int, float] | None] = []
+        for row, req in enumerate(reqs):
+            n = req.sampling.logprobs or 0
+            if n:
+                values, ids = raw_logprobs[row].topk(n)
+                tops.append(dict(zip(ids.tolist(), values.tolist())))
+            else:
+                tops.append(None)
+        return SampleResult(token_list, sampled, tops)
+
+    @staticmethod
+    def _process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Logit bias, the EOS ban before min_new_tokens, and the penalties, for the rows that ask."""
+        cloned = False
+        for row, req in enumerate(reqs):
+            sp = req.sampling
+            ban_eos = req.num_generated < sp.min_new_tokens and req.eos_token_ids
+            if not (sp.logit_bias or ban_eos or sp.needs_penalties):
+                continue
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            x = logits[row]
+            if sp.logit_bias:
+                ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
+                x.index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()), dtype=x.dtype))
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(req.token_ids, dtype=torch.long).unique()
+                vals = x[seen]
+                x[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+            if sp.presence_penalty or sp.frequency_penalty:
+                counts = torch.bincount(torch.tensor(req.generated_ids, dtype=torch.long), minlength=x.shape[0])
+                counts = counts[: x.shape[0]].to(x.dtype)
+                x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+            if ban_eos:
+                x[list(req.eos_token_ids)] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:
+        num_rows, vocab = logits.shape
+        temperature = torch.tensor([r.sampling.temperature if not g else 1.0 for r, g in zip(reqs, greedy)])
+        scaled = logits / temperature[:, None]
+        top_k = [r.sampling.top_k for r in reqs]
+        top_p = [r.sampling.top_p for r in reqs]
+        min_p = [r.sampling.min_p for r in reqs]
+        if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
+            remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+            remove |= torch.arange(vocab)[None, :] >= k[:, None]
+            p = torch.tensor(top_p)
+            probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+            remove |= (torch.cumsum(probs, dim=-1) - probs) >= p[:, None]
+            remove[:, 0] = False
+            scaled = scaled.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+        probs = torch.softmax(scaled, dim=-1)
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [row for row, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+        for row, req in enumerate(reqs):
+            if req.generator is not None and not greedy[row]:
+                noise[row] = torch.empty(vocab).exponential_(generator=req.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)

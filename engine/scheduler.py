@@ -1,0 +1,126 @@
+"""One token-budget scheduler; "fifo" and "prefill_first" are two orderings of it.
+
+There is no prefill phase and decode phase: each step, every scheduled request's computed tokens
+catch up with its known tokens as far as the budget allows. A running request that is decoding
+needs one token; a waiting or partly prefilled prompt takes a chunk of what is left. When a
+request needs a block and none is free, the newest running request is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed (its generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: (request, number of new tokens), single-token ones first."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_running: int,
+        prefill_first: bool = False,
+    ) -> None:
+        self.bm = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.prefill_first = prefill_first
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take a finished or cancelled request out, releasing its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.release(req)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = [self.max_batch_tokens]
+        chosen: dict[Request, int] = {}
+        if self.prefill_first:
+            self._admit_waiting(chosen, budget)
+            self._schedule_running(chosen, budget)
+        else:
+            if not self._schedule_running(chosen, budget):
+                self._admit_waiting(chosen, budget)
+        items = sorted(chosen.items(), key=lambda item: item[1] != 1)  # stable: decodes first
+        return ScheduledBatch(items)
+
+    def _schedule_running(self, chosen: dict[Request, int], budget: list[int]) -> bool:
+        """Give running requests their tokens; returns True if anything was preempted."""
+        preempted = False
+        for req in list(self.running):
+            if budget[0] == 0:
+                break
+            if req in chosen or req not in self.running:  # admitted this step, or preempted just now
+                continue
+            n = min(req.num_tokens - req.num_computed, budget[0])
+            while not self.bm.can_grow(req, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim, chosen, budget)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self.bm.grow(req, req.num_computed + n)
+                chosen[req] = n
+                budget[0] -= n
+        return preempted
+
+    def _admit_waiting(self, chosen: dict[Request, int], budget: list[int]) -> None:
+        while self.waiting and budget[0] > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            req.num_computed = self.bm.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed, budget[0])
+            if not self.bm.can_grow(req, req.num_computed + n):
+                self.bm.release(req)  # give the cached blocks back; try again next step
+                req.num_computed = 0
+                break
+            self.bm.grow(req, req.num_computed + n)
+            self.bm.count_lookup(req.num_prompt_tokens, req.num_computed)
+            req.num_cached_tokens = max(req.num_cached_tokens, min(req.num_computed, req.num_prompt_tokens))
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.PREFILLING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.perf_counter()
+            chosen[req] = n
+            budget[0] -= n
+
+    def _preempt(self, req: Request, chosen: dict[Request, int], budget: list[int]) -> None:
+        self.running.remove(req)
+        if req in chosen:
+            budget[0] += chosen.pop(req)
+        self.bm.release(req)
+        req.num_computed = 0
+        req.status = RequestStatus.PENDING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -17,7 +17,7 @@ from engine.backends import get_backend
 from engine.block_manager import BlockManager
 from engine.config import ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.model_runner import ModelRunner, use_paged_attention
+from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -60,7 +60,6 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.cache, self.backend)
         self.sampler = Sampler(config.seed)
-        self._previous_attn = use_paged_attention(model)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -245,9 +244,7 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """Give the model back its original attention implementation."""
-        if self._previous_attn is not None and self._previous_attn != self.model.config._attn_implementation:
-            try:
-                self.model.set_attn_implementation(self._previous_attn)
-            except (ValueError, ImportError):  # e.g. an implementation this machine cannot load
-                pass
+        """Abort what is left and free the cache's memory."""
+        self.fail_all("the engine was closed")
+        self.cache.k.clear()
+        self.cache.v.clear()

@@ -83,8 +83,8 @@ class ContinuousBatchingManager:
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self.engine.close()
+        if not self.is_running():
+            self.engine.close()
 
     def warmup(self) -> None:
         """Run one small step so the first real request does not pay for lazy initialisation."""

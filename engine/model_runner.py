@@ -75,19 +75,18 @@ class ModelRunner:
         self.backend.prepare(meta)
         last = (meta.cu_seqlens_q[1:] - 1).long()
         logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=logits_rows,
-            cb_step=StepContext(self.backend, self.cache, meta),
-        )
+        config = self.model.config
+        previous = config._attn_implementation
+        # cbserve's attention only for this forward: the model stays usable by model.generate
+        config._attn_implementation = ATTN_IMPLEMENTATION
+        try:
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_rows,
+                cb_step=StepContext(self.backend, self.cache, meta),
+            )
+        finally:
+            config._attn_implementation = previous
         return out.logits[0].float()
-
-
-def use_paged_attention(model: torch.nn.Module) -> str | None:
-    """Switch the model to cbserve's attention; returns the previous implementation to restore."""
-    previous = getattr(model.config, "_attn_implementation", None)
-    if previous != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return previous

@@ -14,12 +14,6 @@ import torch.nn.functional as F
 from engine.backends.base import AttentionMetadata
 
 
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache slots of `positions` ([..., L]) given block tables ([..., max_blocks])."""
-    blocks = torch.gather(block_table.long(), -1, torch.div(positions, block_size, rounding_mode="floor"))
-    return blocks * block_size + positions % block_size
-
-
 def _attention(q, k, v, mask, scaling, softcap, enable_gqa):
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask bool [B|1, 1, Lq, Lk] (True = attend)."""
     if softcap is None:
@@ -43,23 +37,20 @@ class SDPABackend:
         nd, bs = meta.num_decodes, meta.block_size
         if nd:
             k_lens = meta.seq_lens_k[:nd].long()
-            max_len = int(max(meta.k_lens[:nd]))
-            pos = torch.arange(max_len).expand(nd, max_len)
-            valid = pos < k_lens[:, None]
-            slots = _slots(meta.block_tables[:nd], torch.where(valid, pos, 0), bs)
-            meta.extra["decode_slots"] = slots.reshape(-1)
-            meta.extra["decode_shape"] = (nd, max_len)
-            meta.extra["decode_valid"] = valid
+            num_blocks = -(-max(meta.k_lens[:nd]) // bs)
+            pos = torch.arange(num_blocks * bs).expand(nd, -1)
+            # whole blocks are gathered (a block is one contiguous chunk): far cheaper than token slots
+            meta.extra["decode_blocks"] = meta.block_tables[:nd, :num_blocks].reshape(-1).long()
+            meta.extra["decode_shape"] = (nd, num_blocks * bs)
+            meta.extra["decode_valid"] = pos < k_lens[:, None]
             meta.extra["decode_pos"] = pos
             meta.extra["decode_qpos"] = k_lens - 1
-        # prefill chunks that have history gather their keys from the cache
+        # prefill chunks that have history gather their blocks from the cache
         history = {}
         for i in range(nd, meta.num_seqs):
-            q_len, k_len = meta.q_lens[i], meta.k_lens[i]
-            if k_len > q_len:
-                pos = torch.arange(k_len)
-                history[i] = _slots(meta.block_tables[i], pos, bs)
-        meta.extra["history_slots"] = history
+            if meta.k_lens[i] > meta.q_lens[i]:
+                history[i] = meta.block_tables[i, : -(-meta.k_lens[i] // bs)].long()
+        meta.extra["history_blocks"] = history
         meta.extra["masks"] = {}
 
     def _decode_mask(self, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
@@ -88,20 +79,18 @@ class SDPABackend:
         return mask
 
     def attend(self, query, key, value, k_cache, v_cache, meta, *, scaling, sliding_window=None, softcap=None):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, v_cache.shape[3])
-        k_flat.index_copy_(0, meta.slot_mapping, key)
-        v_flat.index_copy_(0, meta.slot_mapping, value)
+        num_kv_heads, head_dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, v_dim).index_copy_(0, meta.slot_mapping, value)
 
         gqa = query.shape[1] != num_kv_heads
         out = torch.empty(query.shape[0], query.shape[1], v_cache.shape[3], dtype=query.dtype)
         nd = meta.num_decodes
         if nd:
             b, max_len = meta.extra["decode_shape"]
-            slots = meta.extra["decode_slots"]
-            k = k_flat.index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
-            v = v_flat.index_select(0, slots).view(b, max_len, num_kv_heads, -1).transpose(1, 2)
+            blocks = meta.extra["decode_blocks"]
+            k = k_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
+            v = v_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, v_dim).transpose(1, 2)
             q = query[:nd].unsqueeze(2)  # [nd, H, 1, D]
             mask = self._decode_mask(meta, sliding_window)
             out[:nd] = _attention(q, k, v, mask, scaling, softcap, gqa).squeeze(2)
@@ -110,14 +99,16 @@ class SDPABackend:
         for i in range(nd, meta.num_seqs):
             start, end = cu[i], cu[i + 1]
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            slots = meta.extra["history_slots"].get(i)
-            if slots is None:  # the whole context is in this step
+            blocks = meta.extra["history_blocks"].get(i)
+            if blocks is None:  # the whole context is in this step
                 k, v = key[start:end], value[start:end]
             else:
-                k, v = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+                k_len = meta.k_lens[i]
+                k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:k_len]
+                v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, v_dim)[:k_len]
             k = k.transpose(0, 1).unsqueeze(0)
             v = v.transpose(0, 1).unsqueeze(0)
-            if slots is None and sliding_window is None and softcap is None:
+            if blocks is None and sliding_window is None and softcap is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
             else:
                 o = _attention(q, k, v, self._prefill_mask(meta, i, sliding_window), scaling, softcap, gqa)

@@ -1,0 +1,126 @@
+"""The background manager: streaming, cancellation, result routing, handlers, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
+from tests.engine.conftest import model_for, prompts_for, reference
+
+
+@pytest.fixture
+def manager():
+    mgr = ContinuousBatchingManager(
+        model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=128)
+    )
+    mgr.warmup()
+    mgr.start()
+    yield mgr
+    mgr.stop(block=True, timeout=30)
+    assert not mgr.is_running()
+
+
+def test_streaming_yields_tokens_in_order_and_ends_like_non_streamed(manager) -> None:
+    prompt = list(prompts_for()[0])
+    rid = manager.add_request(prompt, max_new_tokens=24, streaming=True, ignore_eos=True)
+    outs = list(manager.request_id_iter(rid))
+    assert len(outs) == 24
+    streamed = [t for o in outs for t in o.new_tokens]
+    assert all(len(o.new_tokens) == 1 for o in outs)
+    assert [o.generated_tokens for o in outs] == [streamed[: i + 1] for i in range(24)]
+    assert outs[-1].is_finished() and outs[-1].finish_reason == "length"
+    assert not any(o.is_finished() for o in outs[:-1])
+    rid2 = manager.add_request(prompt, max_new_tokens=24, ignore_eos=True)
+    final = manager.get_result(rid2, timeout=60)
+    assert final.generated_tokens == streamed == list(reference("llama", tuple(prompt)))
+
+
+def test_cancel_frees_blocks_and_others_finish(manager) -> None:
+    prompts = [list(p) for p in prompts_for()[:6]]
+    ids = [manager.add_request(p, max_new_tokens=24, streaming=True, ignore_eos=True) for p in prompts]
+    victim = ids[2]
+    first = manager.get_result(victim, timeout=60)  # it is running: it produced a token
+    assert first is not None and first.status == RequestStatus.DECODING
+    manager.cancel_request(victim)
+    rest = list(manager.request_id_iter(victim))
+    assert rest[-1].finish_reason == "abort" and rest[-1].is_finished()
+    assert len(rest[-1].generated_tokens) < 24
+    for rid, prompt in zip(ids, prompts):
+        if rid == victim:
+            continue
+        final = list(manager.request_id_iter(rid))[-1]
+        assert tuple(final.generated_tokens) == reference("llama", tuple(prompt))
+    stats = manager.stats()
+    assert stats["num_requests_running"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]  # the whole pool is free again
+
+
+def test_cancel_unknown_or_finished_request_is_harmless(manager) -> None:
+    manager.cancel_request("does-not-exist")
+    rid = manager.add_request([5, 6, 7], max_new_tokens=3, ignore_eos=True)
+    assert manager.get_result(rid, timeout=60).finish_reason == "length"
+    manager.cancel_request(rid)
+    rid2 = manager.add_request([5, 6, 7], max_new_tokens=3, ignore_eos=True)
+    assert manager.get_result(rid2, timeout=60).is_finished()
+
+
+def test_get_result_never_hands_out_another_requests_output(manager) -> None:
+    a = manager.add_request([10, 11, 12], max_new_tokens=5, ignore_eos=True)
+    b = manager.add_request([13, 14, 15], max_new_tokens=5, ignore_eos=True)
+    out_b = manager.get_result(b, timeout=60)
+    out_a = manager.get_result(a, timeout=60)
+    assert (out_a.request_id, out_b.request_id) == (a, b)
+    assert manager.get_result(a, timeout=0.05) is None  # consumed, nothing re-queued
+
+
+def test_get_result_any_returns_each_finished_request_once(manager) -> None:
+    ids = {manager.add_request([20 + i, 30, 40], max_new_tokens=4, ignore_eos=True) for i in range(5)}
+    seen = [manager.get_result(timeout=60).request_id for _ in ids]
+    assert sorted(seen) == sorted(ids)
+
+
+def test_result_handler_runs_on_the_callers_loop(manager) -> None:
+    async def run() -> list:
+        loop_thread = threading.get_ident()
+        done = asyncio.Event()
+        got = []
+
+        def on_output(out) -> None:
+            got.append((threading.get_ident(), out))
+            if out.is_finished():
+                done.set()
+
+        rid = manager.add_request([1, 2, 3, 4], max_new_tokens=6, streaming=True, ignore_eos=True)
+        manager.register_result_handler(rid, on_output)
+        await asyncio.wait_for(done.wait(), 60)
+        assert all(tid == loop_thread for tid, _ in got)
+        return [o for _, o in got]
+
+    outs = asyncio.run(run())
+    assert [t for o in outs for t in o.new_tokens] == outs[-1].generated_tokens
+    assert len(outs[-1].generated_tokens) == 6
+
+
+def test_stop_drains_in_flight_requests_then_refuses() -> None:
+    mgr = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=64))
+    mgr.start()
+    ids = [mgr.add_request(list(p), max_new_tokens=8, ignore_eos=True) for p in prompts_for()[:3]]
+    mgr.stop(block=True, timeout=60)
+    assert not mgr.is_running()
+    for rid in ids:
+        assert mgr.get_result(rid, timeout=0).finish_reason == "length"
+    with pytest.raises(RuntimeError, match="stopped"):
+        mgr.add_request([1, 2, 3])
+
+
+def test_hard_stop_aborts_in_flight_requests() -> None:
+    mgr = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=64))
+    mgr.start()
+    rid = mgr.add_request([1, 2, 3], max_new_tokens=200, streaming=True, ignore_eos=True)
+    assert mgr.get_result(rid, timeout=60) is not None
+    mgr.stop(block=True, timeout=60, hard_stop=True)
+    final = list(mgr.request_id_iter(rid))[-1]
+    assert final.finish_reason == "abort"

@@ -1,0 +1,84 @@
+"""Sampling: seeded requests reproduce whatever else runs; greedy equivalences; logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import ContinuousBatchingConfig, generate_batch
+from tests.engine.conftest import model_for, prompts_for, reference
+
+CFG = dict(block_size=16, num_blocks=256)
+
+
+def run(prompts, **kwargs):
+    out = generate_batch(model_for("llama"), prompts, max_new_tokens=16, ignore_eos=True, progress_bar=False,
+                         continuous_batching_config=ContinuousBatchingConfig(**CFG), **kwargs)
+    return [o.generated_tokens for o in out.values()]
+
+
+def test_seeded_sample_is_the_same_alone_or_in_a_batch_of_32() -> None:
+    from engine import LLMEngine
+
+    prompts = [list(p) for p in prompts_for()]
+    target = prompts[5]
+    alone = run([target], temperature=1.0, top_p=0.9, top_k=50, seed=1234)[0]
+
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**CFG))
+    reqs = []
+    for i, p in enumerate(prompts):
+        seed = 1234 if i == 5 else None  # the others sample from the engine's own stream
+        reqs.append(engine.make_request(p, max_new_tokens=16, ignore_eos=True, temperature=1.0 if i != 5 else 1.0,
+                                        top_p=0.9, top_k=50, seed=seed))
+        engine.add_request(reqs[-1])
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[5].generated_ids == alone
+    assert alone != list(reference("llama", tuple(target)))[:16]  # it really sampled
+
+
+def test_different_seeds_differ_and_same_seed_repeats() -> None:
+    p = [list(prompts_for()[3])]
+    a = run(p, temperature=1.5, seed=1)[0]
+    assert a == run(p, temperature=1.5, seed=1)[0]
+    assert a != run(p, temperature=1.5, seed=2)[0]
+
+
+def test_top_k_1_and_temperature_0_are_greedy() -> None:
+    prompts = [list(p) for p in prompts_for()[:8]]
+    greedy = [list(reference("llama", tuple(p)))[:16] for p in prompts]
+    assert run(prompts, temperature=1.0, top_k=1, seed=3) == greedy
+    assert run(prompts, temperature=0.0, seed=3) == greedy
+
+
+def test_logprobs_match_log_softmax_of_the_models_logits() -> None:
+    model = model_for("llama")
+    prompt = list(prompts_for()[7])
+    out = generate_batch(model, [prompt], max_new_tokens=6, ignore_eos=True, progress_bar=False, logprobs=5,
+                         continuous_batching_config=ContinuousBatchingConfig(**CFG))["req_0"]
+    tokens = out.generated_tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for step, token in enumerate(tokens):
+        assert abs(out.logprobs[step] - expected[step, token].item()) < 1e-4
+        top = out.top_logprobs[step]
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and len(top) == 5
+        for tid, lp in top.items():
+            assert abs(lp - expected[step, tid].item()) < 1e-4
+        assert set(top) == set(expected[step].topk(5).indices.tolist())
+
+
+def test_min_new_tokens_holds_eos_back_and_eos_stops() -> None:
+    model = model_for("llama")
+    prompt = list(prompts_for()[2])
+    free = list(reference("llama", tuple(prompt)))
+    first = next(i for i in range(3, len(free)) if free[i] not in free[:i])
+    eos = free[first]  # pretend this greedy token, new at step `first`, is EOS
+    cfg = ContinuousBatchingConfig(**CFG)
+    stopped = generate_batch(model, [prompt], max_new_tokens=20, eos_token_id=eos, progress_bar=False,
+                             continuous_batching_config=cfg)["req_0"]
+    assert stopped.generated_tokens == free[: first + 1] and stopped.finish_reason == "stop"
+    held = generate_batch(model, [prompt], max_new_tokens=20, eos_token_id=eos, min_new_tokens=first + 3, progress_bar=False,
+                          continuous_batching_config=cfg)["req_0"]
+    assert len(held.generated_tokens) >= first + 3 and eos not in held.generated_tokens[: first + 2]

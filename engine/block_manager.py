@@ -74,21 +74,38 @@ class BlockManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += min(num_cached, num_prompt_tokens)
 
-    def register_full_blocks(self, req: Request) -> None:
-        """Make the request's newly completed blocks findable by later requests."""
+    def register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Make the request's full blocks among its first `num_tokens` tokens findable by others.
+
+        Called when a step is scheduled, before it runs: a block computed in this step can be
+        shared by a request admitted in the same step, because every layer writes the step's new
+        K/V into the cache before any sequence attends.
+        """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_computed // bs):
+        for i in range(len(req.block_hashes), num_tokens // bs):
             parent = req.block_hashes[-1] if req.block_hashes else 0
             tokens = req.token_ids[i * bs : (i + 1) * bs]
             h = chain_hash(parent, tokens)
             block = req.block_ids[i]
             req.block_hashes.append(h)
-            if h not in self.hash_to_block:
+            if h not in self.hash_to_block and self.block_hash[block] is None:
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
                 self.block_tokens[block] = tuple(tokens)
+
+    def forget_uncomputed(self, req: Request) -> None:
+        """Unregister the blocks registered for a step that will not run for this request."""
+        for i in range(req.num_computed // self.block_size, len(req.block_hashes)):
+            if self.ref_count[req.block_ids[i]] == 1:
+                self._forget(req.block_ids[i])
+        del req.block_hashes[req.num_computed // self.block_size :]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a failed step, whose blocks may hold garbage)."""
+        for block in range(self.num_blocks):
+            self._forget(block)
 
     # -- allocation -------------------------------------------------------------------------------
     def can_grow(self, req: Request, num_tokens: int) -> bool:

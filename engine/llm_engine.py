@@ -186,7 +186,6 @@ class LLMEngine:
         t2 = time.perf_counter()
         for req, n in batch.items:
             req.num_computed += n
-            self.block_manager.register_full_blocks(req)
         result = self.sampler(logits, sample_reqs, self.config.return_logprobs)
         t3 = time.perf_counter()
         now = time.perf_counter()

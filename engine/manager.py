@@ -255,6 +255,7 @@ class ContinuousBatchingManager:
                     logger.exception("engine step failed")
                     for req in engine.fail_all(f"{type(exc).__name__}: {exc}"):
                         self._deliver(req.to_output())
+                    engine.block_manager.reset_prefix_cache()
                     continue
                 for req in updated:
                     if req.streaming or req.is_finished:

@@ -89,9 +89,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self.bm.grow(req, req.num_computed + n)
-                chosen[req] = n
-                budget[0] -= n
+                self._take(req, n, chosen, budget)
         return preempted
 
     def _admit_waiting(self, chosen: dict[Request, int], budget: list[int]) -> None:
@@ -103,7 +101,7 @@ class Scheduler:
                 self.bm.release(req)  # give the cached blocks back; try again next step
                 req.num_computed = 0
                 break
-            self.bm.grow(req, req.num_computed + n)
+            self._take(req, n, chosen, budget)
             self.bm.count_lookup(req.num_prompt_tokens, req.num_computed)
             req.num_cached_tokens = max(req.num_cached_tokens, min(req.num_computed, req.num_prompt_tokens))
             self.waiting.popleft()
@@ -111,13 +109,18 @@ class Scheduler:
             req.status = RequestStatus.PREFILLING
             if req.scheduled_time is None:
                 req.scheduled_time = time.perf_counter()
-            chosen[req] = n
-            budget[0] -= n
+
+    def _take(self, req: Request, n: int, chosen: dict[Request, int], budget: list[int]) -> None:
+        self.bm.grow(req, req.num_computed + n)
+        self.bm.register_full_blocks(req, req.num_computed + n)
+        chosen[req] = n
+        budget[0] -= n
 
     def _preempt(self, req: Request, chosen: dict[Request, int], budget: list[int]) -> None:
         self.running.remove(req)
         if req in chosen:
             budget[0] += chosen.pop(req)
+            self.bm.forget_uncomputed(req)
         self.bm.release(req)
         req.num_computed = 0
         req.status = RequestStatus.PENDING

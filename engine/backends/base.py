@@ -69,4 +69,8 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write key/value into the cache at meta.slot_mapping, then attend."""
+        """Write key/value into the cache at meta.slot_mapping, then attend.
+
+        All of the step's writes must land before any sequence attends: with prefix caching a
+        sequence may read blocks that another sequence of the same step is computing.
+        """

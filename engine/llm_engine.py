@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.swap import HostSwapPool
 from engine.sizing import plan_sizes
 
 logger = logging.getLogger("cbserve.engine")
@@ -52,11 +53,15 @@ class LLMEngine:
             num_layers, self.sizes.num_blocks, config.block_size, num_kv_heads, head_dim, param.dtype, param.device
         )
         self.block_manager = BlockManager(self.sizes.num_blocks, config.block_size, config.allow_block_sharing)
+        self.swap = None
+        if config.cpu_offload_space > 0:
+            self.swap = HostSwapPool(self.cache, int(config.cpu_offload_space * (1 << 30)), self.sizes.bytes_per_block)
         self.scheduler = Scheduler(
             self.block_manager,
             self.sizes.max_batch_tokens,
             self.sizes.max_requests,
             prefill_first=config.scheduler_type == "prefill_first",
+            swap=self.swap,
         )
         self.runner = ModelRunner(model, self.cache, self.backend)
         self.sampler = Sampler(config.seed)
@@ -234,6 +239,8 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage_perc": bm.usage,
             "num_preemptions_total": self.scheduler.num_preemptions,
+            "swap_out_blocks_total": self.swap.swap_out_total if self.swap else 0,
+            "swap_in_blocks_total": self.swap.swap_in_total if self.swap else 0,
             "prefix_cache_queries_total": bm.prefix_queries,
             "prefix_cache_hits_total": bm.prefix_hits,
             "prompt_tokens_total": self.prompt_tokens_total,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.swap import HostSwapPool
 
 
 @dataclass
@@ -38,11 +39,13 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         prefill_first: bool = False,
+        swap: HostSwapPool | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.prefill_first = prefill_first
+        self.swap = swap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -60,6 +63,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.bm.release(req)
+        if self.swap is not None:
+            self.swap.drop(req)
 
     def schedule(self) -> ScheduledBatch:
         budget = [self.max_batch_tokens]
@@ -95,15 +100,23 @@ class Scheduler:
     def _admit_waiting(self, chosen: dict[Request, int], budget: list[int]) -> None:
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            req.num_computed = self.bm.match_prefix(req)
-            n = min(req.num_tokens - req.num_computed, budget[0])
-            if not self.bm.can_grow(req, req.num_computed + n):
+            swapped = self.swap is not None and self.swap.holds(req)
+            if swapped:
+                start = self.swap.saved_tokens(req)
+            else:
+                start = req.num_computed = self.bm.match_prefix(req)
+            n = min(req.num_tokens - start, budget[0])
+            if not self.bm.can_grow(req, start + n):
                 self.bm.release(req)  # give the cached blocks back; try again next step
                 req.num_computed = 0
                 break
+            if swapped:
+                self.bm.grow(req, start + n)
+                req.num_computed = self.swap.swap_in(req)
+            else:
+                self.bm.count_lookup(req.num_prompt_tokens, start)
+                req.num_cached_tokens = max(req.num_cached_tokens, min(start, req.num_prompt_tokens))
             self._take(req, n, chosen, budget)
-            self.bm.count_lookup(req.num_prompt_tokens, req.num_computed)
-            req.num_cached_tokens = max(req.num_cached_tokens, min(req.num_computed, req.num_prompt_tokens))
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.PREFILLING
@@ -121,6 +134,8 @@ class Scheduler:
         if req in chosen:
             budget[0] += chosen.pop(req)
             self.bm.forget_uncomputed(req)
+        if self.swap is not None:
+            self.swap.swap_out(req)  # when the pool is full, the request is recomputed instead
         self.bm.release(req)
         req.num_computed = 0
         req.status = RequestStatus.PENDING

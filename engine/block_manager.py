@@ -108,16 +108,46 @@ class BlockManager:
             self._forget(block)
 
     # -- allocation -------------------------------------------------------------------------------
-    def can_grow(self, req: Request, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(req.block_ids) <= len(self.free)
+    def _shared_in_range(self, req: Request, num_tokens: int) -> list[int]:
+        """Indices of the request's blocks that the tokens num_computed..num_tokens-1 would write
+        into while another request still holds them (forked sequences share a partial block)."""
+        first = req.num_computed // self.block_size
+        last = min(len(req.block_ids), self.blocks_needed(num_tokens))
+        return [i for i in range(first, last) if self.ref_count[req.block_ids[i]] > 1]
 
-    def grow(self, req: Request, num_tokens: int) -> None:
-        """Give the request enough blocks to hold `num_tokens` tokens (caller checked `can_grow`)."""
+    def can_grow(self, req: Request, num_tokens: int) -> bool:
+        new = self.blocks_needed(num_tokens) - len(req.block_ids)
+        return new + len(self._shared_in_range(req, num_tokens)) <= len(self.free)
+
+    def grow(self, req: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """Give the request enough blocks to hold `num_tokens` tokens (caller checked `can_grow`).
+
+        Returns the (source, destination) block copies the cache must make first: a block the
+        request is about to write into but shares with another request is copied (copy-on-write).
+        """
+        copies = []
+        for i in self._shared_in_range(req, num_tokens):
+            src = req.block_ids[i]
+            dst = self._pop_free()
+            self.ref_count[src] -= 1
+            req.block_ids[i] = dst
+            copies.append((src, dst))
         for _ in range(self.blocks_needed(num_tokens) - len(req.block_ids)):
-            block, _ = self.free.popitem(last=False)
-            self._forget(block)
-            self.ref_count[block] = 1
-            req.block_ids.append(block)
+            req.block_ids.append(self._pop_free())
+        return copies
+
+    def share(self, parent: Request, child: Request) -> None:
+        """The child (a forked sequence) holds every block of the parent too."""
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        for block in parent.block_ids:
+            self.ref_count[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        self._forget(block)
+        self.ref_count[block] = 1
+        return block
 
     def release(self, req: Request) -> None:
         """Drop the request's references; blocks reaching zero go back to the free list."""

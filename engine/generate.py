@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationOutput
+from engine.request import GenerationOutput, Request, child_id
 
 
 @torch.inference_mode()
@@ -32,6 +32,8 @@ def generate_batch(
     """
     if not inputs:
         return {}
+    if "num_return_sequences" not in kwargs and getattr(generation_config, "num_return_sequences", None):
+        kwargs["num_return_sequences"] = generation_config.num_return_sequences
     engine = LLMEngine(model, continuous_batching_config, generation_config)
     try:
         outputs: dict[str, GenerationOutput] = {}
@@ -48,14 +50,22 @@ def generate_batch(
             engine.add_request(req)
             reqs.append(req)
             outputs[rid] = None  # keeps input order
-        with tqdm(total=len(reqs), disable=not progress_bar, desc=f"Generating {len(reqs)} requests", unit="req") as bar:
+        total = sum(1 + r.num_children for r in reqs)
+        finished: dict[str, Request] = {}
+        with tqdm(total=total, disable=not progress_bar, desc=f"Generating {total} sequences", unit="seq") as bar:
             while engine.has_unfinished():
-                done = sum(r.is_finished for r in engine.step())
-                if done:
-                    bar.update(done)
-        for req in reqs:
-            outputs[req.request_id] = req.to_output()
-        return outputs
+                done = [r for r in engine.step() if r.is_finished]
+                finished.update((r.request_id, r) for r in done)
+                bar.update(len(done))
+        result: dict[str, GenerationOutput] = {}
+        for rid, out in outputs.items():  # input order, each request's siblings right after it
+            if out is not None:
+                result[rid] = out
+                continue
+            family = [rid] + [child_id(rid, i) for i in range(kwargs.get("num_return_sequences", 1) - 1)]
+            for member in family:
+                result[member] = finished[member].to_output()
+        return result
     finally:
         engine.close()
 

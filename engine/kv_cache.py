@@ -38,6 +38,13 @@ class PagedKVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks within the cache, every layer: [(source, destination), ...]."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.k[0].device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.k[0].device)
+        for t in self.k + self.v:
+            t.index_copy_(0, dst, t.index_select(0, src))
+
     def copy_blocks_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The contents of some blocks, per layer (for swapping to host memory)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)

@@ -81,6 +81,7 @@ class LLMEngine:
         record_timestamps: bool = False,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        num_return_sequences: int = 1,
         **sampling: Any,
     ) -> Request:
         """Validate one request; every problem is a ValueError that says what is wrong."""
@@ -124,7 +125,12 @@ class LLMEngine:
         for t in stops:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids holds {t!r}, which is not a token id")
-        return Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
+        n = num_return_sequences
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
+        req = Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
+        req.num_children = n - 1
+        return req
 
     def _sampling_params(self, given: dict[str, Any]) -> SamplingParams:
         gc = self.generation_config
@@ -186,11 +192,14 @@ class LLMEngine:
             if req.num_computed + n == req.num_tokens:
                 sample_reqs.append(req)
                 sample_rows.append(row)
+        if batch.copies:
+            self.cache.copy_blocks(batch.copies)
         t1 = time.perf_counter()
         logits = self.runner.run(batch, sample_rows)
         t2 = time.perf_counter()
         for req, n in batch.items:
             req.num_computed += n
+        logits = self._fork(sample_reqs, logits)
         result = self.sampler(logits, sample_reqs, self.config.return_logprobs)
         t3 = time.perf_counter()
         now = time.perf_counter()
@@ -215,6 +224,24 @@ class LLMEngine:
         times["sample"] += t3 - t2
         times["output"] += t4 - t3
         return sample_reqs
+
+    def _fork(self, sample_reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """n > 1: a request about to sample its first token forks its siblings, which share its
+        blocks (copy-on-write) and sample from the same logits with their own seeds."""
+        rows = list(range(len(sample_reqs)))
+        for row in range(len(sample_reqs)):
+            parent = sample_reqs[row]
+            if not parent.num_children or parent.num_generated:
+                continue
+            for i in range(parent.num_children):
+                child = parent.fork(i)
+                self.block_manager.share(parent, child)
+                self.requests[child.request_id] = child
+                self.scheduler.add_running(child)
+                sample_reqs.append(child)
+                rows.append(row)
+            parent.num_children = 0
+        return logits if len(rows) == logits.shape[0] else logits[rows]
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.token_ids.append(token)

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationOutput, QueueFullError, Request
+from engine.request import GenerationOutput, QueueFullError, Request, child_id
 
 logger = logging.getLogger("cbserve.manager")
 
@@ -128,6 +128,8 @@ class ContinuousBatchingManager:
             if limit and len(self._inbox) + len(self.engine.scheduler.waiting) >= limit:
                 raise QueueFullError(f"the request queue is full ({limit} waiting)")
             self._routes[req.request_id] = _Route()
+            for i in range(req.num_children):
+                self._routes[child_id(req.request_id, i)] = _Route()
             self._inbox.append(req)
         self._wake.set()
         return req.request_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -112,6 +113,11 @@ class GenerationOutput:
         return self.status >= RequestStatus.FINISHED
 
 
+def child_id(request_id: str, index: int) -> str:
+    """The id of the index-th extra sequence of an n > 1 request (transformers' naming)."""
+    return f"{request_id}__child#{index}"
+
+
 class Request:
     """One sequence in the engine: its tokens, how many are in the KV cache, its blocks."""
 
@@ -150,11 +156,33 @@ class Request:
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed)
         self.num_streamed = 0  # generated tokens already handed out
+        self.num_children = 0  # n - 1: sequences forked from this one after its prefill
 
         self.created_time = time.perf_counter()
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+
+    def fork(self, child_index: int) -> Request:
+        """A sibling sequence for n > 1: same prompt and parameters, its own seed stream."""
+        sampling = dataclasses.replace(self.sampling)
+        if sampling.seed is not None:
+            sampling.seed += child_index + 1
+        child = Request(
+            child_id(self.request_id, child_index),
+            self.token_ids[: self.num_prompt_tokens],
+            self.max_new_tokens,
+            sampling,
+            self.eos_token_ids,
+            self.stop_token_ids,
+            self.streaming,
+            self.timestamps is not None,
+        )
+        child.num_computed = self.num_computed
+        child.status = RequestStatus.DECODING
+        child.created_time, child.scheduled_time = self.created_time, self.scheduled_time
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
 
     @property
     def num_tokens(self) -> int:

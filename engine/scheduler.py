@@ -23,6 +23,7 @@ class ScheduledBatch:
     """What one step computes: (request, number of new tokens), single-token ones first."""
 
     items: list[tuple[Request, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +54,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A forked sequence: it starts running, holding its parent's blocks."""
+        self.running.append(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -69,6 +74,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = [self.max_batch_tokens]
         chosen: dict[Request, int] = {}
+        self._copies: list[tuple[int, int]] = []
         if self.prefill_first:
             self._admit_waiting(chosen, budget)
             self._schedule_running(chosen, budget)
@@ -76,7 +82,7 @@ class Scheduler:
             if not self._schedule_running(chosen, budget):
                 self._admit_waiting(chosen, budget)
         items = sorted(chosen.items(), key=lambda item: item[1] != 1)  # stable: decodes first
-        return ScheduledBatch(items)
+        return ScheduledBatch(items, self._copies)
 
     def _schedule_running(self, chosen: dict[Request, int], budget: list[int]) -> bool:
         """Give running requests their tokens; returns True if anything was preempted."""
@@ -111,7 +117,7 @@ class Scheduler:
                 req.num_computed = 0
                 break
             if swapped:
-                self.bm.grow(req, start + n)
+                self._copies += self.bm.grow(req, start + n)
                 req.num_computed = self.swap.swap_in(req)
             else:
                 self.bm.count_lookup(req.num_prompt_tokens, start)
@@ -124,7 +130,7 @@ class Scheduler:
                 req.scheduled_time = time.perf_counter()
 
     def _take(self, req: Request, n: int, chosen: dict[Request, int], budget: list[int]) -> None:
-        self.bm.grow(req, req.num_computed + n)
+        self._copies += self.bm.grow(req, req.num_computed + n)
         self.bm.register_full_blocks(req, req.num_computed + n)
         chosen[req] = n
         budget[0] -= n
@@ -134,6 +140,8 @@ class Scheduler:
         if req in chosen:
             budget[0] += chosen.pop(req)
             self.bm.forget_uncomputed(req)
+            mine = set(req.block_ids)
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in mine]
         if self.swap is not None:
             self.swap.swap_out(req)  # when the pool is full, the request is recomputed instead
         self.bm.release(req)

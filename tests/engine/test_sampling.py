@@ -82,3 +82,46 @@ def test_min_new_tokens_holds_eos_back_and_eos_stops() -> None:
     held = generate_batch(model, [prompt], max_new_tokens=20, eos_token_id=eos, min_new_tokens=first + 3, progress_bar=False,
                           continuous_batching_config=cfg)["req_0"]
     assert len(held.generated_tokens) >= first + 3 and eos not in held.generated_tokens[: first + 2]
+
+
+def test_repetition_penalty_matches_model_generate() -> None:
+    model = model_for("qwen2")
+    prompts = [list(p) for p in prompts_for()[:6]]
+    out = generate_batch(model, prompts, max_new_tokens=16, ignore_eos=True, progress_bar=False, repetition_penalty=1.8,
+                         continuous_batching_config=ContinuousBatchingConfig(**CFG))
+    for p, o in zip(prompts, out.values()):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, repetition_penalty=1.8,
+                                 eos_token_id=None, pad_token_id=3)
+        assert o.generated_tokens == ref[0, len(p):].tolist()
+
+
+def test_logit_bias_forces_a_token() -> None:
+    out = run([list(prompts_for()[4])], logit_bias={77: 1000.0})
+    assert out[0] == [77] * 16
+
+
+def _sampler_rows(logits: torch.Tensor, **params):
+    from engine.request import Request, SamplingParams
+    from engine.sampler import Sampler
+
+    req = Request("r", [1, 2, 3], 8, SamplingParams(**params), frozenset())
+    req.token_ids += [5, 5, 6]  # generated so far: 5 twice, 6 once
+    return Sampler(seed=0), req
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    logits = torch.zeros(1, 10)
+    sampler, req = _sampler_rows(logits, presence_penalty=0.5, frequency_penalty=0.25)
+    processed = sampler._process(logits, [req])[0]
+    assert processed[5].item() == -0.5 - 0.5 and processed[6].item() == -0.5 - 0.25
+    assert processed[7].item() == 0.0 and processed[1].item() == 0.0  # prompt tokens are not penalised
+
+
+def test_top_p_and_min_p_cut_the_tail() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for params, allowed in [(dict(top_p=0.5), {0}), (dict(top_p=0.7), {0, 1}), (dict(min_p=0.5), {0, 1}),
+                            (dict(top_k=3), {0, 1, 2})]:
+        sampler, req = _sampler_rows(logits, temperature=1.0, **params)
+        seen = {sampler(logits, [req]).tokens[0] for _ in range(300)}
+        assert seen == allowed, params

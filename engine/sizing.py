@@ -10,7 +10,7 @@ import torch
 from engine.config import ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache
 
-CPU_CACHE_CAP_BYTES = 4 << 30  # on the CPU the KV cache never takes more than this unless num_blocks says so
+CPU_CACHE_CAP_BYTES = 1 << 30  # the CPU cache takes at most this unless num_blocks says otherwise
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
 DEFAULT_MAX_REQUESTS = 256
 

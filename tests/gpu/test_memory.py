@@ -1,0 +1,113 @@
+"""KV sizing arithmetic with injected device figures (engine/memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.memory import (
+    CPU_CACHE_CAP_BYTES,
+    GiB,
+    MiB,
+    cpu_memory,
+    kv_bytes_per_block,
+    plan_for_device,
+    plan_kv_cache,
+    profile_activation_peak,
+    read_device_memory,
+)
+
+
+def test_bytes_per_block_counts_keys_values_layers_heads_and_dtype():
+    # Llama-3-8B-like: 32 layers, 8 kv heads, head_dim 128, bf16, 256 tokens: 32 MiB a block
+    assert kv_bytes_per_block(32, 8, 128, 256, torch.bfloat16) == 2 * 32 * 256 * 8 * 128 * 2 == 32 * MiB
+    assert kv_bytes_per_block(2, 2, 16, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size"])
+def test_bytes_per_block_rejects_non_positive(field):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16)
+    args[field] = 0
+    with pytest.raises(ValueError, match=field):
+        kv_bytes_per_block(dtype=torch.float16, **args)
+
+
+def test_cuda_plan_takes_percent_of_free_memory_less_activation_peak():
+    # an 80 GiB card with 60 GiB free after the model, 0.9 of it, 2 GiB of activations
+    bpb = 32 * MiB
+    plan = plan_kv_cache(60 * GiB, 0.9, bpb, 256, activation_peak_bytes=2 * GiB)
+    budget = int(60 * GiB * 0.9) - 2 * GiB
+    assert plan.budget_bytes == budget
+    assert plan.num_blocks == budget // bpb == 1664
+    assert plan.cache_bytes <= budget < plan.cache_bytes + bpb
+    assert plan.num_tokens == 1664 * 256
+    assert plan.max_batch_tokens == 8192  # the CUDA default
+    assert plan.max_requests == 256
+
+
+def test_reserved_blocks_come_out_of_the_budget():
+    plan = plan_kv_cache(10 * GiB, 1.0, GiB, 256, reserved_blocks=1)
+    assert plan.num_blocks == 9
+
+
+def test_explicit_sizes_win():
+    plan = plan_kv_cache(10 * GiB, 0.5, MiB, 16, num_blocks=7, max_batch_tokens=64, max_requests=3)
+    assert (plan.num_blocks, plan.max_batch_tokens, plan.max_requests) == (7, 64, 3)
+
+
+def test_default_request_cap_never_exceeds_blocks():
+    plan = plan_kv_cache(100 * MiB, 1.0, 10 * MiB, 16)
+    assert plan.num_blocks == 10 and plan.max_requests == 10
+
+
+def test_not_one_block_is_a_clear_error_with_the_figures():
+    with pytest.raises(ValueError, match=r"not enough memory for one KV block: 1024 MiB free .* activation peak 1000 MiB"):
+        plan_kv_cache(1 * GiB, 1.0, 32 * MiB, 256, activation_peak_bytes=1000 * MiB)
+    with pytest.raises(ValueError, match="not enough memory"):
+        plan_kv_cache(1 * GiB, 0.5, 32 * MiB, 256, activation_peak_bytes=2 * GiB)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(free_bytes=-1), "free_bytes"),
+        (dict(max_memory_percent=0), "max_memory_percent"),
+        (dict(max_memory_percent=1.5), "max_memory_percent"),
+        (dict(max_memory_percent=True), "max_memory_percent"),
+        (dict(bytes_per_block=0), "bytes_per_block"),
+        (dict(activation_peak_bytes=-5), "activation_peak_bytes"),
+        (dict(max_batch_tokens=0), "max_batch_tokens"),
+        (dict(reserved_blocks=-1), "reserved_blocks"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    args = dict(free_bytes=GiB, max_memory_percent=0.9, bytes_per_block=MiB, block_size=16)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        plan_kv_cache(**args)
+
+
+def test_cpu_figures_are_capped_and_a_fraction_of_the_machine():
+    # 24 GiB machine with 20 GiB available: at most half the machine, the cache at most 1 GiB
+    mem = cpu_memory(available_bytes=20 * GiB, total_bytes=24 * GiB)
+    assert mem.free_bytes == 12 * GiB and mem.cap_bytes == CPU_CACHE_CAP_BYTES
+    plan = plan_for_device(mem, 0.9, MiB, 16)
+    assert plan.cache_bytes == CPU_CACHE_CAP_BYTES and plan.max_batch_tokens == 1024
+    # a busy machine: 600 MiB available
+    busy = plan_for_device(cpu_memory(600 * MiB, 24 * GiB), 0.5, MiB, 16)
+    assert busy.num_blocks == 300
+
+
+def test_summary_is_one_line_with_the_figures():
+    line = plan_kv_cache(60 * GiB, 0.9, 32 * MiB, 256, activation_peak_bytes=2 * GiB).summary()
+    assert "\n" not in line
+    assert "1664 blocks x 256 tokens = 425984 tokens" in line
+    assert "max_batch_tokens 8192" in line and "activation peak 2048 MiB" in line
+
+
+def test_reading_this_machine():
+    mem = read_device_memory("cpu")
+    assert mem.device_type == "cpu" and 0 < mem.free_bytes <= mem.total_bytes
+    assert profile_activation_peak("cpu", lambda: None) == 0
+    with pytest.raises(ValueError, match="meta"):
+        read_device_memory("meta")

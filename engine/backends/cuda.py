@@ -1,0 +1,240 @@
+"""CUDA attention over the paged cache: flash-attn, or torch SDPA on CUDA when flash-attn is missing.
+
+Written to flash-attn 2's documented API (`flash_attn.flash_attn_interface`); not yet run on a GPU
+in this project's CI (see docs/gpu.md). This module imports on a machine without CUDA or
+flash-attn: flash-attn is imported only when a `FlashAttnBackend` is built.
+
+- Every step first writes its new keys and values into the cache by slot mapping.
+- A pure decode step (every sequence has one query) calls `flash_attn_with_kvcache` with
+  `cache_seqlens` and `block_table`: only tensors, so it is capturable in a CUDA graph.
+- A prefill or mixed step calls `flash_attn_varlen_func` with `block_table` over the paged cache
+  (`cu_seqlens_k` from the per-sequence cache lengths); its causal mask is aligned bottom-right, so
+  a chunk with history sees all of it.
+- flash-attn's paged kernels want a page (block) size that is a multiple of 256: `check_config`
+  rejects any other `block_size`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends.base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger("cbserve.backends.cuda")
+
+FLASH_BLOCK_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def require_cuda() -> None:
+    """Raise one clear RuntimeError when the CUDA backend is asked for on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or "none (a CPU-only build)"
+        raise RuntimeError(
+            "attn_backend 'cuda' was selected but CUDA is not available on this machine "
+            f"(torch {torch.__version__}, CUDA build: {built}, torch.cuda.is_available() is False). "
+            "Run on a node with an NVIDIA GPU, its driver and a CUDA build of torch (the Dockerfile's "
+            "`engine` image), or set attn_backend to 'cpu' or leave it unset to follow the model's device."
+        )
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package is installed (without importing it)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def make_backend(device: torch.device | str) -> AttentionBackend:
+    """The CUDA backend for `device`: flash-attn when installed, else SDPA on CUDA (with a warning)."""
+    require_cuda()
+    if flash_attn_available():
+        return FlashAttnBackend()
+    logger.warning(
+        "flash-attn is not installed: attention on %s runs with torch SDPA (slower; no CUDA graphs). "
+        "Install it with `pip install cbserve[gpu]` or use the Dockerfile's engine image.",
+        device,
+    )
+    return SDPACudaBackend()
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the step's keys/values [T, Hkv, D] into the paged cache at their flat slots."""
+    k_cache.view(-1, k_cache.shape[2], k_cache.shape[3]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slot_mapping, value)
+
+
+def flash_window(sliding_window: int | None) -> tuple[int, int]:
+    """transformers' `sliding_window` (a query sees keys with q - k < window) as flash-attn's (left, right)."""
+    if sliding_window is None:
+        return (-1, -1)
+    return (sliding_window - 1, 0)
+
+
+class FlashAttnBackend:
+    """flash_attn_varlen_func (prefill, mixed) and flash_attn_with_kvcache (pure decode), paged.
+
+    The two kernels can be injected (tests run them as torch reference implementations on the CPU);
+    by default they are imported from flash-attn here, not at module import.
+    """
+
+    name = "cuda"
+    supports_cuda_graphs = True
+
+    def __init__(self, varlen_fn: Callable[..., torch.Tensor] | None = None,
+                 kvcache_fn: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
+        if varlen_fn is None or kvcache_fn is None:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+            varlen_fn = varlen_fn or flash_attn_varlen_func
+            kvcache_fn = kvcache_fn or flash_attn_with_kvcache
+        self._varlen = varlen_fn
+        self._kvcache = kvcache_fn
+
+    def check_config(self, block_size: int) -> None:
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"block_size must be a multiple of {FLASH_BLOCK_MULTIPLE} for flash-attn's paged kernels, "
+                f"got {block_size}; use 256 (the default) or 512"
+            )
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.num_decodes == meta.num_seqs:
+            return  # flash_attn_with_kvcache takes the per-sequence lengths directly
+        cu_seqlens_k = torch.zeros(meta.seq_lens_k.shape[0] + 1, dtype=torch.int32, device=meta.seq_lens_k.device)
+        torch.cumsum(meta.seq_lens_k, 0, out=cu_seqlens_k[1:])
+        meta.extra["cu_seqlens_k"] = cu_seqlens_k
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scaling: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        if query.dtype not in FLASH_DTYPES:
+            raise ValueError(f"flash-attn runs in float16 or bfloat16; the model is in {query.dtype} (set dtype)")
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        common: dict[str, Any] = dict(
+            softmax_scale=scaling, causal=True, window_size=flash_window(sliding_window), softcap=softcap or 0.0
+        )
+        if meta.num_decodes == meta.num_seqs:
+            out = self._kvcache(
+                query.unsqueeze(1),  # [B, 1, H, D]
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens_k,
+                block_table=meta.block_tables,
+                **common,
+            )
+            return out.squeeze(1)
+        return self._varlen(
+            query,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=meta.extra["cu_seqlens_k"],
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            block_table=meta.block_tables,
+            **common,
+        )
+
+
+def _sdpa(q, k, v, mask, scaling, softcap):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask bool [B, 1, Lq, Lk] (True = attend)."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scaling / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+class SDPACudaBackend:
+    """torch SDPA over the paged cache, device-agnostic (used on CUDA when flash-attn is missing).
+
+    Decode rows are attended together over their block tables' full width with a length mask: only
+    tensor ops with static shapes. Prefill chunks are attended one sequence at a time over their
+    own blocks with a bottom-right causal mask.
+    """
+
+    name = "cuda-sdpa"
+    # Its decode path is shape-static, but it gathers every row's whole block-table width: off by default.
+    supports_cuda_graphs = False
+
+    def check_config(self, block_size: int) -> None:
+        pass
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        nd, bs = meta.num_decodes, meta.block_size
+        device = meta.block_tables.device
+        if nd:
+            width = meta.block_tables.shape[1] * bs
+            pos = torch.arange(width, device=device)
+            k_lens = meta.seq_lens_k[:nd].long()
+            meta.extra["decode_blocks"] = meta.block_tables[:nd].reshape(-1).long()
+            meta.extra["decode_width"] = width
+            meta.extra["decode_valid"] = pos[None, :] < k_lens[:, None]
+            meta.extra["decode_pos"] = pos
+            meta.extra["decode_qpos"] = k_lens - 1
+        starts = [0]
+        for n in meta.q_lens:
+            starts.append(starts[-1] + n)
+        meta.extra["q_starts"] = starts
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scaling: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        hkv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+        out = torch.empty(query.shape[0], query.shape[1], dv, dtype=query.dtype, device=query.device)
+        nd, bs = meta.num_decodes, meta.block_size
+        if nd:
+            width, blocks = meta.extra["decode_width"], meta.extra["decode_blocks"]
+            k = k_cache.index_select(0, blocks).view(nd, width, hkv, d).transpose(1, 2)
+            v = v_cache.index_select(0, blocks).view(nd, width, hkv, dv).transpose(1, 2)
+            mask = meta.extra["decode_valid"]
+            if sliding_window is not None:
+                mask = mask & (meta.extra["decode_pos"][None, :] > meta.extra["decode_qpos"][:, None] - sliding_window)
+            out[:nd] = _sdpa(query[:nd].unsqueeze(2), k, v, mask[:, None, None, :], scaling, softcap).squeeze(2)
+        starts = meta.extra["q_starts"]
+        for i in range(nd, meta.num_seqs):
+            start, end = starts[i], starts[i + 1]
+            q_len, k_len = meta.q_lens[i], meta.k_lens[i]
+            blocks = meta.block_tables[i, : -(-k_len // bs)].long()
+            k = k_cache.index_select(0, blocks).view(-1, hkv, d)[:k_len].transpose(0, 1).unsqueeze(0)
+            v = v_cache.index_select(0, blocks).view(-1, hkv, dv)[:k_len].transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+            k_pos = torch.arange(k_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask = mask & (k_pos > q_pos - sliding_window)
+            q = query[start:end].transpose(0, 1).unsqueeze(0)
+            out[start:end] = _sdpa(q, k, v, mask[None, None], scaling, softcap)[0].transpose(0, 1)
+        return out

@@ -1,0 +1,165 @@
+"""Everything a CBDeployment owns except the Deployment: ConfigMap, Service, autoscaler, PDB, ServiceMonitor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import GROUP, KIND, VERSION, naming
+from .engine_config import config_hash, render_engine_yaml
+from .spec import CBDeploymentSpec
+from .workload import render_deployment
+
+METRIC_NAMES = {"queue-depth": "cbserve:num_requests_waiting", "kv-cache-usage": "cbserve:kv_cache_usage_perc"}
+
+
+def render_config_map(spec: CBDeploymentSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": naming.config_map_name(spec.name), "labels": naming.common_labels(spec.name)},
+        "data": {naming.CONFIG_FILE: render_engine_yaml(spec.engine)},
+    }
+
+
+def render_service(spec: CBDeploymentSpec) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": spec.name, "labels": naming.common_labels(spec.name)}
+    if spec.service.annotations:
+        metadata["annotations"] = spec.service.annotations
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": spec.service.type,
+            "selector": naming.selector_labels(spec.name),
+            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def _target_value(spec: CBDeploymentSpec) -> str:
+    """A Kubernetes quantity; KV usage is a fraction, so 0.8 becomes 800m."""
+    milli = round(spec.autoscaling.target * 1000)
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def _scale_target(spec: CBDeploymentSpec) -> dict[str, str]:
+    # The autoscaler scales the CBDeployment through its scale subresource; the operator
+    # carries spec.replicas to the Deployment, so nothing fights over the Deployment's replicas.
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": spec.name}
+
+
+def render_hpa(spec: CBDeploymentSpec) -> dict[str, Any]:
+    auto = spec.autoscaling
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": spec.name, "labels": naming.common_labels(spec.name)},
+        "spec": {
+            "scaleTargetRef": _scale_target(spec),
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+            "metrics": [{
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": METRIC_NAMES[auto.metric]},
+                    "target": {"type": "AverageValue", "averageValue": _target_value(spec)},
+                },
+            }],
+            "behavior": {
+                "scaleDown": {
+                    "stabilizationWindowSeconds": auto.scale_down_delay_seconds,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+                },
+                "scaleUp": {
+                    "stabilizationWindowSeconds": 0,
+                    "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}],
+                },
+            },
+        },
+    }
+
+
+def render_scaled_object(spec: CBDeploymentSpec, namespace: str) -> dict[str, Any]:
+    auto = spec.autoscaling
+    metric = METRIC_NAMES[auto.metric]
+    selector = f'namespace="{namespace}",model_name="{spec.served_name}"'
+    # Queue depth is summed (KEDA divides by the replica count); KV usage is averaged per pod.
+    aggregate = "sum" if auto.metric == "queue-depth" else "avg"
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": spec.name, "labels": naming.common_labels(spec.name)},
+        "spec": {
+            "scaleTargetRef": _scale_target(spec),
+            "minReplicaCount": auto.min_replicas,
+            "maxReplicaCount": auto.max_replicas,
+            "cooldownPeriod": auto.scale_down_delay_seconds,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": auto.scale_down_delay_seconds}},
+                },
+            },
+            "triggers": [{
+                "type": "prometheus",
+                "metadata": {
+                    "serverAddress": auto.prometheus_address,
+                    "query": f"{aggregate}({metric}{{{selector}}})",
+                    "threshold": str(auto.target),
+                    **({"activationThreshold": "0"} if auto.metric == "queue-depth" else {}),
+                },
+            }],
+        },
+    }
+
+
+def render_pdb(spec: CBDeploymentSpec) -> dict[str, Any]:
+    budget: dict[str, Any]
+    if spec.pdb.min_available is not None:
+        budget = {"minAvailable": spec.pdb.min_available}
+    else:
+        budget = {"maxUnavailable": spec.pdb.max_unavailable if spec.pdb.max_unavailable is not None else 1}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": spec.name, "labels": naming.common_labels(spec.name)},
+        "spec": {**budget, "selector": {"matchLabels": naming.selector_labels(spec.name)}},
+    }
+
+
+def render_service_monitor(spec: CBDeploymentSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {
+            "name": spec.name,
+            "labels": {**spec.service_monitor.labels, **naming.common_labels(spec.name)},
+        },
+        "spec": {
+            "selector": {"matchLabels": naming.selector_labels(spec.name)},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.service_monitor.interval}],
+        },
+    }
+
+
+def render_children(spec: CBDeploymentSpec, namespace: str) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """(objects to apply, (apiVersion, kind) of optional children to remove) for one CBDeployment."""
+    config_map = render_config_map(spec)
+    digest = config_hash(config_map["data"][naming.CONFIG_FILE])
+    apply = [config_map, render_deployment(spec, digest), render_service(spec)]
+    remove: list[tuple[str, str]] = []
+    optional = [
+        (spec.autoscaling.enabled and not spec.autoscaling.keda, lambda: render_hpa(spec),
+         ("autoscaling/v2", "HorizontalPodAutoscaler")),
+        (spec.autoscaling.enabled and spec.autoscaling.keda, lambda: render_scaled_object(spec, namespace),
+         ("keda.sh/v1alpha1", "ScaledObject")),
+        (spec.pdb.enabled, lambda: render_pdb(spec), ("policy/v1", "PodDisruptionBudget")),
+        (spec.service_monitor.enabled, lambda: render_service_monitor(spec),
+         ("monitoring.coreos.com/v1", "ServiceMonitor")),
+    ]
+    for wanted, render, kind in optional:
+        if wanted:
+            apply.append(render())
+        else:
+            remove.append(kind)
+    return apply, remove

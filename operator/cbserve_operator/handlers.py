@@ -1,0 +1,154 @@
+"""The Kopf handlers: one level-based reconcile of a CBDeployment, and status mirrored from its Deployment."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import kopf
+
+from . import GROUP, KIND, PLURAL, VERSION, naming
+from .children import render_children
+from .kube import ApiError, Kube
+from .settings import configure, _seconds
+from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
+from .status import condition, merge_conditions, rollout_status
+
+API_VERSION = f"{GROUP}/{VERSION}"
+# Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
+OPTIONAL_APIS = {"keda.sh/v1alpha1", "monitoring.coreos.com/v1"}
+RESYNC_SECONDS = _seconds("CBSERVE_RESYNC_SECONDS", 300)
+
+
+def default_image() -> str:
+    return os.environ.get("CBSERVE_SERVER_IMAGE") or DEFAULT_IMAGE
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure(settings)
+    memo.kube = Kube.from_environment()
+
+
+@kopf.on.probe(id="apiserver")
+def apiserver_reachable(memo: kopf.Memo, **_: Any) -> str:
+    """Liveness: the operator can still talk to the API server."""
+    return str(memo.kube.request("GET", "/version").get("gitVersion", "unknown"))
+
+
+def _apply_children(kube: Kube, body: kopf.Body, spec: CBDeploymentSpec, namespace: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """Apply every wanted child, delete unwanted optional ones; (the Deployment as applied, warnings)."""
+    wanted, unwanted = render_children(spec, namespace)
+    deployment = None
+    warnings: list[str] = []
+    for obj in wanted:
+        kopf.adopt(obj, owner=body)
+        try:
+            applied = kube.apply(obj)
+        except ApiError as e:
+            if e.status == 404 and obj["apiVersion"] in OPTIONAL_APIS:
+                warnings.append(f"{obj['kind']} skipped: the {obj['apiVersion']} API is not installed")
+                continue
+            raise kopf.TemporaryError(f"applying {obj['kind']} {obj['metadata']['name']}: {e}", delay=5) from e
+        if obj["kind"] == "Deployment":
+            deployment = applied
+    for api_version, kind in unwanted:
+        try:
+            kube.delete(api_version, kind, namespace, spec.name)
+        except ApiError as e:
+            raise kopf.TemporaryError(f"deleting {kind} {spec.name}: {e}", delay=5) from e
+    return deployment, warnings
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
+              status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Make the children match the spec. Idempotent: every child is server-side applied by name."""
+    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS)
+def resync(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
+           status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Repair drift (a deleted or edited child) on a quiet object now and then."""
+    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch)
+
+
+def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
+               generation: int | None, status: dict[str, Any], patch: kopf.Patch) -> None:
+    old_conditions = list(status.get("conditions", []) or [])
+    try:
+        spec = parse_spec(name, raw_spec, default_image())
+    except SpecError as e:
+        # Not a crash loop: the old children keep serving; the user sees why in status and Events.
+        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        patch.status["phase"] = "Failed"
+        patch.status["observedGeneration"] = generation
+        patch.status["conditions"] = merge_conditions(old_conditions, [
+            condition("ConfigValid", False, "InvalidSpec", str(e), generation),
+            condition("Ready", False, "InvalidSpec", "the spec is invalid; see ConfigValid", generation),
+        ])
+        return
+
+    deployment, warnings = _apply_children(kube, body, spec, namespace)
+    for message in warnings:
+        kopf.warn(body, reason="OptionalChildSkipped", message=message)
+    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation)
+    valid_message = "; ".join(warnings) or "the spec is valid"
+    patch.status.update({
+        "phase": phase,
+        **counts,
+        "selector": naming.selector_string(name),
+        "url": naming.service_url(name, namespace, spec.service.port),
+        "configHash": (deployment or {}).get("spec", {}).get("template", {}).get("metadata", {})
+                      .get("annotations", {}).get(naming.ANNOTATION_CONFIG_HASH),
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old_conditions, [
+            condition("ConfigValid", True, "Valid", valid_message, generation), *rollout]),
+    })
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY})
+def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None,
+                      memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Carry the Deployment's rollout into its CBDeployment's status (phase, counts, conditions)."""
+    owner = labels.get(naming.LABEL_OWNER)
+    if not owner or type is None:  # type None: the initial listing, already covered by resume
+        return
+    kube: Kube = memo.kube
+    deployment = None if type == "DELETED" else dict(body)
+    for _attempt in range(5):
+        cr = kube.get(API_VERSION, KIND, namespace, owner)
+        if cr is None:
+            return
+        if deployment is not None and not _owned_by(deployment, cr):
+            return
+        status = cr.get("status", {}) or {}
+        desired = int((cr.get("spec", {}) or {}).get("replicas", 1))
+        reconciled = status.get("observedGeneration")
+        phase, counts, rollout = rollout_status(deployment, desired, reconciled)
+        new_status: dict[str, Any] = {**counts}
+        config_valid = next((c for c in status.get("conditions", []) or [] if c.get("type") == "ConfigValid"), None)
+        if config_valid is None or config_valid.get("status") == "True":
+            new_status["phase"] = phase
+            new_status["conditions"] = merge_conditions(status.get("conditions", []) or [], rollout)
+        try:
+            kube.patch_status(API_VERSION, KIND, namespace, owner, new_status,
+                              resource_version=cr["metadata"].get("resourceVersion"))
+        except ApiError as e:
+            if e.status == 409:
+                continue  # the CBDeployment changed since we read it: read again
+            raise
+        if new_status.get("phase") == "Degraded" and status.get("phase") != "Degraded":
+            kopf.warn(cr, reason="RolloutStuck",
+                      message=next(c["message"] for c in rollout if c["type"] == "Degraded"))
+        return
+    logger.warning(f"gave up mirroring {namespace}/{owner}: it kept changing")
+
+
+def _owned_by(child: dict[str, Any], owner: dict[str, Any]) -> bool:
+    uid = owner.get("metadata", {}).get("uid")
+    refs = child.get("metadata", {}).get("ownerReferences", []) or []
+    return any(ref.get("uid") == uid for ref in refs) if uid else True

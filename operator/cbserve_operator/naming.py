@@ -1,0 +1,46 @@
+"""Names, labels and paths shared by everything the operator creates."""
+
+from __future__ import annotations
+
+MANAGED_BY = "cbserve-operator"
+FIELD_MANAGER = "cbserve-operator"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_OWNER = "cbserve.io/cbdeployment"  # the owning CBDeployment's name, for status mirroring
+
+ANNOTATION_CONFIG_HASH = "cbserve.io/config-hash"
+
+CONTAINER_NAME = "server"
+PORT = 8000
+CONFIG_DIR = "/etc/cbserve"
+CONFIG_FILE = "engine.yaml"
+CACHE_DIR = "/cache"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment's selector: stable for the life of the CBDeployment."""
+    return {LABEL_NAME: "cbserve", LABEL_INSTANCE: name}
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        LABEL_COMPONENT: "server",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_OWNER: name,
+    }
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def service_url(name: str, namespace: str, port: int) -> str:
+    return f"http://{name}.{namespace}.svc:{port}"

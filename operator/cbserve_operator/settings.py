@@ -1,0 +1,41 @@
+"""Kopf settings for the cbserve operator: own persistence keys, watch timeouts, quiet event posting."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kopf
+
+from . import GROUP
+
+
+def _seconds(env: str, default: float) -> float:
+    raw = os.environ.get(env)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{env} must be > 0, got {raw!r}")
+    return value
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    # Our own keys under cbserve.io, never the shared kopf.zalando.org defaults.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # The API server closes a watch after server_timeout; the client gives up a bit later,
+    # so a silently dropped connection is noticed instead of hanging forever.
+    settings.watching.server_timeout = _seconds("CBSERVE_WATCH_SERVER_TIMEOUT", 300)
+    settings.watching.client_timeout = settings.watching.server_timeout + 30
+    settings.watching.connect_timeout = _seconds("CBSERVE_WATCH_CONNECT_TIMEOUT", 30)
+    settings.watching.reconnect_backoff = 1.0
+    settings.networking.request_timeout = _seconds("CBSERVE_REQUEST_TIMEOUT", 60)
+    # Only the Events the handlers post on purpose (and warnings) reach `kubectl describe`.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 8

@@ -1,0 +1,361 @@
+"""The CBDeployment spec as typed values: defaults applied, every rule the CRD states re-checked.
+
+The API server applies the CRD's defaults and schema, but CEL rules are not enforced everywhere
+(and the operator must never crash on what it reads), so `parse_spec` re-checks them and reports
+every problem at once in a `SpecError`. The defaults here equal the CRD's (a test checks it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+BLOCK_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+METRICS = ("queue-depth", "kv-cache-usage")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+DEFAULT_TARGETS = {"queue-depth": 5.0, "kv-cache-usage": 0.8}
+PROBE_FIELDS = ("initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold")
+DEFAULT_IMAGE = "ghcr.io/cbserve/cbserve:0.1.0"
+
+_PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^\s]*)?$")
+_HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$")
+_LOCAL = re.compile(r"^/[^\s]*$")
+_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
+_QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+_INTERVAL = re.compile(r"^\d+[smh]$")
+
+
+class SpecError(ValueError):
+    """The spec breaks one or more rules; `problems` lists each, field path first."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from. `arg` is what `cbserve serve --model` receives."""
+
+    uri: str
+    scheme: str  # "local" | "pvc" | "hf"
+    arg: str
+    claim: str | None = None
+
+
+@dataclass(frozen=True)
+class Resources:
+    gpu: int = 0
+    gpu_resource_name: str = "nvidia.com/gpu"
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class Engine:
+    block_size: int = 256
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_memory_percent: float = 0.9
+    cuda_graphs: bool | None = None
+    cuda_graphs_varlen: bool | None = None
+    cuda_graphs_decode: bool | None = None
+    compile: bool = False
+    scheduler_type: str = "fifo"
+    prefix_caching: bool = True
+    cpu_offload_gib: float = 0.0
+    max_queue_size: int = 0
+    dtype: str = "auto"
+    attn_implementation: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    enabled: bool = False
+    keda: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    metric: str = "queue-depth"
+    target: float = 5.0
+    scale_down_delay_seconds: int = 300
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+
+
+@dataclass(frozen=True)
+class Service:
+    type: str = "ClusterIP"
+    port: int = 8000
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    affinity: dict[str, Any] = field(default_factory=dict)
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    image_pull_secrets: list[dict[str, Any]] = field(default_factory=list)
+    env: list[dict[str, Any]] = field(default_factory=list)
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
+    termination_grace_period_seconds: int = 120
+
+
+@dataclass(frozen=True)
+class Pdb:
+    enabled: bool = False
+    min_available: int | str | None = None
+    max_unavailable: int | str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceMonitor:
+    enabled: bool = False
+    interval: str = "30s"
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CBDeploymentSpec:
+    name: str
+    model: ModelSource
+    served_name: str
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    replicas: int = 1
+    resources: Resources = field(default_factory=Resources)
+    engine: Engine = field(default_factory=Engine)
+    autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    service: Service = field(default_factory=Service)
+    probes: dict[str, dict[str, int]] = field(default_factory=dict)
+    pod_template: PodTemplate = field(default_factory=PodTemplate)
+    pdb: Pdb = field(default_factory=Pdb)
+    service_monitor: ServiceMonitor = field(default_factory=ServiceMonitor)
+
+
+def parse_model_uri(uri: Any) -> ModelSource:
+    """Split a model URI into how the pod gets it; ValueError explains a bad one."""
+    if not isinstance(uri, str) or not uri:
+        raise ValueError("model.uri is required: /path, pvc://claim/path or hf://org/name")
+    if m := _PVC.match(uri):
+        claim, path = m["claim"], (m["path"] or "/").rstrip("/")
+        return ModelSource(uri, "pvc", f"/models/{claim}{path}", claim)
+    if m := _HF.match(uri):
+        return ModelSource(uri, "hf", m["repo"])
+    if _LOCAL.match(uri):
+        return ModelSource(uri, "local", uri)
+    raise ValueError(
+        f"model.uri {uri!r} is not /absolute/path, pvc://claim/path (claim a DNS label) or hf://org/name"
+    )
+
+
+class _Reader:
+    """Reads typed fields out of nested dicts, collecting problems instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def section(self, data: dict[str, Any], key: str) -> dict[str, Any]:
+        value = data.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.problems.append(f"{key} must be an object, got {type(value).__name__}")
+            return {}
+        return value
+
+    def get(self, data: dict[str, Any], path: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+        value = data.get(path.rsplit(".", 1)[-1], default)
+        if value is None:
+            return default
+        if isinstance(value, bool) and bool not in kinds:
+            self.problems.append(f"{path} must be {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+            return default
+        if not isinstance(value, kinds):
+            self.problems.append(f"{path} must be {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+            return default
+        return value
+
+    def check(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.problems.append(message)
+
+
+def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDeploymentSpec:
+    """Validate and type a CBDeployment's spec; raise SpecError listing every problem."""
+    r = _Reader()
+    if not isinstance(spec, dict):
+        raise SpecError(["spec must be an object"])
+
+    model_data = r.section(spec, "model")
+    model: ModelSource | None = None
+    try:
+        model = parse_model_uri(model_data.get("uri"))
+    except ValueError as e:
+        r.problems.append(str(e))
+    served_name = r.get(model_data, "model.servedName", (str,), name)
+    r.check(bool(_SERVED_NAME.match(served_name)), f"model.servedName {served_name!r} has characters a model name cannot")
+
+    image = r.get(spec, "image", (str,), default_image) or default_image
+    pull = r.get(spec, "imagePullPolicy", (str,), "IfNotPresent")
+    r.check(pull in PULL_POLICIES, f"imagePullPolicy must be one of {PULL_POLICIES}, got {pull!r}")
+    replicas = r.get(spec, "replicas", (int,), 1)
+    r.check(replicas >= 0, f"replicas must be >= 0, got {replicas}")
+
+    res = r.section(spec, "resources")
+    resources = Resources(
+        gpu=r.get(res, "resources.gpu", (int,), 0),
+        gpu_resource_name=r.get(res, "resources.gpuResourceName", (str,), "nvidia.com/gpu"),
+        cpu=_quantity(r, res, "resources.cpu"),
+        memory=_quantity(r, res, "resources.memory"),
+    )
+    r.check(0 <= resources.gpu <= 16, f"resources.gpu must be in [0, 16], got {resources.gpu}")
+
+    engine = _parse_engine(r, r.section(spec, "engine"))
+    autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
+
+    svc = r.section(spec, "service")
+    service = Service(
+        type=r.get(svc, "service.type", (str,), "ClusterIP"),
+        port=r.get(svc, "service.port", (int,), 8000),
+        annotations=dict(r.get(svc, "service.annotations", (dict,), {})),
+    )
+    r.check(service.type in SERVICE_TYPES, f"service.type must be one of {SERVICE_TYPES}, got {service.type!r}")
+    r.check(1 <= service.port <= 65535, f"service.port must be in [1, 65535], got {service.port}")
+
+    probes: dict[str, dict[str, int]] = {}
+    probe_data = r.section(spec, "probes")
+    for kind in ("startup", "readiness", "liveness"):
+        overrides = r.get(probe_data, f"probes.{kind}", (dict,), {})
+        for key, value in overrides.items():
+            r.check(key in PROBE_FIELDS, f"probes.{kind}.{key} is not one of {PROBE_FIELDS}")
+            r.check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                    f"probes.{kind}.{key} must be a non-negative integer, got {value!r}")
+        probes[kind] = {k: v for k, v in overrides.items() if k in PROBE_FIELDS}
+
+    pod_template = _parse_pod_template(r, r.section(spec, "podTemplate"))
+
+    pdb_data = r.section(spec, "pdb")
+    pdb = Pdb(
+        enabled=r.get(pdb_data, "pdb.enabled", (bool,), False),
+        min_available=r.get(pdb_data, "pdb.minAvailable", (int, str)),
+        max_unavailable=r.get(pdb_data, "pdb.maxUnavailable", (int, str)),
+    )
+    r.check(pdb.min_available is None or pdb.max_unavailable is None,
+            "set pdb.minAvailable or pdb.maxUnavailable, not both")
+
+    sm = r.section(spec, "serviceMonitor")
+    service_monitor = ServiceMonitor(
+        enabled=r.get(sm, "serviceMonitor.enabled", (bool,), False),
+        interval=r.get(sm, "serviceMonitor.interval", (str,), "30s"),
+        labels=dict(r.get(sm, "serviceMonitor.labels", (dict,), {})),
+    )
+    r.check(bool(_INTERVAL.match(service_monitor.interval)),
+            f"serviceMonitor.interval must look like 30s, 1m or 1h, got {service_monitor.interval!r}")
+
+    if r.problems or model is None:
+        raise SpecError(r.problems)
+    return CBDeploymentSpec(
+        name=name, model=model, served_name=served_name, image=image, image_pull_policy=pull,
+        replicas=replicas, resources=resources, engine=engine, autoscaling=autoscaling,
+        service=service, probes=probes, pod_template=pod_template, pdb=pdb,
+        service_monitor=service_monitor,
+    )
+
+
+def _quantity(r: _Reader, data: dict[str, Any], path: str) -> str | None:
+    value = r.get(data, path, (int, float, str))
+    if value is None:
+        return None
+    r.check(bool(_QUANTITY.match(str(value))), f"{path} {value!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+    return str(value)
+
+
+def _parse_engine(r: _Reader, e: dict[str, Any]) -> Engine:
+    engine = Engine(
+        block_size=r.get(e, "engine.blockSize", (int,), 256),
+        num_blocks=r.get(e, "engine.numBlocks", (int,)),
+        max_batch_tokens=r.get(e, "engine.maxBatchTokens", (int,)),
+        max_memory_percent=float(r.get(e, "engine.maxMemoryPercent", (int, float), 0.9)),
+        cuda_graphs=r.get(e, "engine.cudaGraphs", (bool,)),
+        cuda_graphs_varlen=r.get(e, "engine.cudaGraphsVarlen", (bool,)),
+        cuda_graphs_decode=r.get(e, "engine.cudaGraphsDecode", (bool,)),
+        compile=r.get(e, "engine.compile", (bool,), False),
+        scheduler_type=r.get(e, "engine.schedulerType", (str,), "fifo"),
+        prefix_caching=r.get(e, "engine.prefixCaching", (bool,), True),
+        cpu_offload_gib=float(r.get(e, "engine.cpuOffloadGiB", (int, float), 0.0)),
+        max_queue_size=r.get(e, "engine.maxQueueSize", (int,), 0),
+        dtype=r.get(e, "engine.dtype", (str,), "auto"),
+        attn_implementation=r.get(e, "engine.attnImplementation", (str,)),
+        extra_args=tuple(r.get(e, "engine.extraArgs", (list,), [])),
+    )
+    r.check(engine.block_size in BLOCK_SIZES,
+            f"engine.blockSize must be a power of two from 16 to 1024, got {engine.block_size}")
+    for path, value in (("engine.numBlocks", engine.num_blocks), ("engine.maxBatchTokens", engine.max_batch_tokens)):
+        r.check(value is None or value >= 1, f"{path} must be >= 1, got {value}")
+    r.check(0 < engine.max_memory_percent <= 1,
+            f"engine.maxMemoryPercent must be in (0, 1], got {engine.max_memory_percent}")
+    r.check(engine.scheduler_type in SCHEDULER_TYPES,
+            f"engine.schedulerType must be one of {SCHEDULER_TYPES}, got {engine.scheduler_type!r}")
+    r.check(engine.cpu_offload_gib >= 0, f"engine.cpuOffloadGiB must be >= 0, got {engine.cpu_offload_gib}")
+    r.check(engine.max_queue_size >= 0, f"engine.maxQueueSize must be >= 0, got {engine.max_queue_size}")
+    r.check(engine.dtype in DTYPES, f"engine.dtype must be one of {DTYPES}, got {engine.dtype!r}")
+    r.check(all(isinstance(a, str) for a in engine.extra_args), "engine.extraArgs must be a list of strings")
+    return engine
+
+
+def _parse_autoscaling(r: _Reader, a: dict[str, Any]) -> Autoscaling:
+    metric = r.get(a, "autoscaling.metric", (str,), "queue-depth")
+    r.check(metric in METRICS, f"autoscaling.metric must be one of {METRICS}, got {metric!r}")
+    auto = Autoscaling(
+        enabled=r.get(a, "autoscaling.enabled", (bool,), False),
+        keda=r.get(a, "autoscaling.keda", (bool,), False),
+        min_replicas=r.get(a, "autoscaling.minReplicas", (int,), 1),
+        max_replicas=r.get(a, "autoscaling.maxReplicas", (int,), 4),
+        metric=metric,
+        target=float(r.get(a, "autoscaling.target", (int, float), DEFAULT_TARGETS.get(metric, 5.0))),
+        scale_down_delay_seconds=r.get(a, "autoscaling.scaleDownDelaySeconds", (int,), 300),
+        prometheus_address=r.get(a, "autoscaling.prometheusAddress", (str,), Autoscaling.prometheus_address),
+    )
+    r.check(auto.min_replicas >= 0, f"autoscaling.minReplicas must be >= 0, got {auto.min_replicas}")
+    r.check(auto.max_replicas >= 1, f"autoscaling.maxReplicas must be >= 1, got {auto.max_replicas}")
+    r.check(auto.min_replicas <= auto.max_replicas,
+            f"autoscaling.minReplicas ({auto.min_replicas}) must not exceed autoscaling.maxReplicas ({auto.max_replicas})")
+    r.check(not auto.enabled or auto.keda or auto.min_replicas >= 1,
+            "autoscaling.minReplicas 0 (scale to zero) needs keda true")
+    r.check(auto.target > 0, f"autoscaling.target must be > 0, got {auto.target}")
+    r.check(0 <= auto.scale_down_delay_seconds <= 3600,
+            f"autoscaling.scaleDownDelaySeconds must be in [0, 3600], got {auto.scale_down_delay_seconds}")
+    return auto
+
+
+def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
+    tpl = PodTemplate(
+        labels=dict(r.get(p, "podTemplate.labels", (dict,), {})),
+        annotations=dict(r.get(p, "podTemplate.annotations", (dict,), {})),
+        node_selector=dict(r.get(p, "podTemplate.nodeSelector", (dict,), {})),
+        tolerations=list(r.get(p, "podTemplate.tolerations", (list,), [])),
+        affinity=dict(r.get(p, "podTemplate.affinity", (dict,), {})),
+        priority_class_name=r.get(p, "podTemplate.priorityClassName", (str,)),
+        service_account_name=r.get(p, "podTemplate.serviceAccountName", (str,)),
+        image_pull_secrets=list(r.get(p, "podTemplate.imagePullSecrets", (list,), [])),
+        env=list(r.get(p, "podTemplate.env", (list,), [])),
+        volumes=list(r.get(p, "podTemplate.volumes", (list,), [])),
+        volume_mounts=list(r.get(p, "podTemplate.volumeMounts", (list,), [])),
+        termination_grace_period_seconds=r.get(p, "podTemplate.terminationGracePeriodSeconds", (int,), 120),
+    )
+    for path, items in (("podTemplate.env", tpl.env), ("podTemplate.volumes", tpl.volumes),
+                        ("podTemplate.volumeMounts", tpl.volume_mounts)):
+        r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),
+                f"every item of {path} needs a name")
+    r.check(tpl.termination_grace_period_seconds >= 1,
+            f"podTemplate.terminationGracePeriodSeconds must be >= 1, got {tpl.termination_grace_period_seconds}")
+    return tpl

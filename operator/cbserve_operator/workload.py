@@ -1,0 +1,178 @@
+"""The Deployment that runs `cbserve serve`: probes sized for model load, hardened pods, drain on SIGTERM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import naming
+from .spec import CBDeploymentSpec
+
+# Model load can take many minutes (download, weights to GPU, CUDA graph capture):
+# the startup probe allows 10s x 180 = 30 minutes before liveness takes over.
+DEFAULT_PROBES: dict[str, dict[str, int]] = {
+    "startup": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},
+    "readiness": {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+    "liveness": {"periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
+}
+PROBE_PATHS = {"startup": "/ready", "readiness": "/ready", "liveness": "/health"}
+RUN_AS_USER = 1000
+# Seconds the pod keeps serving after being removed from endpoints, before SIGTERM starts the drain.
+PRE_STOP_SLEEP_SECONDS = 5
+
+
+def server_command(spec: CBDeploymentSpec) -> list[str]:
+    return [
+        "cbserve", "serve",
+        "--model", spec.model.arg,
+        "--served-model-name", spec.served_name,
+        "--port", str(naming.PORT),
+        "--config", f"{naming.CONFIG_DIR}/{naming.CONFIG_FILE}",
+        *spec.engine.extra_args,
+    ]
+
+
+def _probe(kind: str, overrides: dict[str, int]) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": PROBE_PATHS[kind], "port": "http"},
+        **DEFAULT_PROBES[kind],
+        **overrides,
+    }
+
+
+def _resources(spec: CBDeploymentSpec) -> dict[str, Any]:
+    res = spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if res.cpu is not None:
+        requests["cpu"] = res.cpu
+    if res.memory is not None:
+        requests["memory"] = res.memory
+        limits["memory"] = res.memory
+    if res.gpu:
+        requests[res.gpu_resource_name] = str(res.gpu)
+        limits[res.gpu_resource_name] = str(res.gpu)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: CBDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": naming.config_map_name(spec.name)}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": naming.CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.resources.gpu:
+        # NCCL and PyTorch use /dev/shm; the container default of 64 MiB is too small.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.model.scheme == "pvc":
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"/models/{spec.model.claim}", "readOnly": True})
+    volumes += spec.pod_template.volumes
+    mounts += spec.pod_template.volume_mounts
+    return volumes, mounts
+
+
+def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
+    cache = naming.CACHE_DIR
+    env = [
+        {"name": "HF_HOME", "value": f"{cache}/huggingface"},
+        {"name": "XDG_CACHE_HOME", "value": cache},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{cache}/inductor"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{cache}/triton"},
+    ]
+    if spec.model.scheme != "hf":
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    overridden = {e["name"] for e in spec.pod_template.env}
+    return [e for e in env if e["name"] not in overridden] + spec.pod_template.env
+
+
+def render_deployment(spec: CBDeploymentSpec, config_hash: str) -> dict[str, Any]:
+    """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template."""
+    tpl = spec.pod_template
+    labels = naming.common_labels(spec.name)
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": naming.CONTAINER_NAME,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": server_command(spec),
+        "ports": [{"name": "http", "containerPort": naming.PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "startupProbe": _probe("startup", spec.probes.get("startup", {})),
+        "readinessProbe": _probe("readiness", spec.probes.get("readiness", {})),
+        "livenessProbe": _probe("liveness", spec.probes.get("liveness", {})),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": tpl.termination_grace_period_seconds,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    optional = {
+        "nodeSelector": tpl.node_selector,
+        "tolerations": tpl.tolerations,
+        "affinity": tpl.affinity,
+        "priorityClassName": tpl.priority_class_name,
+        "serviceAccountName": tpl.service_account_name,
+        "imagePullSecrets": tpl.image_pull_secrets,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": spec.name, "labels": labels},
+        "spec": {
+            "replicas": spec.replicas,
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": naming.selector_labels(spec.name)},
+            # Never drop below the desired count while a new pod loads its model.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "progressDeadlineSeconds": _progress_deadline(spec),
+            "template": {
+                "metadata": {
+                    "labels": {**tpl.labels, **labels},
+                    "annotations": {
+                        **tpl.annotations,
+                        naming.ANNOTATION_CONFIG_HASH: config_hash,
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(naming.PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _progress_deadline(spec: CBDeploymentSpec) -> int:
+    """A rollout is stuck once a new pod had its whole startup budget and a margin."""
+    startup = {**DEFAULT_PROBES["startup"], **spec.probes.get("startup", {})}
+    budget = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
+    return budget + 300

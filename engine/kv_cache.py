@@ -34,10 +34,6 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks within the cache, every layer: [(source, destination), ...]."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.k[0].device)

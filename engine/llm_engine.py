@@ -22,7 +22,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.swap import HostSwapPool
-from engine.sizing import plan_sizes
+from engine.memory import kv_bytes_per_block, plan_for_device, profile_activation_peak, read_device_memory
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -46,7 +46,7 @@ class LLMEngine:
 
         self.backend = get_backend(param.device, config.attn_backend)
         self.backend.check_config(config.block_size)
-        self.sizes = plan_sizes(config, model, num_layers, num_kv_heads, head_dim, param.dtype, param.device)
+        self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param)
         logger.info("cbserve engine: %s", self.sizes.summary())
         self.block_size = config.block_size
         self.cache = PagedKVCache(
@@ -69,6 +69,31 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.step_times = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+
+    def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor):
+        """Blocks, token budget and request cap: from the config, else from the memory free now."""
+        cfg = self.config
+        bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, cfg.block_size, param.dtype)
+        peak = 0
+        if cfg.num_blocks is None:
+            budget = cfg.max_batch_tokens or 8192
+
+            def forward() -> None:  # a full-budget step without a cache: what every step needs again
+                with torch.inference_mode():
+                    model(input_ids=torch.zeros(1, budget, dtype=torch.long, device=param.device),
+                          use_cache=False, logits_to_keep=1)
+
+            peak = profile_activation_peak(param.device, forward)
+        return plan_for_device(
+            read_device_memory(param.device),
+            cfg.max_memory_percent,
+            bytes_per_block,
+            cfg.block_size,
+            activation_peak_bytes=peak,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_requests=cfg.max_requests_per_batch,
+            num_blocks=cfg.num_blocks,
+        )
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(

@@ -86,3 +86,16 @@ def test_config_from_dict_rejects_unknown_keys() -> None:
     with pytest.raises(ValueError, match="unknown engine setting 'blocksize'"):
         ContinuousBatchingConfig.from_dict({"blocksize": 16})
     assert ContinuousBatchingConfig.from_dict({"page_size": 32}).block_size == 32
+
+
+def test_start_up_logs_the_sizes_it_chose(caplog) -> None:
+    import logging
+
+    from engine import LLMEngine
+
+    with caplog.at_level(logging.INFO, logger="cbserve.engine"):
+        engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, max_memory_percent=0.5))
+    line = next(r.getMessage() for r in caplog.records if "KV cache" in r.getMessage())
+    assert f"{engine.sizes.num_blocks} blocks x 16 tokens" in line
+    assert "max_batch_tokens 1024" in line
+    assert engine.sizes.cache_bytes <= 1 << 30  # the CPU cap

@@ -6,6 +6,7 @@ import pytest
 
 from engine import ContinuousBatchingConfig, LLMEngine
 from engine.kv_cache import PagedKVCache, kv_geometry
+from engine.memory import kv_bytes_per_block
 from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
 
 
@@ -24,7 +25,7 @@ def run(arch: str, **cfg):
 
 def block_bytes(arch: str) -> int:
     layers, kv_heads, head_dim = kv_geometry(model_for(arch).config)
-    return PagedKVCache.bytes_per_block(layers, 16, kv_heads, head_dim, next(model_for(arch).parameters()).dtype)
+    return kv_bytes_per_block(layers, kv_heads, head_dim, 16, next(model_for(arch).parameters()).dtype)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])

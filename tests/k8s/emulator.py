@@ -1,0 +1,703 @@
+"""kmock's KubernetesEmulator, fixed so Kopf, kubectl and helm's output work against it.
+
+kmock 0.8 as shipped fails real clients in many small ways (see the Kubernetes reference notes).
+`Emulator` keeps kmock's server, object store (`emulator.objects`), resource registry
+(`emulator.resources`, preloaded with the built-in kinds) and error payloads, and replaces the
+request handling with one that behaves like an API server where clients look:
+
+- discovery: `/api` with the `v1` group-version, `/apis`, per-group-version resource lists with
+  subresources, `/version` 1.34; CRDs created through the API are served at once (Established);
+- objects get uid, resourceVersion (one cluster-wide counter), generation (bumped by spec changes
+  only), creationTimestamp; `generateName`; `namespace` from the URL;
+- status subresources: the main endpoint ignores `status`, `/status` changes nothing else;
+  the scale subresource (Scale objects) for Deployments and CRDs that declare it;
+- merge, strategic-merge (approximated as merge), JSON-patch (a failed `test` is 422) and
+  server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces;
+  a `metadata.resourceVersion` precondition answers 409 Conflict; a no-op write changes nothing;
+- lists carry kind, apiVersion and the current resourceVersion; label and field selectors;
+- watches are JSON lines (application/json), honour `resourceVersion` (only later events) and
+  `timeoutSeconds`; finalizers delay deletion;
+- `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns).
+
+Still missing by design: garbage collection, controllers (a Deployment never becomes ready on its
+own: tests patch its status), admission (CEL, schema validation), RBAC, protobuf.
+
+`EmulatorThread` runs it on 127.0.0.1 in a thread of its own, so synchronous tests, subprocesses
+(kubectl) and Kopf (in its own thread) can all talk to it; `hold()` pauses matching requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import re
+import secrets
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import kmock
+import yaml
+from kmock import KubernetesEmulator, ResourceInfo, resource
+from kmock._internal.k8s import KubernetesError
+
+Obj = dict[str, Any]
+ServerVersion = {"major": "1", "minor": "34", "gitVersion": "v1.34.0", "platform": "linux/amd64"}
+
+
+def _error(status: int, reason: str, message: str) -> KubernetesError:
+    return KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _age(timestamp: str | None) -> str:
+    if not timestamp:
+        return "<unknown>"
+    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    seconds = int((datetime.datetime.now(datetime.timezone.utc) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def _version_key(version: str) -> tuple[int, int, int]:
+    """Kubernetes version priority: GA > beta > alpha, then by number (v2 > v1 > v1beta2)."""
+    m = re.match(r"^v(\d+)(?:(alpha|beta)(\d+))?$", version)
+    if not m:
+        return (-1, 0, 0)
+    stability = {"alpha": 0, "beta": 1, None: 2}[m[2]]
+    return (stability, int(m[1]), int(m[3] or 0))
+
+
+def _merge(base: Any, patch: Any, strategic: bool = False) -> Any:
+    """RFC 7386 JSON merge patch; `strategic` drops strategic-merge `$` directives first."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(base) if isinstance(base, dict) else {}
+    for key, value in patch.items():
+        if strategic and key.startswith("$"):
+            continue
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge(result.get(key), value, strategic)
+    return result
+
+
+def _jsonpath(obj: Obj, path: str) -> Any:
+    """The dotted subset of JSONPath printer columns use: `.spec.model.uri`."""
+    value: Any = obj
+    for part in path.strip().lstrip(".").split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _default(schema: Obj, value: Any) -> Any:
+    """Fill in a structural schema's defaults, as the API server does for custom resources."""
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _default(sub, value[key])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_default(schema["items"], item) for item in value]
+    return value
+
+
+def _match_labels(labels: dict[str, str], selector: str) -> bool:
+    for term in filter(None, (t.strip() for t in re.split(r",(?![^()]*\))", selector))):
+        if m := re.match(r"^([^!=\s]+)\s*(==|=|!=)\s*(.*)$", term):
+            key, op, value = m[1], m[2], m[3]
+            if (labels.get(key) == value) != (op != "!="):
+                return False
+        elif m := re.match(r"^(\S+)\s+(in|notin)\s+\((.*)\)$", term):
+            values = {v.strip() for v in m[3].split(",")}
+            if (labels.get(m[1]) in values) != (m[2] == "in"):
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _match_fields(obj: Obj, selector: str) -> bool:
+    meta = obj.get("metadata", {})
+    for term in filter(None, selector.split(",")):
+        key, op, value = re.match(r"^([^!=]+)(==|=|!=)(.*)$", term).groups()  # type: ignore[union-attr]
+        actual = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}.get(key)
+        if actual is None and key not in ("metadata.name", "metadata.namespace"):
+            actual = _jsonpath(obj, key)
+        if (str(actual) == value) != (op != "!="):
+            return False
+    return True
+
+
+@dataclass
+class Gate:
+    """Holds requests whose method and path match until released (optionally failing them)."""
+
+    method: str
+    path: re.Pattern[str]
+    arrived: threading.Event = field(default_factory=threading.Event)
+    _released: threading.Event = field(default_factory=threading.Event)
+    fail_status: int | None = None
+
+    def release(self, fail_status: int | None = None) -> None:
+        self.fail_status = fail_status
+        self._released.set()
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed resource URL."""
+
+    res: resource
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+
+
+@attrs.define(kw_only=True)
+class Emulator(KubernetesEmulator):
+    _rv: int = attrs.field(default=0, init=False)
+    _log: list[tuple[int, resource, str, Obj]] = attrs.field(factory=list, init=False)
+    _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
+    _crds: dict[resource, Obj] = attrs.field(factory=dict, init=False)
+    gates: list[Gate] = attrs.field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        for ns in ("default", "kube-system"):
+            self._store_new(resource("", "v1", "namespaces"), None, {"apiVersion": "v1", "kind": "Namespace",
+                                                                     "metadata": {"name": ns}})
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        body = await raw.read()
+        try:
+            for gate in list(self.gates):
+                if gate.method == raw.method and gate.path.search(raw.path_qs):
+                    self.gates.remove(gate)
+                    gate.arrived.set()
+                    await asyncio.to_thread(gate._released.wait, 120)
+                    if gate.fail_status is not None:
+                        raise _error(gate.fail_status, "ServiceUnavailable", "held by the test and failed")
+            return await self._dispatch(raw, body)
+        except KubernetesError as e:
+            return await self._render_error(e)
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    async def _emit(self, res: resource, type_: str, obj: Obj) -> None:
+        assert self._changed is not None
+        self._log.append((int(obj["metadata"]["resourceVersion"]), res, type_, copy.deepcopy(obj)))
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _info(self, res: resource) -> ResourceInfo:
+        if res not in self.resources:
+            raise _error(404, "NotFound", f"the server could not find the requested resource ({res.plural})")
+        return self.resources[res]
+
+    def _live(self, res: resource, namespace: str | None, name: str) -> Obj | None:
+        key = (res, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return self.objects[key].raw
+
+    def _items(self, res: resource, namespace: str | None) -> Iterator[Obj]:
+        for (r, ns, _), obj in list(self.objects.items()):
+            if r == res and (namespace is None or ns == namespace) and not obj.deleted:
+                yield obj.raw
+
+    # ---- routing -------------------------------------------------------------------------------
+
+    async def _dispatch(self, raw: aiohttp.web.BaseRequest, body: bytes) -> aiohttp.web.StreamResponse:
+        parts = [p for p in raw.path.split("/") if p]
+        method = raw.method
+        json_ = aiohttp.web.json_response
+        if method == "GET":
+            if parts == ["version"]:
+                return json_(ServerVersion)
+            if parts == ["api"]:
+                return json_({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
+                    {"clientCIDR": "0.0.0.0/0", "serverAddress": raw.host}]})
+            if parts == ["apis"]:
+                return json_(self._group_list())
+            if len(parts) == 2 and parts[0] == "apis":
+                return json_(self._group(parts[1]))
+            if parts in (["api", "v1"],) or (len(parts) == 3 and parts[0] == "apis"):
+                group, version = ("", "v1") if parts[0] == "api" else (parts[1], parts[2])
+                return json_(self._resource_list(group, version))
+        if parts[:1] not in (["api"], ["apis"]) or len(parts) < 3:
+            raise _error(404, "NotFound", f"the server could not find the requested resource ({raw.path})")
+        target = self._parse_target(parts)
+        info = self._info(target.res)
+        params = dict(raw.query)
+
+        if target.name is None:
+            if method == "GET" and params.get("watch") in ("true", "1"):
+                return await self._watch(raw, target, params)
+            if method == "GET":
+                return self._respond(raw, target, self._list(target, params))
+            if method == "POST":
+                data = self._decode(raw, body)
+                obj = await self._create(target, data, info)
+                return json_(obj, status=201)
+            raise _error(405, "MethodNotAllowed", f"{method} on a collection")
+
+        if method == "GET" and params.get("watch") in ("true", "1"):
+            params["fieldSelector"] = f"metadata.name={target.name}"
+            return await self._watch(raw, Target(target.res, target.namespace, None, None), params)
+        if method == "GET":
+            obj = self._get(target)
+            return self._respond(raw, target, self._scale_of(target, obj) if target.subresource == "scale" else obj)
+        if method == "DELETE":
+            return json_(await self._delete(target))
+        if method in ("PATCH", "PUT"):
+            data = self._decode(raw, body)
+            content_type = raw.headers.get("Content-Type", "application/json").split(";")[0]
+            obj = await self._write(target, info, method, content_type, data)
+            return json_(obj)
+        raise _error(405, "MethodNotAllowed", f"{method} on an object")
+
+    def _parse_target(self, parts: list[str]) -> Target:
+        if parts[0] == "api":
+            group, version, rest = "", parts[1], parts[2:]
+        else:
+            if len(parts) < 4:
+                raise _error(404, "NotFound", "the server could not find the requested resource")
+            group, version, rest = parts[1], parts[2], parts[3:]
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, plural, rest = rest[1], rest[2], rest[3:]
+        else:
+            namespace, plural, rest = None, rest[0], rest[1:]
+        name = rest[0] if rest else None
+        sub = "/".join(rest[1:]) or None
+        return Target(resource(group, version, plural), namespace, name, sub)
+
+    def _decode(self, raw: aiohttp.web.BaseRequest, body: bytes) -> Any:
+        if not body:
+            return {}
+        try:
+            if "yaml" in raw.headers.get("Content-Type", ""):
+                return yaml.safe_load(body)
+            return json.loads(body)
+        except (ValueError, yaml.YAMLError) as e:
+            raise _error(400, "BadRequest", f"the body is not valid JSON/YAML: {e}") from e
+
+    def _respond(self, raw: aiohttp.web.BaseRequest, target: Target, payload: Obj) -> aiohttp.web.StreamResponse:
+        if "as=Table" in raw.headers.get("Accept", "") and target.subresource is None:
+            items = payload["items"] if "items" in payload else [payload]
+            return aiohttp.web.json_response(self._table(target.res, items, payload["metadata"]))
+        return aiohttp.web.json_response(payload)
+
+    # ---- discovery -----------------------------------------------------------------------------
+
+    def _versions_of(self, group: str) -> list[str]:
+        versions = {r.version for r in self.resources if r.group == group and r.version}
+        return sorted(versions, key=_version_key, reverse=True)
+
+    def _group(self, group: str) -> Obj:
+        versions = self._versions_of(group)
+        if not versions:
+            raise _error(404, "NotFound", f"the server could not find the requested resource (group {group})")
+        entries = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
+        return {"apiVersion": "v1", "kind": "APIGroup", "name": group, "versions": entries,
+                "preferredVersion": entries[0]}
+
+    def _group_list(self) -> Obj:
+        groups = sorted({r.group for r in self.resources if r.group})
+        return {"apiVersion": "v1", "kind": "APIGroupList", "groups": [self._group(g) for g in groups]}
+
+    def _resource_list(self, group: str, version: str) -> Obj:
+        entries = []
+        for res in self.resources:
+            if res.group != group or res.version != version:
+                continue
+            info = self.resources[res]
+            entry = {
+                "name": res.plural, "singularName": info.singular or "", "namespaced": bool(info.namespaced),
+                "kind": info.kind or res.plural, "verbs": sorted(info.verbs),
+            }
+            if info.shortnames:
+                entry["shortNames"] = sorted(info.shortnames)
+            if info.categories:
+                entry["categories"] = sorted(info.categories)
+            entries.append(entry)
+            for sub in sorted(info.subresources):
+                kind = "Scale" if sub == "scale" else info.kind
+                entries.append({"name": f"{res.plural}/{sub}", "singularName": "", "kind": kind,
+                                "namespaced": bool(info.namespaced), "verbs": ["get", "patch", "update"]})
+        if not entries:
+            raise _error(404, "NotFound", f"the server could not find the requested resource ({group}/{version})")
+        group_version = f"{group}/{version}" if group else version
+        return {"apiVersion": "v1", "kind": "APIResourceList", "groupVersion": group_version, "resources": entries}
+
+    def _register_crd(self, crd: Obj) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec.get("versions", []):
+            if not version.get("served", True):
+                continue
+            res = resource(spec["group"], version["name"], names["plural"])
+            subresources = set(version.get("subresources", {}) or {})
+            self.resources[res] = ResourceInfo(
+                kind=names["kind"], singular=names.get("singular", names["kind"].lower()),
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                verbs={"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"},
+                shortnames=set(names.get("shortNames", [])), categories=set(names.get("categories", [])),
+                subresources=subresources,
+            )
+            self._crds[res] = {"version": version, "names": names}
+        if crd.get("status", {}).get("conditions"):
+            return
+        crd["status"] = {
+            "acceptedNames": names,
+            "storedVersions": [v["name"] for v in spec.get("versions", []) if v.get("storage")],
+            "conditions": [
+                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "lastTransitionTime": _now()},
+                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
+                 "lastTransitionTime": _now()},
+            ],
+        }
+
+    def _apply_defaults(self, res: resource, obj: Obj) -> None:
+        crd = self._crds.get(res)
+        schema = (crd or {}).get("version", {}).get("schema", {}).get("openAPIV3Schema")
+        if schema:
+            for key in ("spec",):
+                if isinstance(obj.get(key), dict):
+                    obj[key] = _default(schema.get("properties", {}).get(key, {}), copy.deepcopy(obj[key]))
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def _get(self, target: Target) -> Obj:
+        assert target.name is not None
+        obj = self._live(target.res, target.namespace, target.name)
+        if obj is None:
+            raise _error(404, "NotFound", f'{target.res.plural} "{target.name}" not found')
+        return obj
+
+    def _selected(self, target: Target, params: dict[str, str]) -> list[Obj]:
+        labels, fields = params.get("labelSelector", ""), params.get("fieldSelector", "")
+        return [o for o in self._items(target.res, target.namespace)
+                if _match_labels(o.get("metadata", {}).get("labels", {}) or {}, labels)
+                and _match_fields(o, fields)]
+
+    def _list(self, target: Target, params: dict[str, str]) -> Obj:
+        info = self._info(target.res)
+        api_version = f"{target.res.group}/{target.res.version}" if target.res.group else target.res.version
+        return {"apiVersion": api_version, "kind": f"{info.kind}List",
+                "metadata": {"resourceVersion": str(self._rv)}, "items": self._selected(target, params)}
+
+    def _table(self, res: resource, items: list[Obj], list_meta: Obj) -> Obj:
+        columns: list[Obj] = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
+                               "description": "Name of the object"}]
+        paths: list[tuple[str, str]] = []
+        crd = self._crds.get(res)
+        printer = (crd or {}).get("version", {}).get("additionalPrinterColumns")
+        if printer is None:
+            printer = [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        for col in printer:
+            columns.append({"name": col["name"], "type": col["type"], "format": col.get("format", ""),
+                            "priority": col.get("priority", 0), "description": col.get("description", "")})
+            paths.append((col["jsonPath"], col["type"]))
+        rows = []
+        for obj in items:
+            cells: list[Any] = [obj["metadata"]["name"]]
+            for path, type_ in paths:
+                value = _jsonpath(obj, path)
+                cells.append(_age(value) if type_ == "date" else ("<none>" if value is None else value))
+            rows.append({"cells": cells, "object": obj})
+        return {"apiVersion": "meta.k8s.io/v1", "kind": "Table",
+                "metadata": {"resourceVersion": list_meta.get("resourceVersion", str(self._rv))},
+                "columnDefinitions": columns, "rows": rows}
+
+    def _scale_paths(self, res: resource) -> tuple[str, str, str | None]:
+        crd = self._crds.get(res)
+        if crd is not None:
+            scale = crd["version"].get("subresources", {}).get("scale")
+            if not scale:
+                raise _error(404, "NotFound", f"{res.plural} has no scale subresource")
+            return scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath")
+        return ".spec.replicas", ".status.replicas", None
+
+    def _scale_of(self, target: Target, obj: Obj) -> Obj:
+        spec_path, status_path, selector_path = self._scale_paths(target.res)
+        meta = obj["metadata"]
+        selector = _jsonpath(obj, selector_path) if selector_path else ",".join(
+            f"{k}={v}" for k, v in sorted((_jsonpath(obj, ".spec.selector.matchLabels") or {}).items()))
+        status: Obj = {"replicas": _jsonpath(obj, status_path) or 0}
+        if selector:
+            status["selector"] = selector
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
+                                                  "creationTimestamp") if k in meta},
+                "spec": {"replicas": _jsonpath(obj, spec_path) or 0}, "status": status}
+
+    async def _watch(self, raw: aiohttp.web.BaseRequest, target: Target, params: dict[str, str]) -> aiohttp.web.StreamResponse:
+        assert self._changed is not None
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(params.get("timeoutSeconds") or 1800)
+        since = params.get("resourceVersion") or "0"
+        position = 0
+        if since == "0":  # no version: synthetic ADDED events for everything there is now
+            for obj in self._selected(target, params):
+                await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+            position = len(self._log)
+        else:
+            while position < len(self._log) and self._log[position][0] <= int(since):
+                position += 1
+        labels, fields = params.get("labelSelector", ""), params.get("fieldSelector", "")
+        try:
+            while loop.time() < deadline:
+                while position < len(self._log):
+                    _, res, type_, obj = self._log[position]
+                    position += 1
+                    ns = obj["metadata"].get("namespace")
+                    if res != target.res or (target.namespace is not None and ns != target.namespace):
+                        continue
+                    if not (_match_labels(obj["metadata"].get("labels", {}) or {}, labels) and _match_fields(obj, fields)):
+                        continue
+                    await response.write(json.dumps({"type": type_, "object": obj}).encode() + b"\n")
+                async with self._changed:
+                    if position >= len(self._log):
+                        try:
+                            await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, deadline - loop.time()))
+                        except TimeoutError:
+                            break
+        except (ConnectionResetError, asyncio.CancelledError):
+            return response
+        await response.write_eof()
+        return response
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def _store_new(self, res: resource, namespace: str | None, data: Obj) -> Obj:
+        obj = copy.deepcopy(data)
+        meta = obj.setdefault("metadata", {})
+        if namespace is not None:
+            meta["namespace"] = namespace
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), generation=1, creationTimestamp=_now())
+        meta.pop("managedFields", None)
+        self.objects[res, namespace, meta["name"]] = obj
+        return obj
+
+    async def _create(self, target: Target, data: Any, info: ResourceInfo) -> Obj:
+        if not isinstance(data, dict):
+            raise _error(400, "BadRequest", "the body must be an object")
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise _error(422, "Invalid", "metadata.name or metadata.generateName is required")
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+        if info.namespaced and target.namespace is None and not meta.get("namespace"):
+            raise _error(400, "BadRequest", "a namespaced object needs a namespace")
+        namespace = (target.namespace or meta.get("namespace")) if info.namespaced else None
+        if meta.get("namespace") and target.namespace and meta["namespace"] != target.namespace:
+            raise _error(400, "BadRequest", "the namespace of the object does not match the URL")
+        if self._live(target.res, namespace, meta["name"]) is not None:
+            raise _error(409, "AlreadyExists", f'{target.res.plural} "{meta["name"]}" already exists')
+        api_version = f"{target.res.group}/{target.res.version}" if target.res.group else target.res.version
+        data.setdefault("apiVersion", api_version)
+        data.setdefault("kind", info.kind)
+        if "status" in info.subresources:
+            data.pop("status", None)
+        self._apply_defaults(target.res, data)
+        if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
+            self._register_crd(data)
+        obj = self._store_new(target.res, namespace, data)
+        await self._emit(target.res, "ADDED", obj)
+        return obj
+
+    async def _write(self, target: Target, info: ResourceInfo, method: str, content_type: str, data: Any) -> Obj:
+        assert target.name is not None
+        old = self._live(target.res, target.namespace, target.name)
+        if old is None:
+            if content_type == "application/apply-patch+yaml" and target.subresource is None:
+                data.setdefault("metadata", {})["name"] = target.name
+                return await self._create(target, data, info)
+            raise _error(404, "NotFound", f'{target.res.plural} "{target.name}" not found')
+
+        if target.subresource == "scale":
+            return await self._write_scale(target, old, method, content_type, data)
+
+        precondition = None
+        if method == "PUT":
+            new = copy.deepcopy(data)
+            precondition = new.get("metadata", {}).get("resourceVersion")
+            new.setdefault("metadata", {})
+            for key in ("uid", "creationTimestamp", "generation", "namespace", "name"):
+                if key in old["metadata"]:
+                    new["metadata"][key] = old["metadata"][key]
+        elif content_type == "application/json-patch+json":
+            try:
+                new = jsonpatch.apply_patch(old, data, in_place=False)
+            except jsonpatch.JsonPatchTestFailed as e:
+                raise _error(422, "Invalid", f"the JSON patch test failed: {e}") from e
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+                raise _error(422, "Invalid", f"the JSON patch cannot be applied: {e}") from e
+        elif content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json",
+                              "application/apply-patch+yaml", "application/json"):
+            if not isinstance(data, dict):
+                raise _error(400, "BadRequest", "a merge patch must be an object")
+            precondition = (data.get("metadata") or {}).get("resourceVersion")
+            strategic = content_type == "application/strategic-merge-patch+json"
+            new = _merge(old, data, strategic=strategic)
+        else:
+            raise _error(415, "UnsupportedMediaType", f"unsupported patch type {content_type}")
+        if precondition is not None and str(precondition) != old["metadata"]["resourceVersion"]:
+            raise _error(409, "Conflict", f'the object has been modified; {target.res.plural} "{target.name}"')
+
+        has_status = "status" in info.subresources
+        if target.subresource == "status":
+            new = {**old, "status": new.get("status")} if new.get("status") is not None else \
+                {k: v for k, v in old.items() if k != "status"}
+        elif has_status:
+            new = {**{k: v for k, v in new.items() if k != "status"},
+                   **({"status": old["status"]} if "status" in old else {})}
+        new["metadata"] = {**new.get("metadata", {}), "resourceVersion": old["metadata"]["resourceVersion"],
+                           "uid": old["metadata"]["uid"], "generation": old["metadata"]["generation"]}
+        new["metadata"].pop("managedFields", None)
+        if target.subresource is None:
+            self._apply_defaults(target.res, new)
+        if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
+            self._register_crd(new)
+        if new == old:
+            return old  # a no-op write: no new resourceVersion, no event
+        return await self._commit(target, old, new)
+
+    async def _write_scale(self, target: Target, old: Obj, method: str, content_type: str, data: Any) -> Obj:
+        scale = self._scale_of(target, old)
+        if method == "PUT":
+            new_scale = data
+        elif content_type == "application/json-patch+json":
+            new_scale = jsonpatch.apply_patch(scale, data, in_place=False)
+        else:
+            new_scale = _merge(scale, data)
+        replicas = (new_scale.get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or replicas < 0:
+            raise _error(422, "Invalid", "spec.replicas must be a non-negative integer")
+        spec_path = self._scale_paths(target.res)[0]
+        new = copy.deepcopy(old)
+        node = new
+        keys = spec_path.lstrip(".").split(".")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = replicas
+        if new != old:
+            new = await self._commit(target, old, new)
+        return self._scale_of(target, new)
+
+    async def _commit(self, target: Target, old: Obj, new: Obj) -> Obj:
+        assert target.name is not None
+        def essence(o: Obj) -> Obj:
+            return {k: v for k, v in o.items() if k not in ("metadata", "status")}
+        if essence(new) != essence(old):
+            new["metadata"]["generation"] = old["metadata"]["generation"] + 1
+        new["metadata"]["resourceVersion"] = self._next_rv()
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            self.objects[target.res, target.namespace, target.name].delete()
+            await self._emit(target.res, "DELETED", new)
+            return new
+        self.objects[target.res, target.namespace, target.name].history.append(new)
+        await self._emit(target.res, "MODIFIED", new)
+        return new
+
+    async def _delete(self, target: Target) -> Obj:
+        old = self._get(target)
+        if old["metadata"].get("finalizers"):
+            if old["metadata"].get("deletionTimestamp"):
+                return old
+            new = copy.deepcopy(old)
+            new["metadata"]["deletionTimestamp"] = _now()
+            return await self._commit(target, old, new)
+        gone = copy.deepcopy(old)
+        gone["metadata"]["resourceVersion"] = self._next_rv()
+        assert target.name is not None
+        self.objects[target.res, target.namespace, target.name].delete()
+        await self._emit(target.res, "DELETED", gone)
+        return gone
+
+
+class EmulatorThread:
+    """Runs an `Emulator` on 127.0.0.1 (free port) in a daemon thread with its own event loop."""
+
+    def __init__(self) -> None:
+        self.emulator: Emulator | None = None
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="k8s-emulator", daemon=True)
+
+    def __enter__(self) -> "EmulatorThread":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the emulator did not start in 30 s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # surfaced to the test thread by __enter__
+            self._error = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with Emulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def hold(self, method: str, path_pattern: str) -> Gate:
+        """Pause the next request matching `method` and `path_pattern` until `gate.release()`."""
+        assert self.emulator is not None
+        gate = Gate(method, re.compile(path_pattern))
+        self.emulator.gates.append(gate)
+        return gate
+
+    def kubeconfig(self, namespace: str = "default") -> str:
+        return yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
+                                                          "namespace": namespace}}],
+        })

@@ -1,0 +1,249 @@
+"""The operator, run for real (KopfRunner) against the emulated API server, driven with real kubectl."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kopf.testing import KopfRunner
+
+from .conftest import REPO, Cluster, wait_for
+
+CBD = "cbserve.io/v1alpha1"
+EXAMPLE = REPO / "examples" / "cbdeployment.yaml"
+
+
+def example(**spec_changes: Any) -> dict[str, Any]:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    for path, value in spec_changes.items():
+        node = manifest["spec"]
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return manifest
+
+
+def apply(cluster: Cluster, namespace: str, manifest: dict[str, Any] | Path) -> None:
+    text = manifest.read_text() if isinstance(manifest, Path) else yaml.safe_dump(manifest)
+    cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", "-", input=text)
+
+
+def cbd(cluster: Cluster, namespace: str, name: str = "smollm2") -> dict[str, Any]:
+    obj = cluster.get(CBD, "cbdeployments", namespace, name)
+    assert obj is not None
+    return obj
+
+
+def reconciled(cluster: Cluster, namespace: str, name: str = "smollm2") -> dict[str, Any]:
+    """Wait until the operator has reconciled the CBDeployment's current generation."""
+    def done() -> dict[str, Any] | None:
+        obj = cbd(cluster, namespace, name)
+        status = obj.get("status", {})
+        return obj if status.get("observedGeneration") == obj["metadata"]["generation"] and status.get("phase") else None
+    return wait_for(done, timeout=30, what=f"{namespace}/{name} to be reconciled")
+
+
+def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
+
+
+def children(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, Any]]]:
+    return {
+        "configmaps": cluster.items("v1", "configmaps", namespace),
+        "services": cluster.items("v1", "services", namespace),
+        "deployments": cluster.items("apps/v1", "deployments", namespace),
+    }
+
+
+def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "apply"
+    apply(c, ns, EXAMPLE)
+    owner = reconciled(c, ns)
+
+    cm = wait_for(lambda: c.get("v1", "configmaps", ns, "smollm2-engine"), what="the ConfigMap")
+    engine = yaml.safe_load(cm["data"]["engine.yaml"])
+    assert engine["block_size"] == 256 and engine["max_memory_percent"] == 0.9
+    assert engine["scheduler_type"] == "fifo" and engine["allow_block_sharing"] is True
+    assert "num_blocks" not in engine  # unset: sized at start-up
+
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    svc = c.get("v1", "services", ns, "smollm2")
+    assert dep is not None and svc is not None
+    pod = dep["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == [
+        "cbserve", "serve", "--model", "/models/models/SmolLM2-135M-Instruct",
+        "--served-model-name", "smollm2", "--port", "8000", "--config", "/etc/cbserve/engine.yaml"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] >= 1800
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 120
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert "emptyDir" in volumes["cache"] and volumes["config"]["configMap"]["name"] == "smollm2-engine"
+    digest = hashlib.sha256(cm["data"]["engine.yaml"].encode()).hexdigest()[:16]
+    assert pod["metadata"]["annotations"]["cbserve.io/config-hash"] == digest
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"][0]["port"] == 8000
+
+    for child in (cm, dep, svc):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref["uid"] == owner["metadata"]["uid"] and ref["kind"] == "CBDeployment"
+        assert ref["controller"] is True and ref["blockOwnerDeletion"] is True
+
+    status = owner["status"]
+    assert status["phase"] == "Pending"  # no pod has become ready: nothing runs pods here
+    assert status["selector"] == "app.kubernetes.io/instance=smollm2,app.kubernetes.io/name=cbserve"
+    assert status["url"] == f"http://smollm2.{ns}.svc:8000"
+    assert conditions(owner)["ConfigValid"]["status"] == "True"
+    # Kopf's bookkeeping lives under cbserve.io, not the shared kopf.zalando.org prefix.
+    annotations = owner["metadata"].get("annotations", {})
+    assert "cbserve.io/last-handled-configuration" in annotations
+    assert not [k for k in annotations if "kopf.zalando.org" in k]
+
+
+def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "edit"
+    apply(c, ns, EXAMPLE)
+    first = reconciled(c, ns)
+    old_hash = c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["metadata"]["annotations"]["cbserve.io/config-hash"]  # type: ignore[index]
+
+    apply(c, ns, example(engine__blockSize=128))  # an edit of the manifest, re-applied
+    second = reconciled(c, ns)
+    assert second["metadata"]["generation"] == first["metadata"]["generation"] + 1
+    cm = c.get("v1", "configmaps", ns, "smollm2-engine")
+    assert yaml.safe_load(cm["data"]["engine.yaml"])["block_size"] == 128  # type: ignore[index]
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    new_hash = dep["spec"]["template"]["metadata"]["annotations"]["cbserve.io/config-hash"]  # type: ignore[index]
+    assert new_hash != old_hash and second["status"]["configHash"] == new_hash
+
+    c.kubectl("patch", "cbd", "smollm2", "-n", ns, "--type", "merge", "-p", '{"spec": {"replicas": 3}}')
+    third = reconciled(c, ns)
+    assert third["status"]["observedGeneration"] == second["metadata"]["generation"] + 1
+    assert c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["replicas"] == 3  # type: ignore[index]
+
+    # The scale subresource: what `kubectl scale` and an HPA use.
+    c.kubectl("scale", "cbd", "smollm2", "-n", ns, "--replicas=2")
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["replicas"] == 2,  # type: ignore[index]
+             what="kubectl scale to reach the Deployment")
+    assert reconciled(c, ns)["status"]["observedGeneration"] == third["metadata"]["generation"] + 1
+
+    found = children(c, ns)
+    assert [len(found[k]) for k in ("configmaps", "services", "deployments")] == [1, 1, 1]
+
+
+def _patch_deployment_status(c: Cluster, ns: str, status: dict[str, Any]) -> None:
+    c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--subresource=status", "--type", "merge",
+              "-p", json.dumps({"status": status}))
+
+
+def test_ready_deployment_makes_the_cbdeployment_ready(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "ready"
+    apply(c, ns, example(replicas=2))
+    reconciled(c, ns)
+    generation = c.get("apps/v1", "deployments", ns, "smollm2")["metadata"]["generation"]  # type: ignore[index]
+
+    _patch_deployment_status(c, ns, {"observedGeneration": generation, "replicas": 2, "updatedReplicas": 2,
+                                     "readyReplicas": 1, "availableReplicas": 1})
+    wait_for(lambda: cbd(c, ns)["status"].get("readyReplicas") == 1, what="readyReplicas 1")
+    assert cbd(c, ns)["status"]["phase"] == "Progressing"
+
+    _patch_deployment_status(c, ns, {"readyReplicas": 2, "availableReplicas": 2})
+    ready = wait_for(lambda: (o := cbd(c, ns))["status"].get("phase") == "Ready" and o, what="phase Ready")
+    assert ready["status"]["readyReplicas"] == 2 and ready["status"]["replicas"] == 2
+    cond = conditions(ready)
+    assert cond["Ready"]["status"] == "True" and cond["Ready"]["reason"] == "AllReplicasReady"
+    assert cond["Ready"]["observedGeneration"] == ready["metadata"]["generation"]
+    assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
+
+    table = c.kubectl("get", "cbd", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "PHASE", "AGE"]
+    assert table[1].split()[:5] == ["smollm2", "pvc://models/SmolLM2-135M-Instruct", "2", "2", "Ready"]
+    wide = c.kubectl("get", "cbdeployments.cbserve.io", "-n", ns, "-o", "wide").stdout
+    assert f"http://smollm2.{ns}.svc:8000" in wide
+    assert "smollm2" in c.kubectl("get", "all", "-n", ns).stdout  # category `all`
+
+    # A stuck rollout: Degraded, and an Event says so.
+    _patch_deployment_status(c, ns, {"readyReplicas": 1, "conditions": [{
+        "type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "smollm2-abc" has timed out progressing.'}]})
+    degraded = wait_for(lambda: (o := cbd(c, ns))["status"].get("phase") == "Degraded" and o, what="phase Degraded")
+    assert conditions(degraded)["Degraded"]["reason"] == "ProgressDeadlineExceeded"
+    events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "RolloutStuck"],
+                      what="a RolloutStuck Event")
+    assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "smollm2"
+
+
+def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "invalid"
+    # The emulator, like an API server without CEL, lets this through; the operator must not.
+    bad = example(engine__blockSize=24, engine__maxMemoryPercent=1.5,
+                  autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2})
+    apply(c, ns, bad)
+    failed = reconciled(c, ns)
+    assert failed["status"]["phase"] == "Failed"
+    valid = conditions(failed)["ConfigValid"]
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert valid["observedGeneration"] == failed["metadata"]["generation"]
+    for fragment in ("engine.blockSize must be a power of two from 16 to 1024, got 24",
+                     "engine.maxMemoryPercent must be in (0, 1], got 1.5",
+                     "autoscaling.minReplicas (5) must not exceed autoscaling.maxReplicas (2)"):
+        assert fragment in valid["message"]
+    events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "InvalidSpec"],
+                      what="an InvalidSpec Event")
+    assert events[0]["type"] == "Warning" and "blockSize" in events[0]["message"]
+    assert c.get("apps/v1", "deployments", ns, "smollm2") is None
+
+    # Fixing the spec recovers without a restart.
+    apply(c, ns, example())
+    fixed = reconciled(c, ns)
+    assert conditions(fixed)["ConfigValid"]["status"] == "True"
+    assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
+
+
+def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "optional"
+    full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
+    full["metadata"].pop("namespace")
+    apply(c, ns, full)
+    reconciled(c, ns, "llama-8b")
+    hpa = c.get("autoscaling/v2", "horizontalpodautoscalers", ns, "llama-8b")
+    pdb = c.get("policy/v1", "poddisruptionbudgets", ns, "llama-8b")
+    assert hpa is not None and pdb is not None
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": CBD, "kind": "CBDeployment", "name": "llama-8b"}
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "cbserve:num_requests_waiting"
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    # No Prometheus operator CRD here: the ServiceMonitor is skipped with a reason, not a failure.
+    obj = cbd(c, ns, "llama-8b")
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+    assert "ServiceMonitor skipped" in conditions(obj)["ConfigValid"]["message"]
+
+    turned_off = copy.deepcopy(full)
+    turned_off["spec"]["autoscaling"]["enabled"] = False
+    turned_off["spec"]["pdb"]["enabled"] = False
+    apply(c, ns, turned_off)
+    reconciled(c, ns, "llama-8b")
+    assert c.get("autoscaling/v2", "horizontalpodautoscalers", ns, "llama-8b") is None
+    assert c.get("policy/v1", "poddisruptionbudgets", ns, "llama-8b") is None
+
+
+def test_liveness_endpoint_reports_the_probe(crd_cluster: Cluster) -> None:
+    from .conftest import operator_running
+
+    with operator_running(crd_cluster) as (_runner, port):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+            assert resp.status == 200
+            assert json.loads(resp.read())["apiserver"] == "v1.34.0"
+

@@ -180,6 +180,8 @@ class Emulator(KubernetesEmulator):
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
     _crds: dict[resource, Obj] = attrs.field(factory=dict, init=False)
     gates: list[Gate] = attrs.field(factory=list, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
+    journal: list[tuple[str, str]] = attrs.field(factory=list, init=False)  # (method, path?query) seen
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -194,6 +196,7 @@ class Emulator(KubernetesEmulator):
         if self._changed is None:
             self._changed = asyncio.Condition()
         body = await raw.read()
+        self.journal.append((raw.method, raw.path_qs))
         try:
             for gate in list(self.gates):
                 if gate.method == raw.method and gate.path.search(raw.path_qs):
@@ -231,6 +234,13 @@ class Emulator(KubernetesEmulator):
         for (r, ns, _), obj in list(self.objects.items()):
             if r == res and (namespace is None or ns == namespace) and not obj.deleted:
                 yield obj.raw
+
+    async def close_watches(self) -> None:
+        """End every open watch stream (before the server shuts down)."""
+        self._closing = True
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -475,7 +485,9 @@ class Emulator(KubernetesEmulator):
                 position += 1
         labels, fields = params.get("labelSelector", ""), params.get("fieldSelector", "")
         try:
-            while loop.time() < deadline:
+            while loop.time() < deadline and not self._closing:
+                if raw.transport is None or raw.transport.is_closing():
+                    break  # the client went away
                 while position < len(self._log):
                     _, res, type_, obj = self._log[position]
                     position += 1
@@ -488,9 +500,10 @@ class Emulator(KubernetesEmulator):
                 async with self._changed:
                     if position >= len(self._log):
                         try:
-                            await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, deadline - loop.time()))
+                            # Wake up now and then to notice a client that disconnected.
+                            await asyncio.wait_for(self._changed.wait(), timeout=min(1.0, max(0.0, deadline - loop.time())))
                         except TimeoutError:
-                            break
+                            pass
         except (ConnectionResetError, asyncio.CancelledError):
             return response
         await response.write_eof()
@@ -685,6 +698,7 @@ class EmulatorThread:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
+            await emulator.close_watches()
 
     def hold(self, method: str, path_pattern: str) -> Gate:
         """Pause the next request matching `method` and `path_pattern` until `gate.release()`."""
@@ -692,6 +706,16 @@ class EmulatorThread:
         gate = Gate(method, re.compile(path_pattern))
         self.emulator.gates.append(gate)
         return gate
+
+    def requests_since(self, mark: int, method: str, path_pattern: str) -> list[str]:
+        """Paths of the requests with `method` matching `path_pattern` received after `mark` requests."""
+        assert self.emulator is not None
+        pattern = re.compile(path_pattern)
+        return [p for m, p in self.emulator.journal[mark:] if m == method and pattern.search(p)]
+
+    def mark(self) -> int:
+        assert self.emulator is not None
+        return len(self.emulator.journal)
 
     def kubeconfig(self, namespace: str = "default") -> str:
         return yaml.safe_dump({

@@ -1,0 +1,124 @@
+"""The CRD's openAPIV3Schema as the API server would apply it (jsonschema; CEL checked by the operator)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from cbserve_operator import spec as spec_module
+
+from .conftest import CRD_FILE, REPO
+
+CRD = yaml.safe_load(CRD_FILE.read_text())
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+# OpenAPI v3.0 schemas use draft-4 semantics (boolean exclusiveMinimum).
+VALIDATOR = jsonschema.Draft4Validator(SCHEMA)
+
+
+def errors(obj: dict[str, Any]) -> list[str]:
+    return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in VALIDATOR.iter_errors(obj))
+
+
+def minimal() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "examples" / "cbdeployment.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", ["cbdeployment.yaml", "cbdeployment-full.yaml"])
+def test_examples_are_valid(name: str) -> None:
+    assert errors(yaml.safe_load((REPO / "examples" / name).read_text())) == []
+
+
+@pytest.mark.parametrize(("path", "value", "where"), [
+    (("engine", "blockSize"), 24, "spec.engine.blockSize"),
+    (("engine", "blockSize"), 2048, "spec.engine.blockSize"),
+    (("engine", "maxMemoryPercent"), 1.5, "spec.engine.maxMemoryPercent"),
+    (("engine", "maxMemoryPercent"), 0, "spec.engine.maxMemoryPercent"),
+    (("engine", "schedulerType"), "lifo", "spec.engine.schedulerType"),
+    (("engine", "dtype"), "float8", "spec.engine.dtype"),
+    (("model", "uri"), "s3://bucket/model", "spec.model.uri"),
+    (("model", "uri"), "pvc://Bad_Claim/x", "spec.model.uri"),
+    (("model", "uri"), "hf://just-a-name", "spec.model.uri"),
+    (("replicas",), -1, "spec.replicas"),
+    (("resources", "gpu"), "1", "spec.resources.gpu"),
+    (("resources", "memory"), "lots", "spec.resources.memory"),
+    (("autoscaling", "metric"), "cpu", "spec.autoscaling.metric"),
+    (("service", "port"), 70000, "spec.service.port"),
+])
+def test_schema_rejects_bad_values(path: tuple[str, ...], value: Any, where: str) -> None:
+    obj = minimal()
+    node = obj["spec"]
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    found = errors(obj)
+    assert found and all(e.startswith(where) for e in found), found
+
+
+def test_missing_model_is_rejected() -> None:
+    obj = minimal()
+    del obj["spec"]["model"]
+    assert errors(obj) == ["spec: 'model' is a required property"]
+
+
+def test_min_above_max_replicas_is_a_cel_rule() -> None:
+    """jsonschema cannot express it; the CRD carries the CEL rule and the operator enforces it too."""
+    obj = minimal()
+    obj["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 5, "maxReplicas": 2}
+    assert errors(obj) == []
+    rules = SCHEMA["properties"]["spec"]["properties"]["autoscaling"]["x-kubernetes-validations"]
+    assert {"rule": "self.minReplicas <= self.maxReplicas",
+            "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"} in rules
+    with pytest.raises(spec_module.SpecError, match=r"minReplicas \(5\) must not exceed"):
+        spec_module.parse_spec("x", obj["spec"])
+
+
+def test_names_columns_and_subresources() -> None:
+    names = CRD["spec"]["names"]
+    assert CRD["metadata"]["name"] == "cbdeployments.cbserve.io" and VERSION["name"] == "v1alpha1"
+    assert names["shortNames"] == ["cbd"] and "all" in names["categories"]
+    columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
+    assert list(columns) == ["Model", "Replicas", "Ready", "Phase", "Age", "URL"]
+    assert columns["URL"]["priority"] == 1 and columns["Phase"]["jsonPath"] == ".status.phase"
+    assert VERSION["subresources"]["status"] == {}
+    assert VERSION["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+
+
+def test_status_schema_keeps_what_the_operator_writes() -> None:
+    status = SCHEMA["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+    assert set(status) >= {"phase", "replicas", "readyReplicas", "selector", "url", "observedGeneration",
+                           "conditions", "configHash", "updatedReplicas"}
+    cond = status["conditions"]["items"]["properties"]
+    assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded", "ConfigValid"]
+    assert {"observedGeneration", "reason", "message", "lastTransitionTime"} <= set(cond)
+
+
+def _schema_defaults(schema: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        if "default" in sub and sub["default"] != {}:
+            out[prefix + key] = sub["default"]
+        out.update(_schema_defaults(sub, f"{prefix}{key}."))
+    return out
+
+
+def test_operator_defaults_equal_the_crd_defaults() -> None:
+    """An API server without defaulting (or an old object) must behave exactly like a defaulted one."""
+    crd_defaults = _schema_defaults(SCHEMA["properties"]["spec"])
+    sparse = spec_module.parse_spec("m", {"model": {"uri": "/models/m"}})
+    defaulted_spec: dict[str, Any] = {"model": {"uri": "/models/m"}}
+    for path, value in crd_defaults.items():
+        node = defaulted_spec
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = copy.deepcopy(value)
+    assert spec_module.parse_spec("m", defaulted_spec) == sparse
+    assert len(crd_defaults) >= 25

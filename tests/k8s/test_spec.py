@@ -1,0 +1,147 @@
+"""The operator's pure parts: spec parsing and its errors, the engine YAML, the rendered children, the CLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from cbserve_operator.__main__ import kopf_args
+from cbserve_operator.children import render_children, render_scaled_object
+from cbserve_operator.engine_config import engine_settings
+from cbserve_operator.settings import _seconds
+from cbserve_operator.spec import SpecError, parse_model_uri, parse_spec
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    return {"model": {"uri": "/models/tiny"}, **overrides}
+
+
+@pytest.mark.parametrize(("uri", "scheme", "arg", "claim"), [
+    ("/models/tiny", "local", "/models/tiny", None),
+    ("pvc://weights/llama/8b", "pvc", "/models/weights/llama/8b", "weights"),
+    ("pvc://weights", "pvc", "/models/weights", "weights"),
+    ("hf://HuggingFaceTB/SmolLM2-135M", "hf", "HuggingFaceTB/SmolLM2-135M", None),
+])
+def test_model_uris(uri: str, scheme: str, arg: str, claim: str | None) -> None:
+    source = parse_model_uri(uri)
+    assert (source.scheme, source.arg, source.claim) == (scheme, arg, claim)
+
+
+@pytest.mark.parametrize("uri", ["s3://b/m", "models/relative", "hf://noslash", "pvc://UPPER/x", "", None])
+def test_bad_model_uris_say_what_is_accepted(uri: Any) -> None:
+    with pytest.raises(ValueError, match=r"pvc://claim/path|model.uri is required"):
+        parse_model_uri(uri)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec("m", spec(replicas="two", engine={"blockSize": 100, "dtype": "int4"},
+                             pdb={"minAvailable": 1, "maxUnavailable": 1}, resources={"cpu": "fast"}))
+    problems = info.value.problems
+    assert "replicas must be int, got 'two'" in problems
+    assert "engine.blockSize must be a power of two from 16 to 1024, got 100" in problems
+    assert any(p.startswith("engine.dtype must be one of") for p in problems)
+    assert "set pdb.minAvailable or pdb.maxUnavailable, not both" in problems
+    assert any(p.startswith("resources.cpu 'fast' is not a Kubernetes quantity") for p in problems)
+
+
+def test_not_an_object() -> None:
+    with pytest.raises(SpecError, match="spec must be an object"):
+        parse_spec("m", ["model"])
+    with pytest.raises(SpecError, match="engine must be an object"):
+        parse_spec("m", spec(engine=5))
+
+
+def test_scale_to_zero_needs_keda() -> None:
+    with pytest.raises(SpecError, match="needs keda true"):
+        parse_spec("m", spec(autoscaling={"enabled": True, "minReplicas": 0}))
+    assert parse_spec("m", spec(autoscaling={"enabled": True, "minReplicas": 0, "keda": True})).autoscaling.min_replicas == 0
+
+
+def test_engine_yaml_uses_the_python_knob_names() -> None:
+    parsed = parse_spec("m", spec(engine={"blockSize": 64, "numBlocks": 100, "cpuOffloadGiB": 2,
+                                          "prefixCaching": False, "cudaGraphs": True, "cudaGraphsDecode": False}))
+    assert engine_settings(parsed.engine) == {
+        "block_size": 64, "num_blocks": 100, "max_memory_percent": 0.9, "use_cuda_graph": [True, False],
+        "scheduler_type": "fifo", "allow_block_sharing": False, "cpu_offload_space": 2.0,
+        "max_queue_size": 0, "dtype": "auto", "compile": False}
+    assert engine_settings(parse_spec("m", spec(engine={"cudaGraphs": True})).engine)["use_cuda_graph"] is True
+
+
+def test_extra_args_go_on_the_command_line_and_hf_models_may_download() -> None:
+    parsed = parse_spec("m", spec(model={"uri": "hf://org/model", "servedName": "chat"},
+                                  engine={"extraArgs": ["--max-model-len", "4096"]}))
+    objs, _ = render_children(parsed, "ns")
+    container = objs[1]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][-2:] == ["--max-model-len", "4096"]
+    assert container["command"][2:6] == ["--model", "org/model", "--served-model-name", "chat"]
+    assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}
+
+
+def test_keda_scaled_object_queries_the_served_model() -> None:
+    parsed = parse_spec("m", spec(model={"uri": "/m", "servedName": "chat"},
+                                  autoscaling={"enabled": True, "keda": True, "minReplicas": 0,
+                                               "metric": "kv-cache-usage"}))
+    objs, removed = render_children(parsed, "prod")
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "ScaledObject"]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler") in removed
+    trigger = render_scaled_object(parsed, "prod")["spec"]["triggers"][0]["metadata"]
+    assert trigger["query"] == 'avg(cbserve:kv_cache_usage_perc{namespace="prod",model_name="chat"})'
+    assert trigger["threshold"] == "0.8"
+
+
+def test_hpa_on_kv_usage_uses_a_milli_quantity() -> None:
+    parsed = parse_spec("m", spec(autoscaling={"enabled": True, "metric": "kv-cache-usage", "target": 0.75}))
+    hpa = render_children(parsed, "ns")[0][-1]
+    assert hpa["spec"]["metrics"][0]["pods"] == {
+        "metric": {"name": "cbserve:kv_cache_usage_perc"}, "target": {"type": "AverageValue", "averageValue": "750m"}}
+
+
+def test_probe_overrides_and_progress_deadline() -> None:
+    parsed = parse_spec("m", spec(probes={"startup": {"failureThreshold": 360}, "liveness": {"periodSeconds": 30}}))
+    dep = render_children(parsed, "ns")[0][1]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["startupProbe"]["failureThreshold"] == 360 and container["startupProbe"]["periodSeconds"] == 10
+    assert container["livenessProbe"]["periodSeconds"] == 30
+    assert dep["spec"]["progressDeadlineSeconds"] == 3600 + 300
+    with pytest.raises(SpecError, match="probes.startup.bogus is not one of"):
+        parse_spec("m", spec(probes={"startup": {"bogus": 1}}))
+
+
+def test_pod_template_extras_reach_the_pod() -> None:
+    tpl = {"nodeSelector": {"gpu": "l4"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+           "priorityClassName": "high", "env": [{"name": "HF_HOME", "value": "/data"}],
+           "volumes": [{"name": "data", "emptyDir": {}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]}
+    pod = render_children(parse_spec("m", spec(podTemplate=tpl)), "ns")[0][1]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "l4"} and pod["priorityClassName"] == "high"
+    env = pod["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "HF_HOME"] == [{"name": "HF_HOME", "value": "/data"}]
+    assert {"name": "data", "emptyDir": {}} in pod["volumes"]
+
+
+def test_python_m_cbserve_operator_builds_the_kopf_command_line() -> None:
+    assert kopf_args([]) == ["run", "-m", "cbserve_operator.handlers", "--standalone", "--all-namespaces",
+                             "--liveness", "http://0.0.0.0:8080/healthz"]
+    custom = kopf_args(["--namespace", "ml", "--liveness=http://0.0.0.0:9000/healthz", "--verbose"])
+    assert custom == ["run", "-m", "cbserve_operator.handlers", "--standalone",
+                      "--namespace", "ml", "--liveness=http://0.0.0.0:9000/healthz", "--verbose"]
+
+
+def test_timeouts_from_the_environment_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CBSERVE_WATCH_SERVER_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="CBSERVE_WATCH_SERVER_TIMEOUT must be a number of seconds"):
+        _seconds("CBSERVE_WATCH_SERVER_TIMEOUT", 300)
+    monkeypatch.setenv("CBSERVE_WATCH_SERVER_TIMEOUT", "120")
+    assert _seconds("CBSERVE_WATCH_SERVER_TIMEOUT", 300) == 120.0
+
+
+def test_full_example_renders_every_optional_child() -> None:
+    from .conftest import REPO
+
+    full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
+    objs, removed = render_children(parse_spec("llama-8b", full["spec"]), "default")
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler",
+                                         "PodDisruptionBudget", "ServiceMonitor"]
+    assert removed == [("keda.sh/v1alpha1", "ScaledObject")]

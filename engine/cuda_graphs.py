@@ -305,3 +305,20 @@ def warn_varlen_graphs_once(flags: tuple[bool, bool]) -> None:
     if flags[0] and not _warned_varlen:
         _warned_varlen = True
         logger.warning("use_cuda_graph: varlen (prefill) graphs are not implemented yet; those steps run eagerly")
+
+
+def graph_table_width(
+    num_blocks: int, block_size: int, max_context: int | None, max_blocks_per_request: int | None = None
+) -> int:
+    """Block-table width of the graph buffers: the most blocks one request can hold."""
+    width = num_blocks
+    if max_context is not None:
+        width = min(width, -(-max_context // block_size))
+    if max_blocks_per_request is not None:
+        width = min(width, max_blocks_per_request)
+    return max(1, width)
+
+
+def reserved_blocks(graph_flags: tuple[bool, bool]) -> int:
+    """Blocks the cache needs beyond the block manager's: the padding block when decode graphs are on."""
+    return PAD_BLOCKS if graph_flags[1] else 0

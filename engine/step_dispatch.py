@@ -1,0 +1,118 @@
+"""How a step's forward runs: a decode CUDA graph, a compiled forward, or eagerly.
+
+The engine's model runner builds the step (token ids, positions, metadata) and hands it to a
+`StepDispatcher` instead of calling the model itself:
+
+    dispatch = StepDispatcher.from_config(forward, config, backend, device, num_blocks=..., max_context=...)
+    dispatch.warmup()                                   # captures the decode graphs (CUDA only)
+    logits = dispatch(input_ids, positions, meta, logits_rows)
+
+`forward` is the runner's eager model call (a `StepForward`). A pure decode step that fits a
+captured graph replays it; other steps run `forward`, compiled with transformers' varlen or decode
+compile config when one is given. On the CPU, or with a backend that cannot be captured, it is
+just `forward`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.backends.base import AttentionBackend, AttentionMetadata
+from engine.compile import compile_step
+from engine.cuda_graphs import (
+    DecodeGraphRunner,
+    GraphCapturer,
+    StepForward,
+    graph_table_width,
+    normalize_cuda_graph_flag,
+    reserved_blocks,
+    warn_varlen_graphs_once,
+)
+
+
+class StepDispatcher:
+    def __init__(
+        self,
+        forward: StepForward,
+        *,
+        graph_flags: tuple[bool, bool],
+        device: torch.device | str,
+        max_requests: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        pad_block: int,
+        varlen_compile_config: Any = None,
+        decode_compile_config: Any = None,
+        capturer: GraphCapturer | None = None,
+    ) -> None:
+        warn_varlen_graphs_once(graph_flags)
+        self.graph_flags = graph_flags
+        self.varlen_forward = compile_step(
+            forward, varlen_compile_config, cbserve_graphs=graph_flags[0], name="varlen_compile_config"
+        )
+        self.decode_forward = compile_step(
+            forward, decode_compile_config, cbserve_graphs=graph_flags[1], name="decode_compile_config"
+        )
+        self.graphs: DecodeGraphRunner | None = None
+        if graph_flags[1]:
+            self.graphs = DecodeGraphRunner(
+                self.decode_forward,
+                max_requests=max_requests,
+                max_blocks_per_seq=max_blocks_per_seq,
+                block_size=block_size,
+                pad_block=pad_block,
+                device=device,
+                capturer=capturer,
+            )
+
+    @classmethod
+    def from_config(
+        cls,
+        forward: StepForward,
+        config: Any,
+        backend: AttentionBackend,
+        device: torch.device | str,
+        *,
+        num_blocks: int,
+        max_requests: int,
+        max_context: int | None,
+    ) -> StepDispatcher:
+        """From a ContinuousBatchingConfig; `num_blocks` are the block manager's (the padding block follows)."""
+        device = torch.device(device)
+        flags = normalize_cuda_graph_flag(
+            getattr(config, "use_cuda_graph", None), device.type, getattr(backend, "supports_cuda_graphs", False)
+        )
+        return cls(
+            forward,
+            graph_flags=flags,
+            device=device,
+            max_requests=max_requests,
+            max_blocks_per_seq=graph_table_width(
+                num_blocks, config.block_size, max_context, getattr(config, "max_blocks_per_request", None)
+            ),
+            block_size=config.block_size,
+            pad_block=num_blocks,
+            varlen_compile_config=getattr(config, "varlen_compile_config", None),
+            decode_compile_config=getattr(config, "decode_compile_config", None),
+        )
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks to allocate in the cache beyond the block manager's (the padding block)."""
+        return reserved_blocks(self.graph_flags)
+
+    def warmup(self) -> None:
+        if self.graphs is not None and not self.graphs.graphs:
+            self.graphs.warmup()
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.graph_for(meta) is not None:
+            # one token per row in a decode step: the rows that sample index the graph's output directly
+            return self.graphs.run(input_ids, positions, meta).index_select(0, logits_rows)
+        if meta.num_decodes == meta.num_seqs:
+            return self.decode_forward(input_ids, positions, meta, logits_rows)
+        return self.varlen_forward(input_ids, positions, meta, logits_rows)

@@ -181,7 +181,8 @@ class Emulator(KubernetesEmulator):
     _crds: dict[resource, Obj] = attrs.field(factory=dict, init=False)
     gates: list[Gate] = attrs.field(factory=list, init=False)
     _closing: bool = attrs.field(default=False, init=False)
-    journal: list[tuple[str, str]] = attrs.field(factory=list, init=False)  # (method, path?query) seen
+    # (method, path?query, User-Agent) of every request, for assertions
+    journal: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -196,7 +197,7 @@ class Emulator(KubernetesEmulator):
         if self._changed is None:
             self._changed = asyncio.Condition()
         body = await raw.read()
-        self.journal.append((raw.method, raw.path_qs))
+        self.journal.append((raw.method, raw.path_qs, raw.headers.get("User-Agent", "")))
         try:
             for gate in list(self.gates):
                 if gate.method == raw.method and gate.path.search(raw.path_qs):
@@ -711,7 +712,7 @@ class EmulatorThread:
         """Paths of the requests with `method` matching `path_pattern` received after `mark` requests."""
         assert self.emulator is not None
         pattern = re.compile(path_pattern)
-        return [p for m, p in self.emulator.journal[mark:] if m == method and pattern.search(p)]
+        return [p for m, p, _ in self.emulator.journal[mark:] if m == method and pattern.search(p)]
 
     def mark(self) -> int:
         assert self.emulator is not None

@@ -247,3 +247,50 @@ def test_liveness_endpoint_reports_the_probe(crd_cluster: Cluster) -> None:
             assert resp.status == 200
             assert json.loads(resp.read())["apiserver"] == "v1.34.0"
 
+
+
+def _rbac_request(method: str, path_qs: str) -> list[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) an API server's authorizer would check for a request."""
+    path, _, query = path_qs.partition("?")
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"] and len(parts) > 2:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return []  # discovery and /version: non-resource URLs every authenticated user may read
+    if rest and rest[0] == "namespaces" and len(rest) >= 3:
+        rest = rest[2:]
+    resource, name, sub = rest[0], rest[1] if len(rest) > 1 else None, "/".join(rest[2:])
+    if sub:
+        resource = f"{resource}/{sub}"
+    if method == "GET":
+        verbs = ["watch" if "watch=true" in query else "get" if name else "list"]
+    elif method == "PATCH":
+        verbs = ["patch", "create"] if "fieldManager=" in query else ["patch"]  # apply may create
+    else:
+        verbs = [{"POST": "create", "PUT": "update", "DELETE": "delete"}[method]]
+    return [(group, resource, verb) for verb in verbs]
+
+
+def test_cluster_role_covers_every_request_the_operator_made(crd_cluster: Cluster, tools: Any) -> None:
+    """Runs last in this module: checks the chart's ClusterRole against all the operator did above."""
+    import subprocess
+
+    rendered = subprocess.run([str(tools.helm), "template", "t", str(REPO / "charts" / "cbserve")],
+                              capture_output=True, text=True, check=True).stdout
+    (role,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ClusterRole"]
+    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    assert not any("*" in item for item in allowed)
+
+    assert crd_cluster.server.emulator is not None
+    made = {need for method, path, agent in crd_cluster.server.emulator.journal
+            if agent.startswith(("kopf/", "cbserve-operator"))
+            for need in _rbac_request(method, path)}
+    assert ("cbserve.io", "cbdeployments/status", "patch") in made
+    assert ("autoscaling", "horizontalpodautoscalers", "delete") in made
+    assert made - allowed == set()
+    # Nothing granted that the operator never needs (KEDA and the Prometheus operator are absent here).
+    unused = {item for item in allowed - made if item[0] not in ("keda.sh", "monitoring.coreos.com")}
+    assert unused == set(), unused

@@ -1,0 +1,116 @@
+"""The Helm chart with the real helm, kubectl and kubernetes-validate (Kubernetes 1.34 schemas, offline)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from cbserve_operator.children import render_children
+from cbserve_operator.spec import parse_spec
+
+from .conftest import CHART, CRD_FILE, REPO, Cluster, Tools
+
+KUBERNETES_VERSION = "1.34.0"
+VALIDATE = [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION]
+
+
+def helm(tools: Tools, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(tools.helm), *args], capture_output=True, text=True, timeout=60)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def template(tools: Tools, *values: str) -> str:
+    return helm(tools, "template", "cbserve", str(CHART), "--namespace", "cbserve-system", "--include-crds",
+                *values).stdout
+
+
+def validate(tmp_path: Path, documents: str) -> subprocess.CompletedProcess[str]:
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(documents)
+    return subprocess.run([*VALIDATE, str(manifest)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "example.enabled=true", "--set", "operator.watchNamespaces={ml,dev}"]])
+def test_helm_lint_strict(tools: Tools, values: list[str]) -> None:
+    out = helm(tools, "lint", "--strict", str(CHART), *values).stdout
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+def test_rendered_chart_is_valid_for_kubernetes_1_34(tools: Tools, tmp_path: Path) -> None:
+    rendered = template(tools, "--set", "example.enabled=true")
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["CBDeployment", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment", "ServiceAccount"]
+    builtin = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "CBDeployment")
+    proc = validate(tmp_path, builtin)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed for resource") == 5
+    # The custom resource is checked against the CRD's own schema.
+    (example,) = [d for d in docs if d["kind"] == "CBDeployment"]
+    schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator(schema).validate(example)
+
+
+def test_operator_deployment_runs_the_wrapper_hardened(tools: Tools) -> None:
+    docs = [d for d in yaml.safe_load_all(template(tools, "--set", "operator.watchNamespaces={ml}")) if d]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "cbserve_operator"]
+    assert container["args"][:3] == ["--standalone", "--namespace=ml", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_values_schema_rejects_bad_values(tools: Tools) -> None:
+    proc = helm(tools, "template", "x", str(CHART), "--set", "liveness.port=80", check=False)
+    assert proc.returncode != 0 and "/liveness/port" in proc.stderr
+    proc = helm(tools, "template", "x", str(CHART), "--set", "operator.watchNamespaces={Bad_NS}", check=False)
+    assert proc.returncode != 0 and "watchNamespaces" in proc.stderr
+    proc = helm(tools, "template", "x", str(CHART), "--set", "typo=1", check=False)
+    assert proc.returncode != 0 and "typo" in proc.stderr
+
+
+def test_notes_tell_the_next_command(tools: Tools) -> None:
+    out = helm(tools, "install", "--dry-run=client", "cbserve", str(CHART), "--namespace", "cbserve-system").stdout
+    assert "kubectl get cbd -w" in out and "rollout status deployment/cbserve-operator" in out
+
+
+def test_operator_children_are_valid_for_kubernetes_1_34(tmp_path: Path) -> None:
+    full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
+    objs, _ = render_children(parse_spec("llama-8b", full["spec"]), "default")
+    builtin = [o for o in objs if o["apiVersion"] not in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")]
+    proc = validate(tmp_path, "---\n".join(yaml.safe_dump(o) for o in builtin))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed for resource") == len(builtin) == 5
+
+
+def test_helm_template_applies_to_the_cluster(tools: Tools, cluster: Cluster) -> None:
+    rendered = template(tools)
+    out = cluster.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=rendered).stdout
+    for line in ("customresourcedefinition.apiextensions.k8s.io/cbdeployments.cbserve.io serverside-applied",
+                 "serviceaccount/cbserve-operator serverside-applied",
+                 "clusterrole.rbac.authorization.k8s.io/cbserve-operator serverside-applied",
+                 "clusterrolebinding.rbac.authorization.k8s.io/cbserve-operator serverside-applied",
+                 "deployment.apps/cbserve-operator serverside-applied"):
+        assert line in out
+    dep: Any = cluster.get("apps/v1", "deployments", "cbserve-system", "cbserve-operator")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "cbserve-operator"
+    # The CRD is served at once: the example applies and lists under its short name.
+    cluster.kubectl("apply", "--validate=false", "-n", "cbserve-system", "-f", str(REPO / "examples" / "cbdeployment.yaml"))
+    assert "smollm2" in cluster.kubectl("get", "cbd", "-n", "cbserve-system").stdout
+    # Applying the same output again changes nothing.
+    again = cluster.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=rendered).stdout
+    assert again.count("serverside-applied") == 5
+    assert cluster.get("apps/v1", "deployments", "cbserve-system", "cbserve-operator")["metadata"]["resourceVersion"] \
+        == dep["metadata"]["resourceVersion"]

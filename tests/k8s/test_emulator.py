@@ -1,0 +1,123 @@
+"""The fixes to kmock's emulator that Kopf and kubectl rely on, checked over HTTP."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from .conftest import Cluster
+
+CM = "/api/v1/namespaces/emu/configmaps"
+
+
+def call(c: Cluster, method: str, path: str, body: Any = None, content_type: str = "application/json") -> tuple[int, Any]:
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(c.server.url + path, data=data, method=method, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def watch(c: Cluster, path: str) -> list[dict[str, Any]]:
+    """The events a short watch (timeoutSeconds=1) streams, one JSON object per line."""
+    with urllib.request.urlopen(c.server.url + path, timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("application/json")
+        return [json.loads(line) for line in resp.read().splitlines() if line.strip()]
+
+
+def test_discovery_names_the_core_group_version_v1(cluster: Cluster) -> None:
+    assert cluster.api("/api/v1")["groupVersion"] == "v1"  # type: ignore[index]
+    assert cluster.api("/api")["versions"] == ["v1"]  # type: ignore[index]
+    assert cluster.api("/apis/autoscaling")["preferredVersion"]["version"] == "v2"  # type: ignore[index]
+    assert cluster.api("/version")["gitVersion"] == "v1.34.0"  # type: ignore[index]
+    names = {n["metadata"]["name"] for n in cluster.api("/api/v1/namespaces")["items"]}  # type: ignore[index]
+    assert {"default", "kube-system"} <= names
+
+
+def test_objects_get_metadata_and_lists_get_kind(cluster: Cluster) -> None:
+    status, created = call(cluster, "POST", CM, {"metadata": {"generateName": "cfg-"}, "data": {"a": "1"}})
+    assert status == 201
+    meta = created["metadata"]
+    assert meta["name"].startswith("cfg-") and len(meta["name"]) == 9
+    assert meta["namespace"] == "emu" and meta["uid"] and meta["generation"] == 1
+    assert int(meta["resourceVersion"]) > 0 and meta["creationTimestamp"].endswith("Z")
+    listing = cluster.api(CM)
+    assert listing["kind"] == "ConfigMapList" and listing["apiVersion"] == "v1"  # type: ignore[index]
+    assert int(listing["metadata"]["resourceVersion"]) >= int(meta["resourceVersion"])  # type: ignore[index]
+    assert call(cluster, "POST", CM, {"metadata": {"name": meta["name"]}})[0] == 409
+
+
+def test_generation_follows_spec_and_status_is_a_subresource(cluster: Cluster) -> None:
+    path = "/apis/apps/v1/namespaces/emu/deployments"
+    call(cluster, "POST", path, {"metadata": {"name": "d"}, "spec": {"replicas": 1}, "status": {"replicas": 9}})
+    d = cluster.api(path + "/d")
+    assert d["metadata"]["generation"] == 1 and "status" not in d  # type: ignore[index]
+    _, d = call(cluster, "PATCH", path + "/d", {"metadata": {"labels": {"x": "y"}}, "status": {"replicas": 5}},
+                "application/merge-patch+json")
+    assert d["metadata"]["generation"] == 1 and "status" not in d
+    _, d = call(cluster, "PATCH", path + "/d/status", {"spec": {"replicas": 7}, "status": {"replicas": 5}},
+                "application/merge-patch+json")
+    assert d["status"] == {"replicas": 5} and d["spec"]["replicas"] == 1 and d["metadata"]["generation"] == 1
+    _, d = call(cluster, "PATCH", path + "/d", {"spec": {"replicas": 2}}, "application/merge-patch+json")
+    assert d["metadata"]["generation"] == 2
+    rv = d["metadata"]["resourceVersion"]
+    _, same = call(cluster, "PATCH", path + "/d", {"spec": {"replicas": 2}}, "application/merge-patch+json")
+    assert same["metadata"]["resourceVersion"] == rv  # a no-op write is not a change
+    _, scale = call(cluster, "GET", path + "/d/scale")
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 2
+
+
+def test_patch_errors_are_kubernetes_statuses(cluster: Cluster) -> None:
+    call(cluster, "POST", CM, {"metadata": {"name": "p"}, "data": {"a": "1"}})
+    status, body = call(cluster, "PATCH", CM + "/p", [{"op": "test", "path": "/data/a", "value": "2"}],
+                        "application/json-patch+json")
+    assert status == 422 and body["kind"] == "Status" and body["reason"] == "Invalid"
+    status, body = call(cluster, "PATCH", CM + "/p", {"metadata": {"resourceVersion": "1"}, "data": {"a": "3"}},
+                        "application/merge-patch+json")
+    assert status == 409 and body["reason"] == "Conflict"
+    assert call(cluster, "GET", CM + "/missing")[0] == 404
+
+
+def test_server_side_apply_creates_then_updates_from_yaml(cluster: Cluster) -> None:
+    body = b"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: ssa\ndata:\n  k: v1\n"
+    path = CM + "/ssa?fieldManager=test&force=true"
+    status, created = call(cluster, "PATCH", path, body, "application/apply-patch+yaml")
+    assert status == 200 and created["data"] == {"k": "v1"} and created["metadata"]["uid"]
+    _, updated = call(cluster, "PATCH", path, body.replace(b"v1\n", b"v2\n"), "application/apply-patch+yaml")
+    assert updated["data"] == {"k": "v2"} and updated["metadata"]["uid"] == created["metadata"]["uid"]
+
+
+def test_watch_resumes_after_a_resource_version(cluster: Cluster) -> None:
+    _, first = call(cluster, "POST", CM, {"metadata": {"name": "w1"}})
+    _, second = call(cluster, "POST", CM, {"metadata": {"name": "w2"}})
+    call(cluster, "DELETE", CM + "/w1")
+    events = watch(cluster, f"{CM}?watch=true&timeoutSeconds=1&resourceVersion={first['metadata']['resourceVersion']}")
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "w2"), ("DELETED", "w1")]
+    assert second["metadata"]["name"] == "w2"
+    fresh = watch(cluster, f"{CM}?watch=true&timeoutSeconds=1&fieldSelector=metadata.name%3Dw2")
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in fresh] == [("ADDED", "w2")]
+
+
+def test_finalizers_delay_deletion(cluster: Cluster) -> None:
+    call(cluster, "POST", CM, {"metadata": {"name": "f", "finalizers": ["test/hold"]}})
+    _, marked = call(cluster, "DELETE", CM + "/f")
+    assert marked["metadata"]["deletionTimestamp"]
+    assert cluster.api(CM + "/f") is not None
+    call(cluster, "PATCH", CM + "/f", {"metadata": {"finalizers": None}}, "application/merge-patch+json")
+    assert cluster.api(CM + "/f") is None
+
+
+@pytest.mark.parametrize("selector, names", [("tier=web", ["l1"]), ("tier!=web", ["l2"]), ("tier in (web,db)", ["l1", "l2"])])
+def test_label_selectors(cluster: Cluster, selector: str, names: list[str]) -> None:
+    path = "/api/v1/namespaces/labels/configmaps"
+    for name, tier in (("l1", "web"), ("l2", "db")):
+        if cluster.api(f"{path}/{name}") is None:
+            call(cluster, "POST", path, {"metadata": {"name": name, "labels": {"tier": tier}}})
+    found = cluster.api(path + "?labelSelector=" + urllib.request.quote(selector))
+    assert sorted(o["metadata"]["name"] for o in found["items"]) == names  # type: ignore[index]

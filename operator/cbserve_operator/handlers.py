@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -36,7 +37,7 @@ def apiserver_reachable(memo: kopf.Memo, **_: Any) -> str:
     return str(memo.kube.request("GET", "/version").get("gitVersion", "unknown"))
 
 
-def _apply_children(kube: Kube, body: kopf.Body, spec: CBDeploymentSpec, namespace: str) -> tuple[dict[str, Any] | None, list[str]]:
+def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str) -> tuple[dict[str, Any] | None, list[str]]:
     """Apply every wanted child, delete unwanted optional ones; (the Deployment as applied, warnings)."""
     wanted, unwanted = render_children(spec, namespace)
     deployment = None
@@ -119,6 +120,8 @@ def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type
         return
     kube: Kube = memo.kube
     deployment = None if type == "DELETED" else dict(body)
+    if deployment is None:
+        _recreate_children(kube, namespace, owner, logger)
     for _attempt in range(5):
         cr = kube.get(API_VERSION, KIND, namespace, owner)
         if cr is None:
@@ -146,6 +149,20 @@ def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type
                       message=next(c["message"] for c in rollout if c["type"] == "Degraded"))
         return
     logger.warning(f"gave up mirroring {namespace}/{owner}: it kept changing")
+
+
+def _recreate_children(kube: Kube, namespace: str, owner: str, logger: kopf.Logger) -> None:
+    """Someone deleted the Deployment of a live CBDeployment: put it (and its siblings) back now."""
+    cr = kube.get(API_VERSION, KIND, namespace, owner)
+    if cr is None or cr["metadata"].get("deletionTimestamp"):
+        return  # the owner is going away: garbage collection deleted it
+    try:
+        spec = parse_spec(owner, cr.get("spec", {}), default_image())
+    except SpecError:
+        return  # nothing valid to recreate; the status already says why
+    logger.info(f"the Deployment of {namespace}/{owner} was deleted; recreating it")
+    _apply_children(kube, cr, spec, namespace)
+    kopf.warn(cr, reason="DeploymentRecreated", message="the Deployment was deleted; the operator recreated it")
 
 
 def _owned_by(child: dict[str, Any], owner: dict[str, Any]) -> bool:

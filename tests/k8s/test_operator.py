@@ -213,6 +213,21 @@ def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunn
     assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
 
 
+def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "drift"
+    apply(c, ns, EXAMPLE)
+    reconciled(c, ns)
+    old = c.get("apps/v1", "deployments", ns, "smollm2")
+    assert old is not None
+    c.kubectl("delete", "deployment", "smollm2", "-n", ns)
+    new = wait_for(lambda: (d := c.get("apps/v1", "deployments", ns, "smollm2")) and
+                   d["metadata"]["uid"] != old["metadata"]["uid"] and d, what="the Deployment to be recreated")
+    assert new["spec"] == old["spec"]
+    assert new["metadata"]["ownerReferences"] == old["metadata"]["ownerReferences"]
+    wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRecreated"],
+             what="a DeploymentRecreated Event")
+
+
 def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "optional"
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())

@@ -11,9 +11,9 @@ block is the engine's reserved padding block (never handed to a request), so its
 and its attention touch nothing a real request owns. The cache must therefore be allocated with
 `PAD_BLOCKS` extra block(s) beyond the ones the block manager hands out (`pad_block = num_blocks`).
 
-Prefill and mixed steps run eagerly: varlen graphs are accepted in `use_cuda_graph` but not
-implemented yet (a warning says so once). The pure logic here runs anywhere; capture itself needs
-CUDA, except through an injected capturer (tests replay eagerly on the CPU).
+Prefill and mixed steps run eagerly unless varlen graphs are asked for (engine/varlen_graphs.py).
+The pure logic here runs anywhere; capture itself needs CUDA, except through an injected capturer
+(tests replay eagerly on the CPU).
 """
 
 from __future__ import annotations
@@ -296,16 +296,6 @@ class DecodeGraphRunner:
         return graph.output[: meta.num_seqs]
 
 
-_warned_varlen = False
-
-
-def warn_varlen_graphs_once(flags: tuple[bool, bool]) -> None:
-    """Varlen graphs were asked for: say once that prefill and mixed steps still run eagerly."""
-    global _warned_varlen
-    if flags[0] and not _warned_varlen:
-        _warned_varlen = True
-        logger.warning("use_cuda_graph: varlen (prefill) graphs are not implemented yet; those steps run eagerly")
-
 
 def graph_table_width(
     num_blocks: int, block_size: int, max_context: int | None, max_blocks_per_request: int | None = None
@@ -320,5 +310,5 @@ def graph_table_width(
 
 
 def reserved_blocks(graph_flags: tuple[bool, bool]) -> int:
-    """Blocks the cache needs beyond the block manager's: the padding block when decode graphs are on."""
-    return PAD_BLOCKS if graph_flags[1] else 0
+    """Blocks the cache needs beyond the block manager's: the padding block when any graphs are on."""
+    return PAD_BLOCKS if any(graph_flags) else 0

@@ -8,9 +8,10 @@ The engine's model runner builds the step (token ids, positions, metadata) and h
     logits = dispatch(input_ids, positions, meta, logits_rows)
 
 `forward` is the runner's eager model call (a `StepForward`). A pure decode step that fits a
-captured graph replays it; other steps run `forward`, compiled with transformers' varlen or decode
-compile config when one is given. On the CPU, or with a backend that cannot be captured, it is
-just `forward`.
+captured decode graph replays it; with varlen graphs on, a prefill or mixed step replays the graph
+of its padded (tokens, sequences) key (captured on first use); other steps run `forward`, compiled
+with transformers' varlen or decode compile config when one is given. On the CPU, or with a backend
+that cannot be captured, it is just `forward`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from engine.cuda_graphs import (
     graph_table_width,
     normalize_cuda_graph_flag,
     reserved_blocks,
-    warn_varlen_graphs_once,
 )
+from engine.varlen_graphs import VarlenGraphRunner
 
 
 class StepDispatcher:
@@ -40,6 +41,7 @@ class StepDispatcher:
         graph_flags: tuple[bool, bool],
         device: torch.device | str,
         max_requests: int,
+        max_batch_tokens: int,
         max_blocks_per_seq: int,
         block_size: int,
         pad_block: int,
@@ -47,7 +49,6 @@ class StepDispatcher:
         decode_compile_config: Any = None,
         capturer: GraphCapturer | None = None,
     ) -> None:
-        warn_varlen_graphs_once(graph_flags)
         self.graph_flags = graph_flags
         self.varlen_forward = compile_step(
             forward, varlen_compile_config, cbserve_graphs=graph_flags[0], name="varlen_compile_config"
@@ -56,6 +57,18 @@ class StepDispatcher:
             forward, decode_compile_config, cbserve_graphs=graph_flags[1], name="decode_compile_config"
         )
         self.graphs: DecodeGraphRunner | None = None
+        self.varlen_graphs: VarlenGraphRunner | None = None
+        if graph_flags[0]:
+            self.varlen_graphs = VarlenGraphRunner(
+                self.varlen_forward,
+                max_batch_tokens=max_batch_tokens,
+                max_requests=max_requests,
+                max_blocks_per_seq=max_blocks_per_seq,
+                block_size=block_size,
+                pad_block=pad_block,
+                device=device,
+                capturer=capturer,
+            )
         if graph_flags[1]:
             self.graphs = DecodeGraphRunner(
                 self.decode_forward,
@@ -77,6 +90,7 @@ class StepDispatcher:
         *,
         num_blocks: int,
         max_requests: int,
+        max_batch_tokens: int,
         max_context: int | None,
     ) -> StepDispatcher:
         """From a ContinuousBatchingConfig; `num_blocks` are the block manager's (the padding block follows)."""
@@ -89,6 +103,7 @@ class StepDispatcher:
             graph_flags=flags,
             device=device,
             max_requests=max_requests,
+            max_batch_tokens=max_batch_tokens,
             max_blocks_per_seq=graph_table_width(
                 num_blocks, config.block_size, max_context, getattr(config, "max_blocks_per_request", None)
             ),
@@ -103,6 +118,11 @@ class StepDispatcher:
         """Blocks to allocate in the cache beyond the block manager's (the padding block)."""
         return reserved_blocks(self.graph_flags)
 
+    @property
+    def replays(self) -> int:
+        """Steps that ran as a graph replay so far."""
+        return sum(r.replays for r in (self.graphs, self.varlen_graphs) if r is not None)
+
     def warmup(self) -> None:
         if self.graphs is not None and not self.graphs.graphs:
             self.graphs.warmup()
@@ -115,4 +135,10 @@ class StepDispatcher:
             return self.graphs.run(input_ids, positions, meta).index_select(0, logits_rows)
         if meta.num_decodes == meta.num_seqs:
             return self.decode_forward(input_ids, positions, meta, logits_rows)
+        if self.varlen_graphs is not None:
+            per_seq = self.varlen_graphs.run(input_ids, positions, meta)
+            if per_seq is not None:
+                # logits_rows are last-token indices of sampling sequences: find their sequences
+                last = meta.cu_seqlens_q[1:].long() - 1
+                return per_seq.index_select(0, torch.searchsorted(last, logits_rows.long()))
         return self.varlen_forward(input_ids, positions, meta, logits_rows)

@@ -32,7 +32,7 @@ def test_on_cpu_it_is_the_eager_forward(model):
     config = ContinuousBatchingConfig(block_size=BS, use_cuda_graph=True)
     dispatch = StepDispatcher.from_config(
         hf_forward(model, SDPABackend(), cache), config, SDPABackend(), "cpu",
-        num_blocks=NUM_BLOCKS, max_requests=8, max_context=512,
+        num_blocks=NUM_BLOCKS, max_requests=8, max_batch_tokens=64, max_context=512,
     )  # fmt: skip
     assert dispatch.graph_flags == (False, False) and dispatch.graphs is None and dispatch.reserved_blocks == 0
     dispatch.warmup()  # nothing to capture
@@ -48,7 +48,7 @@ def test_decode_steps_replay_graphs_and_other_steps_run_eagerly(model):
     cache = new_cache(model)
     backend = SDPACudaBackend()
     dispatch = StepDispatcher(
-        hf_forward(model, backend, cache), graph_flags=(False, True), device="cpu", max_requests=4,
+        hf_forward(model, backend, cache), graph_flags=(False, True), device="cpu", max_requests=4, max_batch_tokens=64,
         max_blocks_per_seq=4, block_size=BS, pad_block=NUM_BLOCKS, capturer=EagerCapturer(),
     )  # fmt: skip
     assert dispatch.reserved_blocks == 1

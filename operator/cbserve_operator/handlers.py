@@ -11,14 +11,13 @@ import kopf
 from . import GROUP, KIND, PLURAL, VERSION, naming
 from .children import render_children
 from .kube import ApiError, Kube
-from .settings import configure, _seconds
+from .settings import configure
 from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
 from .status import condition, merge_conditions, rollout_status
 
 API_VERSION = f"{GROUP}/{VERSION}"
 # Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
 OPTIONAL_APIS = {"keda.sh/v1alpha1", "monitoring.coreos.com/v1"}
-RESYNC_SECONDS = _seconds("CBSERVE_RESYNC_SECONDS", 300)
 
 
 def default_image() -> str:
@@ -70,13 +69,6 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta:
     _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS)
-def resync(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
-           status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    """Repair drift (a deleted or edited child) on a quiet object now and then."""
-    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch)
-
-
 def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
                generation: int | None, status: dict[str, Any], patch: kopf.Patch) -> None:
     old_conditions = list(status.get("conditions", []) or [])
@@ -119,9 +111,15 @@ def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type
     if not owner or type is None:  # type None: the initial listing, already covered by resume
         return
     kube: Kube = memo.kube
-    deployment = None if type == "DELETED" else dict(body)
-    if deployment is None:
-        _recreate_children(kube, namespace, owner, logger)
+    # The event may be stale by now; what counts is the Deployment as it is.
+    deployment = kube.get("apps/v1", "Deployment", namespace, body["metadata"]["name"])
+    deployment = _repair_drift(kube, namespace, owner, deployment, logger)
+    _mirror_status(kube, namespace, owner, deployment, logger)
+
+
+def _mirror_status(kube: Kube, namespace: str, owner: str, deployment: dict[str, Any] | None,
+                   logger: kopf.Logger) -> None:
+    """Patch the CBDeployment's status from `deployment`, re-reading the owner on conflicts."""
     for _attempt in range(5):
         cr = kube.get(API_VERSION, KIND, namespace, owner)
         if cr is None:
@@ -151,18 +149,43 @@ def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type
     logger.warning(f"gave up mirroring {namespace}/{owner}: it kept changing")
 
 
-def _recreate_children(kube: Kube, namespace: str, owner: str, logger: kopf.Logger) -> None:
-    """Someone deleted the Deployment of a live CBDeployment: put it (and its siblings) back now."""
+def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, Any] | None,
+                  logger: kopf.Logger) -> dict[str, Any] | None:
+    """Put back a deleted Deployment, or one whose replicas, image, command or config hash were edited.
+
+    Level-based without a timer (a Kopf timer would add a finalizer to every CBDeployment): the
+    Deployment's own events tell when it drifted from what the current spec renders.
+    Returns the Deployment as it is afterwards.
+    """
     cr = kube.get(API_VERSION, KIND, namespace, owner)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
-        return  # the owner is going away: garbage collection deleted it
+        return deployment  # the owner is going away: garbage collection deletes its children
+    if (cr.get("status", {}) or {}).get("observedGeneration") != cr["metadata"].get("generation"):
+        return deployment  # a reconcile of the new spec is under way and will apply it anyway
     try:
         spec = parse_spec(owner, cr.get("spec", {}), default_image())
     except SpecError:
-        return  # nothing valid to recreate; the status already says why
-    logger.info(f"the Deployment of {namespace}/{owner} was deleted; recreating it")
-    _apply_children(kube, cr, spec, namespace)
-    kopf.warn(cr, reason="DeploymentRecreated", message="the Deployment was deleted; the operator recreated it")
+        return deployment  # nothing valid to put back; the status already says why
+    wanted, _ = render_children(spec, namespace)
+    desired = next(o for o in wanted if o["kind"] == "Deployment")
+    if deployment is not None and _fingerprint(deployment) == _fingerprint(desired):
+        return deployment
+    what = "deleted" if deployment is None else "changed outside its CBDeployment"
+    logger.info(f"the Deployment of {namespace}/{owner} was {what}; restoring it")
+    restored, _ = _apply_children(kube, cr, spec, namespace)
+    reason = "DeploymentRecreated" if deployment is None else "DeploymentRestored"
+    kopf.warn(cr, reason=reason, message=f"the Deployment was {what}; the operator restored it")
+    return restored
+
+
+def _fingerprint(deployment: dict[str, Any]) -> tuple[Any, ...]:
+    """The fields the operator owns that matter most: replicas, config hash, image and command."""
+    spec = deployment.get("spec", {}) or {}
+    template = spec.get("template", {}) or {}
+    containers = (template.get("spec", {}) or {}).get("containers", []) or [{}]
+    annotations = (template.get("metadata", {}) or {}).get("annotations", {}) or {}
+    return (spec.get("replicas"), annotations.get(naming.ANNOTATION_CONFIG_HASH),
+            containers[0].get("image"), tuple(containers[0].get("command", []) or []))
 
 
 def _owned_by(child: dict[str, Any], owner: dict[str, Any]) -> bool:

@@ -10,7 +10,7 @@ import kopf
 from . import GROUP
 
 
-def _seconds(env: str, default: float) -> float:
+def seconds_from_env(env: str, default: float) -> float:
     raw = os.environ.get(env)
     if raw is None or raw == "":
         return default
@@ -31,11 +31,11 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     # The API server closes a watch after server_timeout; the client gives up a bit later,
     # so a silently dropped connection is noticed instead of hanging forever.
-    settings.watching.server_timeout = _seconds("CBSERVE_WATCH_SERVER_TIMEOUT", 300)
+    settings.watching.server_timeout = seconds_from_env("CBSERVE_WATCH_SERVER_TIMEOUT", 300)
     settings.watching.client_timeout = settings.watching.server_timeout + 30
-    settings.watching.connect_timeout = _seconds("CBSERVE_WATCH_CONNECT_TIMEOUT", 30)
+    settings.watching.connect_timeout = seconds_from_env("CBSERVE_WATCH_CONNECT_TIMEOUT", 30)
     settings.watching.reconnect_backoff = 1.0
-    settings.networking.request_timeout = _seconds("CBSERVE_REQUEST_TIMEOUT", 60)
+    settings.networking.request_timeout = seconds_from_env("CBSERVE_REQUEST_TIMEOUT", 60)
     # Only the Events the handlers post on purpose (and warnings) reach `kubectl describe`.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8

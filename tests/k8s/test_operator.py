@@ -112,6 +112,8 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     annotations = owner["metadata"].get("annotations", {})
     assert "cbserve.io/last-handled-configuration" in annotations
     assert not [k for k in annotations if "kopf.zalando.org" in k]
+    # No finalizer: deleting a CBDeployment never waits for the operator; garbage collection does it.
+    assert owner["metadata"].get("finalizers", []) == []
 
 
 def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_cluster: Cluster) -> None:
@@ -226,6 +228,12 @@ def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Clus
     assert new["metadata"]["ownerReferences"] == old["metadata"]["ownerReferences"]
     wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRecreated"],
              what="a DeploymentRecreated Event")
+
+    # An edit behind the operator's back is undone too.
+    c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--type", "merge", "-p", '{"spec": {"replicas": 7}}')
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["replicas"] == 1,  # type: ignore[index]
+             what="the operator to restore replicas 1")
+    assert [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRestored"]
 
 
 def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cluster) -> None:

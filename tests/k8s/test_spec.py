@@ -10,7 +10,7 @@ import yaml
 from cbserve_operator.__main__ import kopf_args
 from cbserve_operator.children import render_children, render_scaled_object
 from cbserve_operator.engine_config import engine_settings
-from cbserve_operator.settings import _seconds
+from cbserve_operator.settings import seconds_from_env
 from cbserve_operator.spec import SpecError, parse_model_uri, parse_spec
 
 
@@ -132,9 +132,9 @@ def test_python_m_cbserve_operator_builds_the_kopf_command_line() -> None:
 def test_timeouts_from_the_environment_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBSERVE_WATCH_SERVER_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="CBSERVE_WATCH_SERVER_TIMEOUT must be a number of seconds"):
-        _seconds("CBSERVE_WATCH_SERVER_TIMEOUT", 300)
+        seconds_from_env("CBSERVE_WATCH_SERVER_TIMEOUT", 300)
     monkeypatch.setenv("CBSERVE_WATCH_SERVER_TIMEOUT", "120")
-    assert _seconds("CBSERVE_WATCH_SERVER_TIMEOUT", 300) == 120.0
+    assert seconds_from_env("CBSERVE_WATCH_SERVER_TIMEOUT", 300) == 120.0
 
 
 def test_full_example_renders_every_optional_child() -> None:

@@ -1,0 +1,77 @@
+"""The engine's own loop (scheduler, chunked prefill, sampler) with its steps dispatched to graphs.
+
+The engine does not route its steps through `StepDispatcher` yet (see docs/gpu.md, "Wiring"); this
+test wires it the way the engine will: a cache with the padding block, the step's metadata from the
+engine's model runner, graphs replayed by the eager stand-in for CUDA graphs. Greedy tokens must not
+change: decode graphs against transformers' model.generate (float32, the SDPA backend), decode and
+varlen graphs against the same engine without graphs (bfloat16, flash-attn's kernels as references).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.backends.cuda import FlashAttnBackend, SDPACudaBackend
+from engine.config import ContinuousBatchingConfig
+from engine.cuda_graphs import graph_table_width
+from engine.kv_cache import PagedKVCache, kv_geometry
+from engine.llm_engine import LLMEngine
+from engine.step_dispatch import StepDispatcher
+from engine.testing import build_test_model, random_prompts
+from tests.gpu.helpers import EagerCapturer, FlashReference, hf_forward
+
+NEW = 12
+
+
+def run_engine(model, backend, config, prompts, graph_flags):
+    engine = LLMEngine(model, config)
+    n, bs = engine.sizes.num_blocks, config.block_size
+    layers, hkv, hd = kv_geometry(model.config)
+    dtype = next(model.parameters()).dtype
+    engine.cache = engine.runner.cache = PagedKVCache(layers, n + 1, bs, hkv, hd, dtype)  # + the padding block
+    engine.backend = engine.runner.backend = backend
+    dispatch = StepDispatcher(
+        hf_forward(model, backend, engine.cache), graph_flags=graph_flags, device="cpu",
+        max_requests=engine.sizes.max_requests, max_batch_tokens=engine.sizes.max_batch_tokens,
+        max_blocks_per_seq=graph_table_width(n, bs, engine.max_context), block_size=bs, pad_block=n,
+        capturer=EagerCapturer(),
+    )  # fmt: skip
+    dispatch.warmup()
+
+    def run(batch, sample_rows):
+        input_ids, positions, meta = engine.runner.build_metadata(batch)
+        rows = (meta.cu_seqlens_q[1:] - 1).long()[torch.tensor(sample_rows, dtype=torch.long)]
+        return dispatch(input_ids, positions, meta, rows)
+
+    engine.runner.run = run
+    reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            engine.step()
+    engine.close()
+    return [r.to_output().generated_tokens for r in reqs], dispatch
+
+
+def test_decode_graphs_in_the_engine_loop_equal_model_generate():
+    model = build_test_model("qwen3", vocab_size=512)
+    prompts = random_prompts(6, 3, 120, 512, seed=3)
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=96, max_requests_per_batch=4)
+    got, dispatch = run_engine(model, SDPACudaBackend(), config, prompts, (False, True))
+    assert dispatch.graphs.replays > NEW  # most steps are decodes, and they replayed graphs
+    with torch.no_grad():
+        for p, tokens in zip(prompts, got):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=3)
+            assert tokens == ref[0, len(p) :].tolist()
+
+
+def test_decode_and_varlen_graphs_in_the_engine_loop_change_no_token():
+    model = build_test_model("llama", vocab_size=512).to(torch.bfloat16)
+    prompts = random_prompts(6, 3, 300, 512, seed=4)
+    config = ContinuousBatchingConfig(block_size=256, num_blocks=12, max_batch_tokens=256, max_requests_per_batch=4)
+    ref = FlashReference()
+    eager, _ = run_engine(model, FlashAttnBackend(ref.varlen, ref.kvcache), config, prompts, (False, False))
+    graphed, dispatch = run_engine(model, FlashAttnBackend(ref.varlen, ref.kvcache), config, prompts, (True, True))
+    assert dispatch.graphs.replays > 0 and dispatch.varlen_graphs.replays > 0
+    assert graphed == eager

@@ -211,7 +211,10 @@ def plan_for_device(
     bytes_per_block: int,
     block_size: int,
     activation_peak_bytes: int = 0,
-    **limits: int | None,
+    max_batch_tokens: int | None = None,
+    max_requests: int | None = None,
+    num_blocks: int | None = None,
+    reserved_blocks: int = 0,
 ) -> CachePlan:
     """`plan_kv_cache` with a device's figures (the CPU cap applied)."""
     return plan_kv_cache(
@@ -220,7 +223,10 @@ def plan_for_device(
         bytes_per_block,
         block_size,
         activation_peak_bytes=activation_peak_bytes,
+        max_batch_tokens=max_batch_tokens,
+        max_requests=max_requests,
+        num_blocks=num_blocks,
         device_type=memory.device_type,
         cap_bytes=memory.cap_bytes,
-        **limits,
+        reserved_blocks=reserved_blocks,
     )

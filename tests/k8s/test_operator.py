@@ -233,7 +233,8 @@ def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Clus
     c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--type", "merge", "-p", '{"spec": {"replicas": 7}}')
     wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["replicas"] == 1,  # type: ignore[index]
              what="the operator to restore replicas 1")
-    assert [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRestored"]
+    wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRestored"],
+             what="a DeploymentRestored Event")
 
 
 def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cluster) -> None:

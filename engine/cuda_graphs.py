@@ -180,6 +180,26 @@ def graph_metadata(buf: DecodeBuffers, bucket: int, block_size: int) -> Attentio
     )
 
 
+class SharedOutput:
+    """One persistent logits buffer that every graph writes its rows into.
+
+    Graphs never run at once and their output is read before the next replay, so one buffer of the
+    largest size serves them all (a buffer per graph would hold [rows, vocab] floats per graph). It
+    is allocated by the first, eager, call (the warm-up before a capture), outside the graph pool.
+    """
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.buffer: torch.Tensor | None = None
+
+    def write(self, out: torch.Tensor) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = out.new_empty(self.max_rows, *out.shape[1:])
+        view = self.buffer[: out.shape[0]]
+        view.copy_(out)
+        return view
+
+
 class CapturedGraph(Protocol):
     output: torch.Tensor
 
@@ -249,6 +269,7 @@ class DecodeGraphRunner:
         self.pad_block = pad_block
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks_per_seq, device)
         self.capturer = capturer or CudaGraphCapturer(device)
+        self.output = SharedOutput(self.sizes[-1])
         self.graphs: dict[int, CapturedGraph] = {}
         self.replays = 0
 
@@ -258,7 +279,8 @@ class DecodeGraphRunner:
 
         def step() -> torch.Tensor:
             meta.extra.clear()
-            return self.forward(buf.input_ids[:bucket], buf.positions[:bucket], meta, buf.logits_rows[:bucket])
+            logits = self.forward(buf.input_ids[:bucket], buf.positions[:bucket], meta, buf.logits_rows[:bucket])
+            return self.output.write(logits)
 
         return step
 

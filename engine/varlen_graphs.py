@@ -26,7 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import AttentionMetadata
-from engine.cuda_graphs import CapturedGraph, CudaGraphCapturer, GraphCapturer, StepForward, bucket_for, graph_batch_sizes
+from engine.cuda_graphs import (
+    CapturedGraph,
+    CudaGraphCapturer,
+    GraphCapturer,
+    SharedOutput,
+    StepForward,
+    bucket_for,
+    graph_batch_sizes,
+)
 
 logger = logging.getLogger("cbserve.varlen_graphs")
 
@@ -172,6 +180,7 @@ class VarlenGraphRunner:
         self.buffers = VarlenBuffers.allocate(self.token_sizes[-1], self.seq_sizes[-1], max_blocks_per_seq, device)
         self.capturer = capturer or CudaGraphCapturer(device)
         self.max_graphs = max_graphs
+        self.output = SharedOutput(self.seq_sizes[-1])
         self.graphs: dict[VarlenKey, CapturedGraph] = {}
         self.replays = 0
 
@@ -182,7 +191,8 @@ class VarlenGraphRunner:
         def step() -> torch.Tensor:
             meta.extra.clear()
             last = (buf.cu_seqlens_q[1 : key.num_seqs + 1] - 1).long()
-            return self.forward(buf.input_ids[: key.num_tokens], buf.positions[: key.num_tokens], meta, last)
+            logits = self.forward(buf.input_ids[: key.num_tokens], buf.positions[: key.num_tokens], meta, last)
+            return self.output.write(logits)
 
         return step
 

@@ -175,3 +175,17 @@ def test_runner_refuses_steps_without_a_graph():
     assert runner.graph_for(meta) is None  # 3 > the cap of 2
     with pytest.raises(ValueError, match="no captured graph"):
         runner.run(torch.tensor([1, 2, 3]), torch.tensor([2, 2, 2]), meta)
+
+
+def test_every_graph_writes_into_one_shared_output_buffer():
+    model = build_test_model("llama", vocab_size=512)
+    layers, hkv, hd = kv_geometry(model.config)
+    cache = PagedKVCache(layers, NUM_BLOCKS + PAD_BLOCKS, BS, hkv, hd, torch.float32)
+    runner = DecodeGraphRunner(
+        hf_forward(model, SDPACudaBackend(), cache), max_requests=8, max_blocks_per_seq=2, block_size=BS,
+        pad_block=NUM_BLOCKS, device="cpu", capturer=EagerCapturer(),
+    )  # fmt: skip
+    runner.warmup()
+    buffer = runner.output.buffer
+    assert buffer is not None and buffer.shape == (8, 512)
+    assert all(g.output.data_ptr() == buffer.data_ptr() for g in runner.graphs.values())

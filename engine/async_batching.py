@@ -79,6 +79,37 @@ class _StreamEvent:
         self._event.synchronize()
 
 
+class ImmediateEvent:
+    """The event of a device whose copies are synchronous (the CPU): always complete."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def step_buffer_spec(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The host-side inputs of one step, at their largest: what a slot holds."""
+    return {
+        "input_ids": ((max_tokens,), torch.long),
+        "positions": ((max_tokens,), torch.long),
+        "slot_mapping": ((max_tokens,), torch.long),
+        "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
+        "seq_lens_k": ((max_seqs,), torch.int32),
+        "block_tables": ((max_seqs, max_blocks_per_seq), torch.int32),
+    }
+
+
+def copy_prefixes(host: Mapping[str, torch.Tensor], device: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> None:
+    """Copy the first `rows[name]` rows of each host buffer into its device buffer, without blocking."""
+    for name, n in rows.items():
+        device[name][:n].copy_(host[name][:n], non_blocking=True)
+
+
 class DoubleBuffer:
     """Two host slots in rotation; see the module docstring for the ownership rules."""
 
@@ -150,3 +181,14 @@ def fill_carried_tokens(
 ) -> None:
     """On the device: input_ids[row_starts[dst]] = sampled[src] (the decode rows' single tokens)."""
     input_ids.index_copy_(0, row_starts.index_select(0, dst_rows).long(), sampled.index_select(0, src_rows).to(input_ids.dtype))
+
+
+def make_step_double_buffer(
+    device: torch.device | str, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
+) -> DoubleBuffer:
+    """Two slots of step inputs: pinned with CUDA events on a GPU, plain with immediate events on the CPU."""
+    device = torch.device(device)
+    spec = step_buffer_spec(max_tokens, max_seqs, max_blocks_per_seq)
+    on_cuda = device.type == "cuda"
+    make_event: Callable[[], Event] = cuda_event_factory(device) if on_cuda else ImmediateEvent
+    return DoubleBuffer(lambda: allocate_host_buffers(spec, pin=on_cuda), make_event)

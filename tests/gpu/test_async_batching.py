@@ -127,3 +127,17 @@ def test_fill_carried_tokens_writes_the_sampled_tokens_into_decode_rows():
     dst, src = carry_over_rows(["a", "b", "c"], ["c", "a", "d"], [True, True, False])
     fill_carried_tokens(input_ids, row_starts, torch.tensor(dst), sampled, torch.tensor(src))
     assert input_ids.tolist() == [9, 7, 50, 51, 52]
+
+
+def test_step_double_buffer_on_the_cpu_copies_each_step_into_the_device_buffers():
+    from engine.async_batching import copy_prefixes, make_step_double_buffer, step_buffer_spec
+
+    db = make_step_double_buffer("cpu", max_tokens=16, max_seqs=4, max_blocks_per_seq=3)
+    assert db.slots[0].buffers["block_tables"].shape == (4, 3) and not db.slots[0].buffers["input_ids"].is_pinned()
+    device = allocate_host_buffers(step_buffer_spec(16, 4, 3), pin=False)  # stands in for the device buffers
+    for step, n in enumerate([5, 9, 2]):
+        slot = db.begin(step)
+        slot.buffers["input_ids"][:n] = torch.arange(n) + 100 * step
+        db.submit(slot, lambda bufs: copy_prefixes(bufs, device, {"input_ids": n}))
+        assert device["input_ids"][:n].tolist() == (torch.arange(n) + 100 * step).tolist()
+    assert db.waits == 0  # the CPU's copies are complete at once

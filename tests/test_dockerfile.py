@@ -154,3 +154,12 @@ def test_dockerignore_keeps_the_context_small():
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".venv", ".git", "reports"):
         assert entry in ignored
+
+
+def test_operator_entrypoint_is_the_command_the_chart_runs(dockerfile):
+    template = (ROOT / "charts" / "cbserve" / "templates" / "deployment.yaml").read_text()
+    commands = [json.loads(line.split("command:", 1)[1]) for line in template.splitlines() if "command:" in line]
+    assert commands == [json.loads(only(dockerfile["operator"], "ENTRYPOINT"))]
+    values = (ROOT / "charts" / "cbserve" / "values.yaml").read_text()
+    port = re.search(r"^liveness:\s*\n\s+port:\s*(\d+)", values, re.MULTILINE)
+    assert port and only(dockerfile["operator"], "EXPOSE") == port.group(1)

@@ -87,6 +87,23 @@ def cb_config(device: torch.device, block_size: int, graphs: bool):
     return ContinuousBatchingConfig(block_size=block_size, attn_backend="cuda", use_cuda_graph=graphs)
 
 
+def graph_status(model, device: torch.device, block_size: int) -> str:
+    """What an engine built with use_cuda_graph=True actually captured (its step dispatcher's graphs)."""
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model, cb_config(device, block_size, True))
+    try:
+        dispatch = getattr(engine.runner, "dispatch", None)
+        runner = getattr(dispatch, "graphs", None)
+        if dispatch is None:
+            return "engine does not dispatch steps to graphs yet: the 'on' rows ran eagerly"
+        if runner is None or not runner.graphs:
+            return f"none captured (flags {dispatch.graph_flags})"
+        return f"decode graphs for batch sizes {sorted(runner.graphs)}; varlen graphs on first use: {dispatch.graph_flags[0]}"
+    finally:
+        engine.close()
+
+
 def reference_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     out = []
     with torch.no_grad():
@@ -230,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     print("## cbserve GPU check\n")
     print(table(["what", "value"], [[k, v] for k, v in environment(device)]))
     if not args.skip_equality:
+        from engine.testing import build_test_model
+
+        status = graph_status(build_test_model("llama", vocab_size=512).to(device=device, dtype=dtype), device, args.block_size)
+        print(f"\nCUDA graphs with use_cuda_graph=True: {status}")
         rows = check_equality(args, device, dtype)
         print(f"\n### Equality with model.generate ({args.dtype}, {args.prompts} prompts, greedy)\n")
         print(table(["arch", "CUDA graphs", "exact matches", "mean common prefix"], [r.cells() for r in rows]))

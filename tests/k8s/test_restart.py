@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from .conftest import Cluster, operator_running, wait_for
 from .test_operator import EXAMPLE, apply, conditions, reconciled
+
+
+def _progress(c: Cluster, ns: str) -> dict[str, Any] | None:
+    """Kopf's progress record of the reconcile handler, from the CBDeployment's annotations."""
+    obj = c.get("cbserve.io/v1alpha1", "cbdeployments", ns, "smollm2") or {}
+    for key, value in (obj.get("metadata", {}).get("annotations") or {}).items():
+        if key.startswith("cbserve.io/reconcile"):
+            record = json.loads(value)
+            return record if record.get("retries") else None
+    return None
 
 
 def _snapshot(c: Cluster, ns: str) -> dict[str, list[tuple[str, str, int]]]:
@@ -26,6 +39,9 @@ def test_restart_mid_reconcile_creates_no_duplicates(crd_cluster: Cluster) -> No
         assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
         assert c.get("v1", "services", ns, "smollm2") is None
         gate.release(fail_status=503)  # the connection dies with the operator
+        # Kopf records the unfinished handler (under our prefix) before it goes.
+        progress = wait_for(lambda: _progress(c, ns), what="Kopf's progress annotation")
+        assert progress["retries"] == 1 and "503" in progress["message"]
     assert c.get("v1", "services", ns, "smollm2") is None
     assert "Handler 'reconcile' failed temporarily" in first.output
 

@@ -17,9 +17,10 @@ request handling with one that behaves like an API server where clients look:
 - lists carry kind, apiVersion and the current resourceVersion; label and field selectors;
 - watches are JSON lines (application/json), honour `resourceVersion` (only later events) and
   `timeoutSeconds`; finalizers delay deletion;
-- `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns).
+- `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns);
+- deleting an object deletes what it owns (background cascading garbage collection).
 
-Still missing by design: garbage collection, controllers (a Deployment never becomes ready on its
+Still missing by design: controllers (a Deployment never becomes ready on its
 own: tests patch its status), admission (CEL, schema validation), RBAC, protobuf.
 
 `EmulatorThread` runs it on 127.0.0.1 in a thread of its own, so synchronous tests, subprocesses
@@ -656,7 +657,17 @@ class Emulator(KubernetesEmulator):
         assert target.name is not None
         self.objects[target.res, target.namespace, target.name].delete()
         await self._emit(target.res, "DELETED", gone)
+        await self._collect_garbage(gone["metadata"]["uid"])
         return gone
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        """Background cascading deletion: delete what the deleted object owned (and so on down)."""
+        for (res, namespace, name), obj in list(self.objects.items()):
+            if obj.deleted:
+                continue
+            refs = obj.raw.get("metadata", {}).get("ownerReferences") or []
+            if any(ref.get("uid") == owner_uid for ref in refs):
+                await self._delete(Target(res, namespace, name, None))
 
 
 class EmulatorThread:

@@ -237,6 +237,17 @@ def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Clus
              what="a DeploymentRestored Event")
 
 
+def test_deleting_the_cbdeployment_deletes_its_children(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "delete"
+    apply(c, ns, EXAMPLE)
+    reconciled(c, ns)
+    assert [len(v) for v in children(c, ns).values()] == [1, 1, 1]
+    c.kubectl("delete", "cbd", "smollm2", "-n", ns, "--wait=true", "--timeout=30s")
+    assert c.get(CBD, "cbdeployments", ns, "smollm2") is None  # no finalizer held it
+    wait_for(lambda: [len(v) for v in children(c, ns).values()] == [0, 0, 0],
+             what="garbage collection of the owned children")
+
+
 def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "optional"
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())

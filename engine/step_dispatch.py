@@ -3,7 +3,8 @@
 The engine's model runner builds the step (token ids, positions, metadata) and hands it to a
 `StepDispatcher` instead of calling the model itself:
 
-    dispatch = StepDispatcher.from_config(forward, config, backend, device, num_blocks=..., max_context=...)
+    dispatch = StepDispatcher.from_config(forward, config, backend, device, block_size=..., num_blocks=...,
+                                          max_requests=..., max_batch_tokens=..., max_context=...)
     dispatch.warmup()                                   # captures the decode graphs (CUDA only)
     logits = dispatch(input_ids, positions, meta, logits_rows)
 
@@ -88,12 +89,16 @@ class StepDispatcher:
         backend: AttentionBackend,
         device: torch.device | str,
         *,
+        block_size: int,
         num_blocks: int,
         max_requests: int,
         max_batch_tokens: int,
         max_context: int | None,
     ) -> StepDispatcher:
-        """From a ContinuousBatchingConfig; `num_blocks` are the block manager's (the padding block follows)."""
+        """From a ContinuousBatchingConfig and the engine's resolved sizes.
+
+        `num_blocks` are the block manager's; the padding block follows them in the cache.
+        """
         device = torch.device(device)
         flags = normalize_cuda_graph_flag(
             getattr(config, "use_cuda_graph", None), device.type, getattr(backend, "supports_cuda_graphs", False)
@@ -105,9 +110,9 @@ class StepDispatcher:
             max_requests=max_requests,
             max_batch_tokens=max_batch_tokens,
             max_blocks_per_seq=graph_table_width(
-                num_blocks, config.block_size, max_context, getattr(config, "max_blocks_per_request", None)
+                num_blocks, block_size, max_context, getattr(config, "max_blocks_per_request", None)
             ),
-            block_size=config.block_size,
+            block_size=block_size,
             pad_block=num_blocks,
             varlen_compile_config=getattr(config, "varlen_compile_config", None),
             decode_compile_config=getattr(config, "decode_compile_config", None),

@@ -32,7 +32,7 @@ def test_on_cpu_it_is_the_eager_forward(model):
     config = ContinuousBatchingConfig(block_size=BS, use_cuda_graph=True)
     dispatch = StepDispatcher.from_config(
         hf_forward(model, SDPABackend(), cache), config, SDPABackend(), "cpu",
-        num_blocks=NUM_BLOCKS, max_requests=8, max_batch_tokens=64, max_context=512,
+        block_size=BS, num_blocks=NUM_BLOCKS, max_requests=8, max_batch_tokens=64, max_context=512,
     )  # fmt: skip
     assert dispatch.graph_flags == (False, False) and dispatch.graphs is None and dispatch.reserved_blocks == 0
     dispatch.warmup()  # nothing to capture

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
 
 
 @dataclass
@@ -18,7 +19,9 @@ class ContinuousBatchingConfig:
     """
 
     # Tokens per KV block (transformers calls this `page_size`; both names are accepted).
-    block_size: int = 256
+    # None: the device's default (DEFAULT_BLOCK_SIZE): flash-attn's paged kernels want 256 on CUDA,
+    # the CPU path gathers whole blocks and wastes less with small ones.
+    block_size: int | None = None
     # Blocks in the KV cache; None sizes the cache from `max_memory_percent`.
     num_blocks: int | None = None
     # Token budget of one step: decodes plus prompt chunks. None: derived at start-up.
@@ -54,7 +57,7 @@ class ContinuousBatchingConfig:
 
     def __post_init__(self, page_size: int | None) -> None:
         if page_size is not None:
-            if self.block_size not in (256, page_size):
+            if self.block_size not in (None, page_size):
                 raise ValueError(
                     f"block_size ({self.block_size}) and page_size ({page_size}) are the same knob; give one"
                 )
@@ -68,10 +71,10 @@ class ContinuousBatchingConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        positive_int("block_size", self.block_size, allow_none=False)
+        positive_int("block_size", self.block_size)
         for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_blocks_per_request"):
             positive_int(name, getattr(self, name))
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         pct = self.max_memory_percent
         if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct <= 1:

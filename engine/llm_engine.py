@@ -15,7 +15,7 @@ import torch
 
 from engine.backends import get_backend
 from engine.block_manager import BlockManager
-from engine.config import ContinuousBatchingConfig
+from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
@@ -45,14 +45,14 @@ class LLMEngine:
         num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
 
         self.backend = get_backend(param.device, config.attn_backend)
-        self.backend.check_config(config.block_size)
+        self.block_size = config.block_size or DEFAULT_BLOCK_SIZE.get(param.device.type, 256)
+        self.backend.check_config(self.block_size)
         self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param)
         logger.info("cbserve engine: %s", self.sizes.summary())
-        self.block_size = config.block_size
         self.cache = PagedKVCache(
-            num_layers, self.sizes.num_blocks, config.block_size, num_kv_heads, head_dim, param.dtype, param.device
+            num_layers, self.sizes.num_blocks, self.block_size, num_kv_heads, head_dim, param.dtype, param.device
         )
-        self.block_manager = BlockManager(self.sizes.num_blocks, config.block_size, config.allow_block_sharing)
+        self.block_manager = BlockManager(self.sizes.num_blocks, self.block_size, config.allow_block_sharing)
         self.swap = None
         if config.cpu_offload_space > 0:
             self.swap = HostSwapPool(self.cache, int(config.cpu_offload_space * (1 << 30)), self.sizes.bytes_per_block)
@@ -73,7 +73,7 @@ class LLMEngine:
     def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor):
         """Blocks, token budget and request cap: from the config, else from the memory free now."""
         cfg = self.config
-        bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, cfg.block_size, param.dtype)
+        bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, param.dtype)
         peak = 0
         if cfg.num_blocks is None:
             budget = cfg.max_batch_tokens or 8192
@@ -88,7 +88,7 @@ class LLMEngine:
             read_device_memory(param.device),
             cfg.max_memory_percent,
             bytes_per_block,
-            cfg.block_size,
+            self.block_size,
             activation_peak_bytes=peak,
             max_batch_tokens=cfg.max_batch_tokens,
             max_requests=cfg.max_requests_per_batch,

@@ -273,6 +273,35 @@ def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cl
     assert c.get("autoscaling/v2", "horizontalpodautoscalers", ns, "llama-8b") is None
     assert c.get("policy/v1", "poddisruptionbudgets", ns, "llama-8b") is None
 
+    # With KEDA and the Prometheus operator installed, the ScaledObject and ServiceMonitor appear.
+    for group, kind, plural in (("keda.sh", "ScaledObject", "scaledobjects"),
+                                ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")):
+        c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=yaml.safe_dump(
+            _minimal_crd(group, "v1alpha1" if group == "keda.sh" else "v1", kind, plural)))
+    keda = copy.deepcopy(full)
+    keda["spec"]["autoscaling"].update(keda=True, minReplicas=0)
+    apply(c, ns, keda)
+    obj = reconciled(c, ns, "llama-8b")
+    assert conditions(obj)["ConfigValid"]["message"] == "the spec is valid"
+    scaled = c.get("keda.sh/v1alpha1", "scaledobjects", ns, "llama-8b")
+    assert scaled is not None and scaled["spec"]["minReplicaCount"] == 0
+    assert scaled["spec"]["scaleTargetRef"]["kind"] == "CBDeployment"
+    assert scaled["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    monitor = c.get("monitoring.coreos.com/v1", "servicemonitors", ns, "llama-8b")
+    assert monitor is not None and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def _minimal_crd(group: str, version: str, kind: str, plural: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {"group": group, "scope": "Namespaced",
+                 "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                 "versions": [{"name": version, "served": True, "storage": True, "schema": {
+                     "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+    }
+
 
 def test_liveness_endpoint_reports_the_probe(crd_cluster: Cluster) -> None:
     from .conftest import operator_running

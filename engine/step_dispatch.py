@@ -24,6 +24,7 @@ import torch
 from engine.backends.base import AttentionBackend, AttentionMetadata
 from engine.compile import compile_step
 from engine.cuda_graphs import (
+    CudaGraphCapturer,
     DecodeGraphRunner,
     GraphCapturer,
     StepForward,
@@ -59,6 +60,8 @@ class StepDispatcher:
         )
         self.graphs: DecodeGraphRunner | None = None
         self.varlen_graphs: VarlenGraphRunner | None = None
+        if any(graph_flags) and capturer is None:
+            capturer = CudaGraphCapturer(device)  # one capturer: every graph in one memory pool
         if graph_flags[0]:
             self.varlen_graphs = VarlenGraphRunner(
                 self.varlen_forward,

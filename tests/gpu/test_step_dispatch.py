@@ -85,3 +85,11 @@ def test_decode_steps_replay_graphs_and_other_steps_run_eagerly(model):
     with torch.inference_mode():
         dispatch(torch.tensor([5, 6, 7, 8, 9]), torch.ones(5, dtype=torch.long), big, torch.arange(5))
     assert dispatch.graphs.replays == 1
+
+
+def test_decode_and_varlen_graphs_share_one_capturer_and_pool():
+    dispatch = StepDispatcher(
+        lambda *a: None, graph_flags=(True, True), device="meta", max_requests=4, max_batch_tokens=64,
+        max_blocks_per_seq=4, block_size=256, pad_block=9,
+    )  # fmt: skip  (buffers on the meta device: no memory, no CUDA)
+    assert dispatch.graphs.capturer is dispatch.varlen_graphs.capturer

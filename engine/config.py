@@ -38,6 +38,10 @@ class ContinuousBatchingConfig:
     use_async_batching: bool | None = None
     # GPU only: CUDA graphs, as a bool or a (varlen, decode) pair.
     use_cuda_graph: bool | tuple[bool, bool] | None = None
+    # GPU only: torch.compile of prefill/mixed steps and of decode steps (a transformers
+    # CompileConfig or a dict of its fields); None runs eagerly. See docs/gpu.md.
+    varlen_compile_config: Any = None
+    decode_compile_config: Any = None
     # "fifo": running decodes first, then prompt chunks; "prefill_first": prompt chunks first.
     scheduler_type: str = "fifo"
     # Return the sampled token's logprob for every request by default.
@@ -100,6 +104,15 @@ class ContinuousBatchingConfig:
             raise ValueError(f"use_async_batching must be a bool or null, got {self.use_async_batching!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                from transformers import CompileConfig
+
+                try:
+                    setattr(self, name, CompileConfig(**value))
+                except TypeError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if self.attn_backend not in (None, "cpu", "cuda"):
             raise ValueError(f"attn_backend must be 'cpu', 'cuda' or null, got {self.attn_backend!r}")
 

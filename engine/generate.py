@@ -35,6 +35,7 @@ def generate_batch(
     if "num_return_sequences" not in kwargs and getattr(generation_config, "num_return_sequences", None):
         kwargs["num_return_sequences"] = generation_config.num_return_sequences
     engine = LLMEngine(model, continuous_batching_config, generation_config)
+    engine.warmup()
     try:
         outputs: dict[str, GenerationOutput] = {}
         reqs = []

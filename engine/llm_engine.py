@@ -16,11 +16,13 @@ import torch
 from engine.backends import get_backend
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
+from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.step_dispatch import StepDispatcher
 from engine.swap import HostSwapPool
 from engine.memory import kv_bytes_per_block, plan_for_device, profile_activation_peak, read_device_memory
 
@@ -47,10 +49,14 @@ class LLMEngine:
         self.backend = get_backend(param.device, config.attn_backend)
         self.block_size = config.block_size or DEFAULT_BLOCK_SIZE.get(param.device.type, 256)
         self.backend.check_config(self.block_size)
-        self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param)
+        graph_flags = normalize_cuda_graph_flag(
+            config.use_cuda_graph, param.device.type, getattr(self.backend, "supports_cuda_graphs", False)
+        )
+        extra_blocks = reserved_blocks(graph_flags)  # the padding block of CUDA graphs, never handed out
+        self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param, extra_blocks)
         logger.info("cbserve engine: %s", self.sizes.summary())
         self.cache = PagedKVCache(
-            num_layers, self.sizes.num_blocks, self.block_size, num_kv_heads, head_dim, param.dtype, param.device
+            num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads, head_dim, param.dtype, param.device
         )
         self.block_manager = BlockManager(self.sizes.num_blocks, self.block_size, config.allow_block_sharing)
         self.swap = None
@@ -64,13 +70,18 @@ class LLMEngine:
             swap=self.swap,
         )
         self.runner = ModelRunner(model, self.cache, self.backend)
+        self.runner.dispatch = StepDispatcher.from_config(
+            self.runner.forward, config, self.backend, param.device, block_size=self.block_size,
+            num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
+            max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
+        )  # fmt: skip
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.step_times = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
 
-    def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor):
+    def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor, extra_blocks: int):
         """Blocks, token budget and request cap: from the config, else from the memory free now."""
         cfg = self.config
         bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, param.dtype)
@@ -93,7 +104,12 @@ class LLMEngine:
             max_batch_tokens=cfg.max_batch_tokens,
             max_requests=cfg.max_requests_per_batch,
             num_blocks=cfg.num_blocks,
+            reserved_blocks=extra_blocks,
         )
+
+    def warmup(self) -> None:
+        """Capture what the device captures ahead of time (decode CUDA graphs); nothing on the CPU."""
+        self.runner.dispatch.warmup()
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(

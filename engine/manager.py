@@ -92,6 +92,7 @@ class ContinuousBatchingManager:
             return
         if self.is_running():
             raise RuntimeError("warmup() must be called before start()")
+        self.engine.warmup()
         req = self.engine.make_request([0] * min(8, self.engine.block_size), max_new_tokens=2, ignore_eos=True)
         self.engine.add_request(req)
         while self.engine.has_unfinished():

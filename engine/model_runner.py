@@ -22,6 +22,7 @@ class ModelRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
+        self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/step_dispatch.py)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         reqs = [r for r, _ in batch.items]
@@ -68,13 +69,11 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return input_ids, positions.to(self.device), meta
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Forward the step; returns float32 logits [len(sample_rows), vocab] for those sequences."""
-        input_ids, positions, meta = self.build_metadata(batch)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The eager model call of one step: float32 logits [len(logits_rows), vocab]."""
         self.backend.prepare(meta)
-        last = (meta.cu_seqlens_q[1:] - 1).long()
-        logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
         config = self.model.config
         previous = config._attn_implementation
         # cbserve's attention only for this forward: the model stays usable by model.generate
@@ -90,3 +89,12 @@ class ModelRunner:
         finally:
             config._attn_implementation = previous
         return out.logits[0].float()
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Forward the step; returns float32 logits [len(sample_rows), vocab] for those sequences."""
+        input_ids, positions, meta = self.build_metadata(batch)
+        last = (meta.cu_seqlens_q[1:] - 1).long()
+        logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
+        # a decode CUDA graph, a compiled forward, or self.forward
+        return self.dispatch(input_ids, positions, meta, logits_rows)

@@ -1,0 +1,156 @@
+"""The `cbserve` command: `serve` (the pod's endpoint) and `generate` (a dataset, offline)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("cbserve")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--config", help="YAML file of engine settings (ContinuousBatchingConfig fields)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attn-implementation", dest="attn_implementation")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for in-flight requests (default 30)")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="run a JSONL dataset of prompts or chats through the engine")
+    p.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--input", required=True, help='JSONL: {"id", "prompt"} or {"id", "messages"} per line')
+    p.add_argument("--output", required=True, help="JSONL results, in input order; existing ids are skipped")
+    p.add_argument("--config", help="YAML file of engine settings")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--chunk", type=int, default=256, help="prompts per batch written at once (resume granularity)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine import ContinuousBatchingManager
+    from engine.loader import load_model
+    from engine.server.app import build_state, create_app
+    from engine.server.settings import load_settings
+
+    settings = load_settings(vars(args))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(settings.model, settings.dtype, settings.attn_implementation)
+    manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine)
+    name = settings.served_model_name or loaded.name
+    state = build_state(manager, loaded.tokenizer, name, loaded.max_model_len or manager.engine.block_size)
+    app = create_app(state)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: refuse new work at once, then drain
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level,
+        timeout_keep_alive=75,  # above the usual 60 s idle timeout of load balancers
+        timeout_graceful_shutdown=settings.drain_timeout,
+    )  # fmt: skip
+    DrainingServer(config).run()
+    return 0
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc})") from None
+        if not isinstance(item, dict) or ("prompt" not in item and "messages" not in item):
+            raise ValueError(f"{path}:{n}: each line needs 'prompt' or 'messages'")
+        item.setdefault("id", str(n))
+        items.append(item)
+    return items
+
+
+def generate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from engine import generate_batch
+    from engine.detokenizer import TextStream
+    from engine.loader import load_model
+    from engine.server.protocol import parse_chat
+    from engine.server.settings import load_settings
+
+    settings = load_settings({"config": args.config, "dtype": args.dtype})
+    items = _read_jsonl(Path(args.input))
+    out_path = Path(args.output)
+    done = set()
+    if out_path.exists():
+        done = {json.loads(line)["id"] for line in out_path.read_text().splitlines() if line.strip()}
+    todo = [it for it in items if str(it["id"]) not in done]
+    if not todo:
+        print(f"nothing to do: all {len(items)} ids are in {out_path}")
+        return 0
+    loaded = load_model(args.model, settings.dtype)
+    tok = loaded.tokenizer
+    vocab = loaded.model.config.get_text_config().vocab_size
+    sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                  "seed": args.seed}.items() if v is not None}  # fmt: skip
+    with out_path.open("a") as out, tqdm(total=len(todo), desc="generate", unit="prompt") as bar:
+        for start in range(0, len(todo), args.chunk):
+            chunk = todo[start : start + args.chunk]
+            prompts = [parse_chat({"messages": it["messages"]}, tok, vocab).prompts[0] if "messages" in it
+                       else tok(it["prompt"]).input_ids for it in chunk]  # fmt: skip
+            results = generate_batch(loaded.model, prompts, continuous_batching_config=settings.engine,
+                                     max_new_tokens=args.max_new_tokens, progress_bar=False, **sampling)  # fmt: skip
+            for item, prompt, res in zip(chunk, prompts, results.values()):
+                text = TextStream(tok, args.stop)
+                body = text.add(res.generated_tokens) + text.finish()
+                tokens = text.num_tokens if text.stopped else len(res.generated_tokens)
+                record = {
+                    "id": str(item["id"]), "text": body, "finish_reason": "stop" if text.stopped else res.finish_reason,
+                    "error": res.error,
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": tokens},
+                    "timings": {"ttft_s": (res.first_token_time or 0) - res.created_time if res.first_token_time else None,
+                                "e2e_s": (res.finished_time or 0) - res.created_time if res.finished_time else None},
+                }  # fmt: skip
+                out.write(json.dumps(record) + "\n")
+            out.flush()
+            bar.update(len(chunk))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cbserve", description="continuous-batching serving of HF causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    from engine.server.settings import SettingsError
+
+    try:
+        return serve(args) if args.command == "serve" else generate(args)
+    except (SettingsError, ValueError, FileNotFoundError) as exc:
+        print(f"cbserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

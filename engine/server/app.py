@@ -1,0 +1,278 @@
+"""The OpenAI-compatible HTTP endpoint, as a Starlette app over one ContinuousBatchingManager."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine import ContinuousBatchingManager
+from engine.server import otel
+from engine.server.generation import Delta, Generation
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import APIError, GenerationRequest, parse_chat, parse_completion
+
+logger = logging.getLogger("cbserve.server")
+
+
+@dataclass
+class ServerState:
+    manager: ContinuousBatchingManager
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+    ready: bool = False
+    draining: bool = False
+    in_flight: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manager.engine.vocab_size
+
+
+def _json(data: Any, status: int = 200, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(data, status_code=status, headers=headers)
+
+
+def _error(exc: APIError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(exc.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return _json(exc.body(), exc.status, headers)
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Handlers:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    # -- generation ----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def _generate(self, request: Request, parse) -> Response:
+        state = self.state
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            if state.draining or not state.ready:
+                raise APIError(503, "the server is not accepting requests (starting or shutting down)",
+                               type="service_unavailable", headers={"Retry-After": "5"})  # fmt: skip
+            req = parse(await _body(request), state.tokenizer, state.vocab_size)
+            if req.model is not None and req.model != state.model_name:
+                raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                                    f"{state.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+            gen = Generation(state.manager, state.tokenizer, req, state.metrics, state.max_model_len)
+            gen.submit()
+        except APIError as exc:
+            return _error(exc, request_id)
+        headers = {"x-request-id": request_id}
+        if req.stream:
+            return StreamingResponse(self._stream(gen), media_type="text/event-stream", headers=headers)
+        return await self._complete(request, gen, headers)
+
+    async def _complete(self, request: Request, gen: Generation, headers: dict) -> Response:
+        """Non-streaming: gather everything, unless the client leaves first (then cancel)."""
+        state = self.state
+        state.in_flight += 1
+        span = otel.request_span(gen)
+        pieces: dict[int, list[str]] = {c.index: [] for c in gen.choices}
+        logprobs: dict[int, list] = {c.index: [] for c in gen.choices}
+
+        async def collect() -> None:
+            async for delta in gen.events():
+                pieces[delta.index].append(delta.text)
+                logprobs[delta.index] += delta.logprobs
+
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not collector.done():  # the client is gone
+                collector.cancel()
+                gen.cancel()
+                return Response(status_code=499)
+            collector.result()
+        except APIError as exc:
+            gen.cancel()
+            return _error(exc, headers["x-request-id"])
+        finally:
+            watcher.cancel()
+            state.in_flight -= 1
+            otel.end_span(span, gen)
+        choices = []
+        for c in gen.choices:
+            text = "".join(pieces[c.index])
+            if gen.req.echo and gen.req.kind == "completion":
+                text = state.tokenizer.decode(c.prompt, skip_special_tokens=True) + text
+            lp = gen.logprobs_json(logprobs[c.index])
+            if gen.req.kind == "chat":
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": c.finish_reason})  # fmt: skip
+            else:
+                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        body = {
+            "id": gen.id,
+            "object": "chat.completion" if gen.req.kind == "chat" else "text_completion",
+            "created": gen.created,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": gen.usage(),
+            "timings": gen.timings(),
+        }
+        return _json(body, headers=headers)
+
+    async def _stream(self, gen: Generation) -> AsyncIterator[str]:
+        state = self.state
+        state.in_flight += 1
+        span = otel.request_span(gen)
+        chat = gen.req.kind == "chat"
+        base = {"id": gen.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": gen.created, "model": state.model_name}  # fmt: skip
+
+        def chunk(delta: Delta) -> dict:
+            lp = gen.logprobs_json(delta.logprobs) if delta.logprobs else None
+            if chat:
+                body = {"content": delta.text} if delta.text else {}
+                choice = {"index": delta.index, "delta": body, "logprobs": lp, "finish_reason": delta.finish_reason}
+            else:
+                choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
+                          "finish_reason": delta.finish_reason}  # fmt: skip
+            return {**base, "choices": [choice]}
+
+        try:
+            if chat:
+                for c in gen.choices:
+                    yield _sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})  # fmt: skip
+            async for delta in gen.events():
+                yield _sse(chunk(delta))
+            if gen.req.include_usage:
+                yield _sse({**base, "choices": [], "usage": gen.usage(), "timings": gen.timings()})
+        except APIError as exc:
+            yield _sse(exc.body())
+        except Exception as exc:  # after the headers went out, an error can only travel in the stream
+            logger.exception("stream failed")
+            yield _sse(APIError(500, f"internal error: {exc}", type="server_error").body())
+        finally:
+            gen.cancel()  # no-op for finished choices; frees the rest when the client went away
+            state.in_flight -= 1
+            otel.end_span(span, gen)
+        yield "data: [DONE]\n\n"
+
+    # -- the rest ------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.state.model_name, "object": "model", "created": int(time.time()),
+                 "owned_by": "cbserve", "max_model_len": self.state.max_model_len}  # fmt: skip
+        return _json({"object": "list", "data": [model]})
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            if not isinstance(body, dict):
+                raise APIError(400, "the request body must be a JSON object")
+            if "messages" in body:
+                ids = parse_chat({"messages": body["messages"]}, self.state.tokenizer, self.state.vocab_size).prompts[0]
+            elif isinstance(body.get("prompt"), str):
+                add = body.get("add_special_tokens", True)
+                ids = self.state.tokenizer(body["prompt"], add_special_tokens=bool(add)).input_ids
+            else:
+                raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+        except APIError as exc:
+            return _error(exc)
+        return _json({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+            bad = [t for t in tokens if not 0 <= t < self.state.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        except APIError as exc:
+            return _error(exc)
+        return _json({"prompt": self.state.tokenizer.decode(tokens)})
+
+    async def health(self, request: Request) -> Response:
+        alive = self.state.manager.is_running()
+        return _json({"status": "ok" if alive else "engine loop is not running"}, 200 if alive else 503)
+
+    async def ready(self, request: Request) -> Response:
+        state = self.state
+        if state.draining:
+            return _json({"status": "draining"}, 503)
+        if not state.ready or not state.manager.is_running():
+            return _json({"status": "loading"}, 503)
+        return _json({"status": "ready"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(state: ServerState) -> Starlette:
+    """The app; its lifespan starts the engine loop (after warm-up) and stops it last."""
+    h = Handlers(state)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        if not state.manager.is_running():
+            await asyncio.to_thread(state.manager.warmup)
+            state.manager.start()
+        state.ready = True
+        logger.info("ready: serving %s", state.model_name)
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.to_thread(state.manager.stop, True, 60.0)
+
+    routes = [
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/detokenize", h.detokenize, methods=["POST"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/ready", h.ready, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.cbserve = state
+    return app
+
+
+def build_state(manager: ContinuousBatchingManager, tokenizer, model_name: str, max_model_len: int) -> ServerState:
+    metrics = ServerMetrics(model_name, max_model_len, manager.stats)
+    return ServerState(manager, tokenizer, model_name, max_model_len, metrics)

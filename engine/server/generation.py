@@ -1,0 +1,193 @@
+"""One API call in flight: its engine requests (one per choice), their text, their end.
+
+Each choice is one engine request. Outputs arrive on the server's event loop through the
+manager's result handlers; text goes through an incremental detokenizer that cuts stop strings
+(the engine request is then cancelled and the choice ends with "stop").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import ContinuousBatchingManager, GenerationOutput, QueueFullError
+from engine.detokenizer import TextStream
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import APIError, GenerationRequest
+
+
+@dataclass
+class Choice:
+    index: int
+    engine_id: str
+    prompt: list[int]
+    text: TextStream
+    last: GenerationOutput | None = None
+    finish_reason: str | None = None
+    logprobs_sent: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        if self.last is None:
+            return 0
+        return self.text.num_tokens if self.text.stopped else len(self.last.generated_tokens)
+
+
+@dataclass
+class Delta:
+    """What one choice adds in one event: text, logprob entries, and its end if it ended."""
+
+    index: int
+    text: str
+    logprobs: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    def __init__(self, manager: ContinuousBatchingManager, tokenizer, req: GenerationRequest,
+                 metrics: ServerMetrics, max_model_len: int | None) -> None:  # fmt: skip
+        self.manager, self.tokenizer, self.req, self.metrics = manager, tokenizer, req, metrics
+        self.max_model_len = max_model_len
+        self.id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices: list[Choice] = []
+        self.queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+
+    def submit(self) -> None:
+        """Add every choice's engine request; on refusal, withdraw the ones already added."""
+        req = self.req
+        try:
+            for i in range(req.num_choices):
+                prompt = req.prompts[i // req.n]
+                kwargs = dict(req.engine_kwargs)
+                if "seed" in kwargs:
+                    kwargs["seed"] += i % req.n  # each sample of a prompt has its own stream
+                max_tokens = req.max_tokens
+                if max_tokens is None and self.max_model_len:
+                    max_tokens = max(1, self.max_model_len - len(prompt))
+                engine_id = self.manager.add_request(
+                    prompt, request_id=f"{self.id}-{i}", max_new_tokens=max_tokens, streaming=True,
+                    record_timestamps=True, logprobs=req.logprobs, **kwargs,
+                )  # fmt: skip
+                choice = Choice(i, engine_id, prompt, TextStream(self.tokenizer, req.stop))
+                self.choices.append(choice)
+                self.manager.register_result_handler(engine_id, lambda out, i=i: self.queue.put_nowait((i, out)))
+        except QueueFullError as exc:
+            self.cancel()
+            self.metrics.rejected("queue_full")
+            raise APIError(503, f"the server is busy: {exc}; retry later", type="server_busy",
+                           code="queue_full", headers={"Retry-After": "1"}) from None  # fmt: skip
+        except ValueError as exc:
+            self.cancel()
+            param = "prompt" if "prompt" in str(exc) or "context" in str(exc) or "input_ids" in str(exc) else None
+            raise APIError(400, str(exc), param=param) from None
+        except RuntimeError as exc:  # the manager stopped
+            self.cancel()
+            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
+
+    def cancel(self) -> None:
+        """Withdraw every choice that has not ended (client gone, or an error)."""
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self.manager.cancel_request(choice.engine_id)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def events(self) -> AsyncIterator[Delta]:
+        while not self.done:
+            index, out = await self.queue.get()
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue  # the engine's last word on a choice we already ended (stop string)
+            delta = self._advance(choice, out)
+            if delta.text or delta.logprobs or delta.finish_reason:
+                yield delta
+
+    def _advance(self, choice: Choice, out: GenerationOutput) -> Delta:
+        choice.last = out
+        text = choice.text.add(out.new_tokens)
+        if choice.text.stopped:
+            reason = "stop"
+            if not out.is_finished():
+                self.manager.cancel_request(choice.engine_id)
+        elif out.is_finished():
+            if out.error is not None:
+                raise APIError(500, f"generation failed: {out.error}", type="server_error")
+            reason = {"length": "length", "stop": "stop", "abort": "abort"}.get(out.finish_reason, "stop")
+            text += choice.text.finish()
+        else:
+            reason = None
+        delta = Delta(choice.index, text, self._new_logprobs(choice, out), reason)
+        if reason is not None:
+            choice.finish_reason = reason
+            self.metrics.finished(out, len(choice.prompt), choice.completion_tokens, reason)
+        return delta
+
+    def _new_logprobs(self, choice: Choice, out: GenerationOutput) -> list:
+        if self.req.logprobs is None:
+            return []
+        upto = choice.completion_tokens if choice.text.stopped else len(out.generated_tokens)
+        entries = []
+        for k in range(choice.logprobs_sent, min(upto, len(out.logprobs))):
+            top = out.top_logprobs[k] if out.top_logprobs is not None and k < len(out.top_logprobs) else None
+            entries.append((out.generated_tokens[k], out.logprobs[k], top))
+        choice.logprobs_sent += len(entries)
+        return entries
+
+    # -- what goes back ------------------------------------------------------------------------
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.req.prompts)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def timings(self) -> dict[str, float | None]:
+        """The request's breakdown in seconds (cbserve's extension field `timings`)."""
+        outs = [c.last for c in self.choices if c.last is not None]
+        if not outs:
+            return {}
+        created = min(o.created_time for o in outs)
+        scheduled = min((o.scheduled_time for o in outs if o.scheduled_time), default=None)
+        first = min((o.first_token_time for o in outs if o.first_token_time), default=None)
+        end = max((o.finished_time or time.perf_counter()) for o in outs)
+        tokens = max(c.completion_tokens for c in self.choices)
+
+        def span(a, b):
+            return None if a is None or b is None else round(b - a, 6)
+
+        decode = span(first, end)
+        return {
+            "queue_s": span(created, scheduled),
+            "prefill_s": span(scheduled, first),
+            "decode_s": decode,
+            "time_to_first_token_s": span(created, first),
+            "mean_inter_token_latency_s": round(decode / (tokens - 1), 6) if decode and tokens > 1 else None,
+            "e2e_s": span(created, end),
+        }
+
+    def logprobs_json(self, entries: list) -> Any:
+        if self.req.logprobs is None:
+            return None
+        decode = self._token_text
+        if self.req.kind == "chat":
+            return {"content": [
+                {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode()),
+                 "top_logprobs": [{"token": decode(a), "logprob": b, "bytes": list(decode(a).encode())}
+                                  for a, b in (top or {}).items()]}
+                for t, lp, top in entries
+            ]}  # fmt: skip
+        return {
+            "tokens": [decode(t) for t, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{decode(a): b for a, b in (top or {}).items()} if top is not None else None
+                             for _, _, top in entries],  # fmt: skip
+            "text_offset": [],
+        }
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])

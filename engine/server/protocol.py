@@ -1,0 +1,232 @@
+"""OpenAI request bodies in, validated generation requests out; errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class GenerationRequest:
+    """One API call: its prompts (as token ids) and what to do with them."""
+
+    kind: str  # "chat" or "completion"
+    model: str | None
+    prompts: list[list[int]]
+    n: int = 1
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs at all
+    echo: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # sampling, passed to add_request
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+# -- field readers: each raises a 400 that names the field -----------------------------------------
+def _number(body: dict, key: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False):
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(key, f"'{key}' must be a number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise bad(key, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad(key, f"'{key}' must be <= {hi}, got {value}")
+    return float(value)
+
+
+def _integer(body: dict, key: str, lo: int | None = None, hi: int | None = None):
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(key, f"'{key}' must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise bad(key, f"'{key}' must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad(key, f"'{key}' must be <= {hi}, got {value}")
+    return value
+
+
+def _boolean(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(key, f"'{key}' must be a boolean, got {value!r}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise bad("stop", "'stop' must be a string or a list of strings")
+
+
+def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "temperature": _number(body, "temperature", 0, None),
+        "top_p": _number(body, "top_p", 0, 1, lo_open=True),
+        "min_p": _number(body, "min_p", 0, 1),
+        "seed": _integer(body, "seed"),
+        "presence_penalty": _number(body, "presence_penalty", -2, 2),
+        "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
+        "repetition_penalty": _number(body, "repetition_penalty", 0, None, lo_open=True),
+        "min_new_tokens": _integer(body, "min_tokens", 0),
+    }
+    top_k = _integer(body, "top_k", -1)
+    if top_k is not None:
+        kwargs["top_k"] = 0 if top_k == -1 else top_k  # vLLM's -1 and OpenAI's absence both mean off
+    if kwargs["temperature"] is None:
+        kwargs["temperature"] = 1.0  # OpenAI's default: sampling
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias", "'logit_bias' must map token ids to numbers")
+        parsed = {}
+        for token, value in bias.items():
+            try:
+                tid = int(token)
+            except (TypeError, ValueError):
+                raise bad("logit_bias", f"'logit_bias' key {token!r} is not a token id") from None
+            if not 0 <= tid < vocab_size:
+                raise bad("logit_bias", f"'logit_bias' key {tid} is outside the vocabulary [0, {vocab_size})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise bad("logit_bias", f"'logit_bias' value for {tid} must be a number in [-100, 100]")
+            parsed[tid] = float(value)
+        kwargs["logit_bias"] = parsed
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids")
+        kwargs["stop_token_ids"] = stop_ids
+    kwargs["ignore_eos"] = _boolean(body, "ignore_eos")
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "'model' must be a string")
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options", "'stream_options' must be an object")
+    stream = _boolean(body, "stream")
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompts=[],
+        n=_integer(body, "n", 1, MAX_N) or 1,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=bool(options and _boolean(options, "include_usage")),
+        stop=_stop(body),
+        engine_kwargs=_sampling(body, vocab_size),
+    )
+
+
+def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
+    req = _common(body, "completion", vocab_size)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt)
+          and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p)):  # fmt: skip
+        prompts = prompt
+    else:
+        raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of those")
+    req.prompts = [tokenizer(p, add_special_tokens=True).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    for ids in req.prompts:
+        if not ids:
+            raise bad("prompt", "'prompt' is empty")
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise bad("prompt", f"'prompt' holds token id {t}, outside the vocabulary [0, {vocab_size})")
+    logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
+    req.logprobs = logprobs
+    req.echo = _boolean(body, "echo")
+    if req.max_tokens is None:
+        req.max_tokens = 16  # OpenAI's default for completions
+    return req
+
+
+def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
+    req = _common(body, "chat", vocab_size)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "'messages' must be a non-empty list")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad("messages", f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad("messages", f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+        conversation.append({"role": message["role"], "content": content})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad("messages", "this model has no chat template: use /v1/completions")
+    encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    req.prompts = [list(ids)]
+    want = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    req.logprobs = (top or 0) if want else None
+    return req

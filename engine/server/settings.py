@@ -1,0 +1,113 @@
+"""`cbserve serve` settings: command line over CBSERVE_* environment over the --config YAML.
+
+The YAML (the operator writes it into a ConfigMap) holds ContinuousBatchingConfig knobs by their
+Python names, plus the server's own `dtype`, `attn_implementation` and `compile`. Any bad value
+becomes one `SettingsError` line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import ContinuousBatchingConfig
+
+SERVER_KEYS = ("dtype", "attn_implementation", "compile")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ENV_PREFIX = "CBSERVE_"
+
+
+class SettingsError(ValueError):
+    """A bad setting: the message names it and where it came from."""
+
+
+@dataclass
+class ServeSettings:
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 8000
+    dtype: str = "auto"
+    attn_implementation: str | None = None
+    compile: bool = False
+    log_level: str = "info"
+    drain_timeout: float = 30.0
+    engine: ContinuousBatchingConfig = field(default_factory=ContinuousBatchingConfig)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise SettingsError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"--config {path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def _from_env(environ: dict[str, str]) -> dict[str, Any]:
+    known = set(ContinuousBatchingConfig.field_names()) | set(SERVER_KEYS)
+    values = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in ("CBSERVE_CACHE_DIR",):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in known:
+            raise SettingsError(f"{key}: unknown setting {name!r}")
+        try:
+            values[name] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise SettingsError(f"{key}={raw!r}: not a valid value") from None
+    return values
+
+
+def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None) -> ServeSettings:
+    """`cli` holds the parsed command line (None where a flag was not given)."""
+    environ = dict(os.environ if environ is None else environ)
+    merged: dict[str, Any] = {}
+    if cli.get("config"):
+        merged.update(_read_yaml(cli["config"]))
+    merged.update(_from_env(environ))
+    for key in SERVER_KEYS:
+        if cli.get(key) is not None:
+            merged[key] = cli[key]
+    server = {k: merged.pop(k) for k in SERVER_KEYS if k in merged}
+    try:
+        engine = ContinuousBatchingConfig.from_dict(merged)
+    except (ValueError, TypeError) as exc:
+        raise SettingsError(f"engine setting: {exc}") from None
+    dtype = server.get("dtype", "auto")
+    if dtype not in DTYPES:
+        raise SettingsError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    compile_ = server.get("compile", False)
+    if not isinstance(compile_, bool):
+        raise SettingsError(f"compile must be true or false, got {compile_!r}")
+    if compile_:
+        engine.varlen_compile_config = engine.varlen_compile_config or {}
+        engine.decode_compile_config = engine.decode_compile_config or {}
+        engine._validate()
+    port = cli.get("port") or 8000
+    if not 0 < port < 65536:
+        raise SettingsError(f"--port must be in 1..65535, got {port}")
+    drain = cli.get("drain_timeout")
+    if drain is not None and drain < 0:
+        raise SettingsError(f"--drain-timeout must be >= 0, got {drain}")
+    return ServeSettings(
+        model=cli.get("model"),
+        served_model_name=cli.get("served_model_name"),
+        host=cli.get("host") or "0.0.0.0",
+        port=port,
+        dtype=dtype,
+        attn_implementation=server.get("attn_implementation"),
+        compile=compile_,
+        log_level=cli.get("log_level") or "info",
+        drain_timeout=30.0 if drain is None else drain,
+        engine=engine,
+    )

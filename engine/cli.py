@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ def serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: refuse new work at once, then drain
             state.draining = True
             super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:  # a drained SIGTERM is a clean exit (0): uvicorn would re-raise it
+                self._captured_signals.remove(sig)
 
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level,

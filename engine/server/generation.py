@@ -20,6 +20,15 @@ from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, GenerationRequest
 
 
+def _param_of(message: str) -> str | None:
+    """The API field an engine ValueError is about."""
+    if "max_new_tokens" in message:
+        return "max_tokens"
+    if any(word in message for word in ("prompt", "input_ids", "context")):
+        return "prompt"
+    return None
+
+
 @dataclass
 class Choice:
     index: int
@@ -83,17 +92,18 @@ class Generation:
                            code="queue_full", headers={"Retry-After": "1"}) from None  # fmt: skip
         except ValueError as exc:
             self.cancel()
-            param = "prompt" if "prompt" in str(exc) or "context" in str(exc) or "input_ids" in str(exc) else None
-            raise APIError(400, str(exc), param=param) from None
+            raise APIError(400, str(exc), param=_param_of(str(exc))) from None
         except RuntimeError as exc:  # the manager stopped
             self.cancel()
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
 
     def cancel(self) -> None:
-        """Withdraw every choice that has not ended (client gone, or an error)."""
+        """Withdraw every choice that has not ended (client gone, or an error): they end as "abort"."""
         for choice in self.choices:
             if choice.finish_reason is None:
                 self.manager.cancel_request(choice.engine_id)
+                choice.finish_reason = "abort"
+                self.metrics.finished(choice.last, self._prompt_share(choice), choice.completion_tokens, "abort")
 
     @property
     def done(self) -> bool:
@@ -126,8 +136,12 @@ class Generation:
         delta = Delta(choice.index, text, self._new_logprobs(choice, out), reason)
         if reason is not None:
             choice.finish_reason = reason
-            self.metrics.finished(out, len(choice.prompt), choice.completion_tokens, reason)
+            self.metrics.finished(out, self._prompt_share(choice), choice.completion_tokens, reason)
         return delta
+
+    def _prompt_share(self, choice: Choice) -> int:
+        """A prompt's tokens count once, as in usage, however many samples (n) it has."""
+        return len(choice.prompt) if choice.index % self.req.n == 0 else 0
 
     def _new_logprobs(self, choice: Choice, out: GenerationOutput) -> list:
         if self.req.logprobs is None:

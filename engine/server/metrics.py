@@ -91,13 +91,16 @@ class ServerMetrics:
         self.admission_rejections.labels(self.model_name, reason).inc()
 
     def finished(self, out, prompt_tokens: int, completion_tokens: int, finish_reason: str) -> None:
-        """One engine request (one choice) ended; `out` is its last GenerationOutput."""
+        """One engine request (one choice) ended; `out` is its last GenerationOutput (None if none came)."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(completion_tokens)
         self.request_success.labels(m, finish_reason).inc()
-        self.prompt_len.labels(m).observe(prompt_tokens)
+        if prompt_tokens:  # 0 for the extra samples of an n > 1 request
+            self.prompt_len.labels(m).observe(prompt_tokens)
         self.generation_len.labels(m).observe(completion_tokens)
+        if out is None:  # withdrawn before its first output
+            return
         end = out.finished_time
         if end is not None:
             self.e2e.labels(m).observe(end - out.created_time)

@@ -1,0 +1,93 @@
+"""A real `cbserve serve` process on 127.0.0.1 with a small test model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from engine.testing import save_test_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, tmp: Path, engine: dict, extra_args: list[str] = (), env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = tmp / f"engine-{self.port}.yaml"
+        config.write_text(yaml.safe_dump(engine))
+        self.log = tmp / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(self.port), "--config", str(config), "--log-level", "warning", *extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling a readiness probe, with a deadline
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values = {}
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for sample in family.samples:
+                key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                                    if k != "model_name") + "}" if len(sample.labels) > 1 else "")
+                values[key] = sample.value
+        return values
+
+    def wait_for(self, predicate, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if predicate(m):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout}s: {m}")
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return save_test_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("server"), {"block_size": 16, "num_blocks": 512})
+    yield srv
+    assert srv.stop() == 0

@@ -1,0 +1,121 @@
+"""Disconnects, overload, metrics against usage, SIGTERM drain (must-shows 3-6)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import threading
+
+import httpx
+
+from tests.server.conftest import Server
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+def test_disconnected_streams_are_cancelled_and_free_their_blocks(server) -> None:
+    started = threading.Barrier(21)
+
+    def drop_mid_stream() -> int:
+        with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions",
+                                                      json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        break
+            started.wait(60)  # all 20 are mid-stream before anyone leaves
+            return got  # leaving the with-blocks closes the connection mid-stream
+
+    with cf.ThreadPoolExecutor(20) as pool:
+        futures = [pool.submit(drop_mid_stream) for _ in range(20)]
+        started.wait(60)
+        assert all(f.result() == 3 for f in futures)
+    m = server.wait_for(lambda m: m["cbserve:num_requests_running"] == 0 and m["cbserve:num_requests_waiting"] == 0)
+    assert m["cbserve:kv_cache_usage_perc"] == 0.0
+    assert m["cbserve:request_success_total{finished_reason=abort}"] >= 20
+
+
+def test_disconnected_non_streaming_request_is_cancelled(server) -> None:
+    with httpx.Client(timeout=0.5) as c:
+        try:
+            c.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 3000})
+        except httpx.ReadTimeout:
+            pass  # the client gave up and closed the connection
+    server.wait_for(lambda m: m["cbserve:num_requests_running"] == 0 and m["cbserve:kv_cache_usage_perc"] == 0.0)
+
+
+def test_metrics_token_counters_equal_reported_usage(model_dir, tmp_path) -> None:
+    srv = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 256})
+    try:
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        bodies = [{"prompt": "a b c", "max_tokens": 7}, {"prompt": ["x y", "z"], "max_tokens": 5, "n": 2},
+                  {"prompt": "stop here", "max_tokens": 20, "stop": ["e"]}]
+        for body in bodies:
+            u = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+            for k in usage:
+                usage[k] += u[k]
+        u = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).json()["usage"]
+        for k in usage:
+            usage[k] += u[k]
+        m = srv.metrics()
+        assert m["cbserve:prompt_tokens_total"] == usage["prompt_tokens"]
+        assert m["cbserve:generation_tokens_total"] == usage["completion_tokens"]
+        assert m["cbserve:request_success_total{finished_reason=length}"] >= 5
+        assert m["cbserve:time_to_first_token_seconds_count"] == 7
+    finally:
+        assert srv.stop() == 0
+
+
+def test_overload_gets_503_with_retry_after_and_admitted_requests_complete(model_dir, tmp_path) -> None:
+    srv = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 256, "max_queue_size": 2,
+                                       "max_requests_per_batch": 1})
+    try:
+        def call(_):
+            return httpx.post(srv.url + "/v1/completions", json={**LONG, "max_tokens": 150}, timeout=120)
+
+        with cf.ThreadPoolExecutor(10) as pool:
+            responses = list(pool.map(call, range(10)))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 3
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 150
+        m = srv.metrics()
+        assert m["cbserve:admission_rejections_total{reason=queue_full}"] == codes.count(503)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_finishes_in_flight_refuses_new_and_exits_0(model_dir, tmp_path) -> None:
+    srv = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 256})
+    all_streaming = threading.Barrier(5)
+
+    def in_flight() -> tuple[int, str]:
+        with httpx.Client(timeout=120) as c, c.stream("POST", srv.url + "/v1/completions",
+                                                      json={**LONG, "max_tokens": 300, "stream": True}) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: {") and len(lines) == 0:
+                    all_streaming.wait(60)  # every client has its first token before SIGTERM goes out
+                lines.append(line)
+            return r.status_code, lines[-2] if len(lines) > 1 else ""
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(in_flight) for _ in range(4)]
+        all_streaming.wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        try:  # new work is refused: 503 on a live connection, or the listener is already closed
+            late = httpx.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+            assert late.status_code == 503
+        except httpx.ConnectError:
+            pass
+        for f in futures:
+            status, last = f.result()
+            assert status == 200 and last == "data: [DONE]"
+    assert srv.proc.wait(60) == 0

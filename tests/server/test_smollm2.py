@@ -1,0 +1,61 @@
+"""`cbserve serve` with no model argument serves the embedded SmolLM2-135M-Instruct (must-show 7)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from tests.server.conftest import free_port
+
+
+def test_default_model_answers_a_chat_in_english(tmp_path) -> None:
+    port = free_port()
+    log = tmp_path / "smollm2.log"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240  # a fresh machine converts the GGUF first (~35 s here)
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert models[0]["id"] == "SmolLM2-135M-Instruct" and models[0]["max_model_len"] == 8192
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24, "temperature": 0})
+        answer = r.json()["choices"][0]["message"]["content"]
+        assert "Paris" in answer, answer
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_default_model_through_cbserve_equals_model_generate() -> None:
+    from engine import generate_batch
+    from engine.loader import load_model
+
+    loaded = load_model()
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about the sea.")]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    out = generate_batch(loaded.model, prompts, max_new_tokens=20, ignore_eos=True, progress_bar=False)
+    for p, o in zip(prompts, out.values()):
+        # the attention mask is given: SmolLM2's pad id is <|im_end|>, which chat prompts contain, and
+        # generate would otherwise infer a mask that hides those tokens
+        ref = loaded.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert o.generated_tokens == ref[0, len(p):].tolist()

@@ -1,0 +1,75 @@
+"""The detokenizer, stop strings and settings, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
+from engine.server.settings import SettingsError, load_settings
+from engine.testing import build_test_tokenizer
+
+TEXT = "Continuous batching keeps the accelerator busy. The capital of France is Paris. Ünïcödé ✓ works."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_test_tokenizer()
+
+
+def test_incremental_text_equals_a_full_decode(tok) -> None:
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.add([t]) for t in ids) == tok.decode(ids) == TEXT
+
+
+def test_stop_string_spanning_tokens_is_cut_exactly(tok) -> None:
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    for stop in ["capital of", "Paris.", "e acc", "✓"]:
+        s = TextStream(tok, [stop, "never there"])
+        out = "".join(s.add([t]) for t in ids) + s.finish()
+        assert out == TEXT[: TEXT.index(stop)], stop
+        assert s.stopped
+        assert s.num_tokens < len(ids)
+
+
+def test_held_back_prefix_is_released_when_it_does_not_become_a_stop() -> None:
+    s = StopStrings(["Paris!"])
+    assert s.feed("The Par") == "The "  # "Par" could still be "Paris!"
+    assert s.feed("ty") == "Party"
+    assert s.feed(" Pari") == " "
+    assert s.flush() == "Pari"
+
+
+def test_settings_precedence_and_errors(tmp_path) -> None:
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("block_size: 32\nmax_queue_size: 4\ndtype: float32\nuse_cuda_graph: [false, true]\n")
+    s = load_settings({"config": str(cfg)}, environ={"CBSERVE_MAX_QUEUE_SIZE": "9"})
+    assert (s.engine.block_size, s.engine.max_queue_size, s.dtype) == (32, 9, "float32")
+    assert s.engine.use_cuda_graph == (False, True)
+    assert load_settings({"config": str(cfg), "dtype": "bfloat16"}, environ={}).dtype == "bfloat16"
+    cases = [
+        ("block_size: 24\n", {}, "block_size"),
+        ("max_memory_percent: 2\n", {}, "max_memory_percent"),
+        ("blocksize: 16\n", {}, "blocksize"),
+        ("- a list\n", {}, "mapping"),
+        ("dtype: float8\n", {}, "dtype"),
+        ("", {"CBSERVE_NOPE": "1"}, "CBSERVE_NOPE"),
+        ("", {"CBSERVE_NUM_BLOCKS": "-3"}, "num_blocks"),
+    ]
+    for text, env, needle in cases:
+        cfg.write_text(text)
+        with pytest.raises(SettingsError, match=needle):
+            load_settings({"config": str(cfg)}, environ=env)
+    with pytest.raises(SettingsError, match="no such file"):
+        load_settings({"config": str(tmp_path / "missing.yaml")}, environ={})
+
+
+def test_cli_bad_setting_is_one_line_and_exit_2(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("block_size: 24\n")
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["cbserve: error: engine setting: block_size must be a power of two, got 24"]

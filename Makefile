@@ -27,7 +27,7 @@ test: $(STAMP) $(TOOLS)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m loadtest --duration 60s --out reports/demo
+	$(PY) -m loadtest --users 4 --duration 60s --endpoint chat --input-len 32:128 --output-len 64 --out reports/demo
 
 loadtest: $(STAMP)
 	$(PY) -m loadtest $(ARGS)

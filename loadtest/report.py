@@ -1,0 +1,125 @@
+"""From raw per-request timings to vLLM-style summary keys, goodput, and a readable table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+SLO_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "e2el_ms": "e2e_ms", "itl_ms": "itl_ms"}
+
+
+def parse_slos(items: list[str]) -> dict[str, float]:
+    """["ttft_ms=500", "tpot_ms=50"] -> {"ttft_ms": 500.0, ...}; a bad item is a ValueError saying which."""
+    slos = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"--slo takes KEY=MS with KEY in {', '.join(SLO_KEYS)}, got {item!r}")
+        try:
+            slos[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo {key}: {value!r} is not a number of milliseconds") from None
+        if slos[key] <= 0:
+            raise ValueError(f"--slo {key} must be > 0 ms")
+    return slos
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _stats(name: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        values = [0.0]
+    out = {f"mean_{name}_ms": statistics.fmean(values), f"median_{name}_ms": statistics.median(values),
+           f"std_{name}_ms": statistics.pstdev(values)}  # fmt: skip
+    for q in (50, 90, 99):
+        out[f"p{q}_{name}_ms"] = _percentile(values, q)
+    return out
+
+
+def meets(row: dict, slos: dict[str, float]) -> bool:
+    for key, limit in slos.items():
+        value = row.get(SLO_KEYS[key])
+        if key == "itl_ms":
+            if any(gap > limit for gap in row.get("itl_ms", [])):
+                return False
+        elif value is None or value > limit:
+            return False
+    return True
+
+
+def summarize(rows: list[dict], duration: float, slos: dict[str, float], max_concurrent: int = 0) -> dict[str, Any]:
+    ok = [r for r in rows if r.get("ok")]
+    inputs = sum(r["prompt_tokens"] for r in ok)
+    outputs = sum(r["output_tokens"] for r in ok)
+    duration = max(duration, 1e-9)
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(rows) - len(ok),
+        "duration": duration,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": sum(meets(r, slos) for r in ok) / duration if slos else None,
+        "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
+        "max_concurrent_requests": max_concurrent,
+        "slos": slos,
+    }
+    summary.update(_stats("ttft", [r["ttft_ms"] for r in ok]))
+    summary.update(_stats("tpot", [r["tpot_ms"] for r in ok if r["output_tokens"] > 1]))
+    summary.update(_stats("itl", [g for r in ok for g in r["itl_ms"]]))
+    summary.update(_stats("e2el", [r["e2e_ms"] for r in ok]))
+    errors: dict[str, int] = {}
+    for r in rows:
+        if not r.get("ok"):
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    summary["errors"] = errors
+    return summary
+
+
+def table(summary: dict[str, Any], server: dict[str, Any] | None = None) -> str:
+    s = summary
+    lines = [
+        f"requests   {s['completed']} completed, {s['failed']} failed in {s['duration']:.1f} s "
+        f"(max {s['max_concurrent_requests']} at once)",
+        f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+        f"{s['total_token_throughput']:.1f} total tok/s",
+    ]
+    if s.get("request_goodput") is not None:
+        slo = ", ".join(f"{k} <= {v:g}" for k, v in s["slos"].items())
+        lines.append(f"goodput    {s['request_goodput']:.2f} req/s within {slo}")
+    lines.append("")
+    lines.append(f"{'latency (ms)':<22}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
+    for key, label in (("ttft", "time to first token"), ("itl", "inter-token"), ("tpot", "time per output token"),
+                       ("e2el", "end to end")):  # fmt: skip
+        lines.append(f"{label:<22}" + "".join(f"{s[f'{m}_{key}_ms']:>10.1f}" for m in ("mean", "median", "p90", "p99")))
+    if server:
+        lines.append("")
+        parts = []
+        if server.get("mean_queue_time_ms") is not None:
+            parts.append(f"mean queue {server['mean_queue_time_ms']:.1f} ms")
+        if server.get("max_kv_cache_usage") is not None:
+            parts.append(f"KV cache up to {server['max_kv_cache_usage']:.1%}")
+        parts.append(f"{server.get('preemptions', 0):.0f} preemptions")
+        if server.get("prefix_cache_hit_rate") is not None:
+            parts.append(f"prefix-cache hits {server['prefix_cache_hit_rate']:.0%}")
+        lines.append("server     " + ", ".join(parts))
+    if s["errors"]:
+        lines.append("")
+        lines += [f"error x{n}: {e}" for e, n in s["errors"].items()]
+    return "\n".join(lines)

@@ -87,6 +87,10 @@ class TextStream:
     def stopped(self) -> bool:
         return self.stops.stopped is not None
 
+    def fresh(self) -> TextStream:
+        """A new stream with the same tokenizer and stop strings."""
+        return TextStream(self.detokenizer.tokenizer, self.stops.stops, self.detokenizer.skip_special_tokens)
+
     def add(self, token_ids: list[int]) -> str:
         out = ""
         for token in token_ids:  # one at a time, so the stop is known to the token

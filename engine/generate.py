@@ -22,19 +22,21 @@ def generate_batch(
     progress_bar: bool = True,
     record_timestamps: bool = False,
     max_new_tokens: int | None = None,
+    tokenizer=None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt; returns {request_id: GenerationOutput} in input order.
 
     `kwargs` are per-request parameters applied to every prompt (temperature, top_k, top_p, seed,
-    eos_token_id, ignore_eos, logprobs, ...). A prompt that fails validation gets a FAILED output
-    carrying the error; the others still run.
+    eos_token_id, ignore_eos, logprobs, stop_strings, ...). Stop strings need `tokenizer`; outputs
+    then carry `text`, cut right before the stop string. A prompt that fails validation gets a
+    FAILED output carrying the error; the others still run.
     """
     if not inputs:
         return {}
     if "num_return_sequences" not in kwargs and getattr(generation_config, "num_return_sequences", None):
         kwargs["num_return_sequences"] = generation_config.num_return_sequences
-    engine = LLMEngine(model, continuous_batching_config, generation_config)
+    engine = LLMEngine(model, continuous_batching_config, generation_config, tokenizer=tokenizer)
     engine.warmup()
     try:
         outputs: dict[str, GenerationOutput] = {}

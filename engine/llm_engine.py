@@ -36,8 +36,12 @@ SAMPLING_KEYS = {
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None):
+    def __init__(
+        self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None,
+        tokenizer=None,
+    ):  # fmt: skip
         self.config = config = config or ContinuousBatchingConfig()
+        self.tokenizer = tokenizer  # needed only for stop strings
         self.model = model.eval()
         self.generation_config = generation_config or getattr(model, "generation_config", None)
         text_config = model.config.get_text_config()
@@ -123,6 +127,7 @@ class LLMEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         num_return_sequences: int = 1,
+        stop_strings: list[str] | str | None = None,
         **sampling: Any,
     ) -> Request:
         """Validate one request; every problem is a ValueError that says what is wrong."""
@@ -171,6 +176,16 @@ class LLMEngine:
             raise ValueError(f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
         req = Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
         req.num_children = n - 1
+        if stop_strings:
+            if isinstance(stop_strings, str):
+                stop_strings = [stop_strings]
+            if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(x, str) for x in stop_strings):
+                raise ValueError(f"stop_strings must be a string or a list of strings, got {stop_strings!r}")
+            if self.tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer: pass tokenizer= to the engine, manager or generate_batch")
+            from engine.detokenizer import TextStream
+
+            req.text_stream = TextStream(self.tokenizer, list(stop_strings))
         return req
 
     def _sampling_params(self, given: dict[str, Any]) -> SamplingParams:
@@ -290,6 +305,11 @@ class LLMEngine:
             req.first_token_time = now
         if req.timestamps is not None:
             req.timestamps.append(now)
+        if req.text_stream is not None:
+            req.text_stream.add([token])
+            if req.text_stream.stopped:
+                req.finish("stop")
+                return
         if token in req.eos_token_ids and req.num_generated > req.sampling.min_new_tokens - 1:
             req.finish("stop")
         elif token in req.stop_token_ids:
@@ -298,6 +318,8 @@ class LLMEngine:
             req.finish("length")
         elif self.max_context is not None and req.num_tokens >= self.max_context:
             req.finish("length")
+        if req.is_finished and req.text_stream is not None:
+            req.text_stream.finish()
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

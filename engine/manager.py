@@ -40,9 +40,10 @@ class ContinuousBatchingManager:
         model: torch.nn.Module,
         generation_config=None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
+        tokenizer=None,
     ) -> None:
         self.config = continuous_batching_config or ContinuousBatchingConfig()
-        self.engine = LLMEngine(model, self.config, generation_config)
+        self.engine = LLMEngine(model, self.config, generation_config, tokenizer=tokenizer)
         self.model = model
         self._inbox: list[Request] = []
         self._cancels: list[str] = []

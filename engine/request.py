@@ -108,6 +108,7 @@ class GenerationOutput:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    text: str | None = None  # with stop strings: the generated text, cut before the stop string
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -157,6 +158,7 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling.seed)
         self.num_streamed = 0  # generated tokens already handed out
         self.num_children = 0  # n - 1: sequences forked from this one after its prefill
+        self.text_stream = None  # engine.detokenizer.TextStream when the request has stop strings
 
         self.created_time = time.perf_counter()
         self.scheduled_time: float | None = None
@@ -182,6 +184,8 @@ class Request:
         child.status = RequestStatus.DECODING
         child.created_time, child.scheduled_time = self.created_time, self.scheduled_time
         child.num_cached_tokens = self.num_cached_tokens
+        if self.text_stream is not None:
+            child.text_stream = self.text_stream.fresh()
         return child
 
     @property
@@ -228,4 +232,5 @@ class Request:
             finished_time=self.finished_time,
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
+            text=self.text_stream.text if self.text_stream is not None else None,
         )

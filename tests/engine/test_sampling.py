@@ -125,3 +125,40 @@ def test_top_p_and_min_p_cut_the_tail() -> None:
         sampler, req = _sampler_rows(logits, temperature=1.0, **params)
         seen = {sampler(logits, [req]).tokens[0] for _ in range(300)}
         assert seen == allowed, params
+
+
+def test_stop_string_spanning_tokens_cuts_the_text_exactly() -> None:
+    from engine.testing import build_test_tokenizer
+
+    tok = build_test_tokenizer()
+    model = model_for("llama")
+    prompt = list(prompts_for()[9])
+    cfg = ContinuousBatchingConfig(**CFG)
+    free = generate_batch(model, [prompt], max_new_tokens=30, ignore_eos=True, progress_bar=False,
+                          continuous_batching_config=cfg)["req_0"]
+    text = tok.decode(free.generated_tokens)
+    stop = text[6:10]  # four characters from the middle of the greedy text
+    out = generate_batch(model, [prompt], max_new_tokens=30, ignore_eos=True, progress_bar=False, tokenizer=tok,
+                         stop_strings=[stop, "never appears"], continuous_batching_config=cfg)["req_0"]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop"
+    assert out.generated_tokens == free.generated_tokens[: len(out.generated_tokens)]
+    assert len(out.generated_tokens) < 30
+    # no stop string in the text: it runs to its length
+    full = generate_batch(model, [prompt], max_new_tokens=30, ignore_eos=True, progress_bar=False, tokenizer=tok,
+                          stop_strings=["never appears"], continuous_batching_config=cfg)["req_0"]
+    assert full.finish_reason == "length" and full.text == text
+
+
+def test_stop_strings_without_a_tokenizer_are_refused() -> None:
+    import pytest
+
+    out = generate_batch(model_for("llama"), [[1, 2, 3]], max_new_tokens=4, stop_strings=["x"], progress_bar=False,
+                         continuous_batching_config=ContinuousBatchingConfig(**CFG))["req_0"]
+    assert out.finish_reason == "error" and "tokenizer" in out.error
+    with pytest.raises(ValueError, match="stop_strings must be"):
+        from engine import LLMEngine
+        from engine.testing import build_test_tokenizer
+
+        LLMEngine(model_for("llama"), ContinuousBatchingConfig(**CFG), tokenizer=build_test_tokenizer()).make_request(
+            [1, 2], max_new_tokens=2, stop_strings=[1])

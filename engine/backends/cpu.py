@@ -27,6 +27,20 @@ def _attention(q, k, v, mask, scaling, softcap, enable_gqa):
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
+def _grouped_decode_attention(q, k, v, mask, scaling):
+    """One query per sequence with plain matmuls: q [B, H, D], k/v [B, Hkv, L, D], mask [B, 1, 1, L].
+
+    torch's CPU flash kernel is slow for bf16/fp16 decode (measured 16.4 ms against 7.1 ms here for
+    64 sequences x 320 keys); in float32 it is the faster of the two and stays in use.
+    """
+    b, h, d = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.view(b, kv_heads, h // kv_heads, d), k.transpose(-1, -2)) * scaling
+    scores = scores.float().masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, v.shape[-1])
+
+
 class SDPABackend:
     name = "cpu"
 
@@ -91,9 +105,11 @@ class SDPABackend:
             blocks = meta.extra["decode_blocks"]
             k = k_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
             v = v_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, v_dim).transpose(1, 2)
-            q = query[:nd].unsqueeze(2)  # [nd, H, 1, D]
             mask = self._decode_mask(meta, sliding_window)
-            out[:nd] = _attention(q, k, v, mask, scaling, softcap, gqa).squeeze(2)
+            if query.dtype != torch.float32 and softcap is None:
+                out[:nd] = _grouped_decode_attention(query[:nd], k, v, mask, scaling)
+            else:
+                out[:nd] = _attention(query[:nd].unsqueeze(2), k, v, mask, scaling, softcap, gqa).squeeze(2)
 
         cu = meta.cu_seqlens_q.tolist() if meta.num_seqs > nd else None
         for i in range(nd, meta.num_seqs):

@@ -162,3 +162,15 @@ def test_stop_strings_without_a_tokenizer_are_refused() -> None:
 
         LLMEngine(model_for("llama"), ContinuousBatchingConfig(**CFG), tokenizer=build_test_tokenizer()).make_request(
             [1, 2], max_new_tokens=2, stop_strings=[1])
+
+
+def test_bf16_decode_path_matches_float32_attention() -> None:
+    from engine.backends.cpu import _attention, _grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g) for s in ((5, 8, 16), (5, 2, 40, 16), (5, 2, 40, 16)))
+    mask = (torch.arange(40)[None] < torch.tensor([40, 3, 17, 1, 29])[:, None])[:, None, None, :]
+    ref = _attention(q.unsqueeze(2), k, v, mask, 0.25, None, True).squeeze(2)
+    low = _grouped_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25).float()
+    assert (low - ref).abs().max() < 0.05
+    assert torch.allclose(_grouped_decode_attention(q, k, v, mask, 0.25), ref, atol=1e-5)

@@ -1,10 +1,13 @@
-"""Workload W1 on cbserve and its peers, in one process run, alternating, median of the runs.
+"""Workloads W1-W3 on cbserve and its peers, in one process run, alternating, median of the runs.
 
-    python benchmarks/throughput.py [--runs 3] [--peers all|transformers|generate|none] [--dtype float32]
+    python benchmarks/throughput.py [--workload W1|W2|W3] [--runs 3]
+                                    [--peers all|transformers|generate|none] [--dtype float32]
 
-W1: Llama config (vocab 32000, hidden 512, intermediate 1376, 8 layers, 8 heads, 4 KV heads),
-torch.manual_seed(0); 64 prompts of random ids, lengths uniform in [16, 256] (seed 0); 64 new
-tokens each; greedy; EOS ignored; torch.set_num_threads(2).
+The model: Llama config (vocab 32000, hidden 512, intermediate 1376, 8 layers, 8 heads, 4 KV
+heads), torch.manual_seed(0); greedy; EOS ignored; torch.set_num_threads(2). Prompts (seed 0):
+  W1: 64 prompts of random ids, lengths uniform in [16, 256]; 64 new tokens each.
+  W2: 64 prompts sharing a 512-token prefix plus 16-64 tokens of their own; 64 new tokens (prefix caching).
+  W3: 16 prompts of 1,500-2,000 tokens; 32 new tokens (chunked prefill; mean time to first token too).
 
 Peers: transformers' own `generate_batch` at its best sizing found here (sdpa, page_size 32,
 num_blocks 1024, max_batch_tokens 1024) and `model.generate` on one left-padded batch of 64.
@@ -22,40 +25,53 @@ import torch
 
 from engine import ContinuousBatchingConfig, LLMEngine
 
-NEW_TOKENS = 64
+NEW_TOKENS = {"W1": 64, "W2": 64, "W3": 32}
+NEW = 64  # of the workload being run (set in main)
 
 
-def build_w1(dtype: torch.dtype):
+def build_model(dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)  # fmt: skip
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)  # fmt: skip
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def build_prompts(workload: str) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(16, 257, (64,), generator=g).tolist()
-    prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in lengths]
-    return model, prompts
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 32000, (n,), generator=g).tolist()
+
+    if workload == "W1":
+        return [ids(n) for n in torch.randint(16, 257, (64,), generator=g).tolist()]
+    if workload == "W2":
+        prefix = ids(512)
+        return [prefix + ids(n) for n in torch.randint(16, 65, (64,), generator=g).tolist()]
+    return [ids(n) for n in torch.randint(1500, 2001, (16,), generator=g).tolist()]
 
 
 def run_cbserve(model, prompts) -> tuple[float, list[list[int]], dict]:
-    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=2048, max_batch_tokens=1024))
+    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024))
     start = time.perf_counter()
-    reqs = [engine.make_request(p, max_new_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]
+    reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
     for r in reqs:
         engine.add_request(r)
     while engine.has_unfinished():
         engine.step()
     elapsed = time.perf_counter() - start
-    return elapsed, [r.generated_ids for r in reqs], dict(engine.step_times)
+    split = dict(engine.step_times)
+    split["mean_ttft_s"] = sum(r.first_token_time - r.created_time for r in reqs) / len(reqs)
+    return elapsed, [r.generated_ids for r in reqs], split
 
 
 def run_transformers(model, prompts) -> tuple[float, list[list[int]]]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig as HFConfig
 
-    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cfg = HFConfig(page_size=32, num_blocks=1024, max_batch_tokens=1024)
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cfg = HFConfig(page_size=32, num_blocks=2048, max_batch_tokens=1024)
     start = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cfg, progress_bar=False)
     elapsed = time.perf_counter() - start
@@ -72,7 +88,7 @@ def run_generate(model, prompts) -> tuple[float, list[list[int]]]:
         mask[i, longest - len(p) :] = 1
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
                              do_sample=False, pad_token_id=0)  # fmt: skip
     elapsed = time.perf_counter() - start
     return elapsed, out[:, longest:].tolist()
@@ -83,9 +99,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
     args = parser.parse_args()
     torch.set_num_threads(2)
-    model, prompts = build_w1(getattr(torch, args.dtype))
+    global NEW
+    NEW = NEW_TOKENS[args.workload]
+    model, prompts = build_model(getattr(torch, args.dtype)), build_prompts(args.workload)
     systems = {"cbserve": run_cbserve}
     if args.peers in ("all", "transformers"):
         systems["transformers generate_batch"] = run_transformers
@@ -103,16 +122,17 @@ def main() -> None:
             if name == "cbserve":
                 split = result[2]
                 split_total = result[0]
-            print(f"run {i + 1} {name}: {len(prompts) * NEW_TOKENS / result[0]:.1f} tok/s", flush=True)
-    tokens = len(prompts) * NEW_TOKENS
+            print(f"run {i + 1} {name}: {len(prompts) * NEW / result[0]:.1f} tok/s", flush=True)
+    tokens = len(prompts) * NEW
     rates = {name: tokens / statistics.median(t) for name, t in times.items()}
-    print(f"\nW1 ({args.dtype}), {tokens} output tokens, median of {args.runs} runs")
+    print(f"\n{args.workload} ({args.dtype}), {tokens} output tokens, median of {args.runs} runs")
     print(f"{'system':<30}{'output tok/s':>14}{'cbserve is':>12}")
     for name, rate in rates.items():
         ratio = "" if name == "cbserve" else f"{rates['cbserve'] / rate:.2f}x"
         print(f"{name:<30}{rate:>14.1f}{ratio:>12}")
+    ttft = split.pop("mean_ttft_s")
     print("\ncbserve's wall time (last run): " + ", ".join(f"{k} {v / split_total:.0%}" for k, v in split.items())
-          + f", other {1 - sum(split.values()) / split_total:.0%}")
+          + f", other {1 - sum(split.values()) / split_total:.0%}; mean time to first token {ttft:.2f} s")
     if args.dtype == "float32" and "model.generate (padded)" in outputs:
         same = sum(a == b for a, b in zip(outputs["cbserve"], outputs["model.generate (padded)"]))
         print(f"greedy outputs identical to model.generate: {same}/{len(prompts)}")

@@ -22,7 +22,7 @@ from engine import ContinuousBatchingManager
 from engine.server import otel
 from engine.server.generation import Delta, Generation
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIError, GenerationRequest, parse_chat, parse_completion
+from engine.server.protocol import APIError, parse_chat, parse_completion
 
 logger = logging.getLogger("cbserve.server")
 

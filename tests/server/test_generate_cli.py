@@ -1,0 +1,40 @@
+"""`cbserve generate`: a JSONL dataset through the engine, in input order, resumable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.cli", "generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_writes_results_in_order_and_resumes(model_dir, tmp_path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    items = [{"id": "a", "prompt": "The capital of"}, {"id": "b", "messages": [{"role": "user", "content": "hi"}]},
+             {"id": "c", "prompt": "Once upon a time"}]
+    src.write_text("\n".join(json.dumps(i) for i in items[:2]) + "\n")
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(out), "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["id"] for x in first] == ["a", "b"]
+    assert all(x["usage"]["completion_tokens"] <= 6 and x["usage"]["prompt_tokens"] > 0 for x in first)
+    # a third line appears: only it runs; the first two are not redone
+    src.write_text("\n".join(json.dumps(i) for i in items) + "\n")
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(out), "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["id"] for x in lines] == ["a", "b", "c"] and lines[:2] == first
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(out))
+    assert r.returncode == 0 and "nothing to do" in r.stdout
+
+
+def test_generate_bad_input_line_is_one_clear_error(model_dir, tmp_path) -> None:
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"id": "a", "prompt": "ok"}\n{"id": "b"}\n')
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(tmp_path / "o.jsonl"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"cbserve: error: {src}:2: each line needs 'prompt' or 'messages'"

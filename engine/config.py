@@ -54,6 +54,9 @@ class ContinuousBatchingConfig:
     per_request_processors: bool = False
     # Seed of the sampler for requests that do not bring their own.
     seed: int | None = None
+    # CPU only: run the linear layers on oneDNN-packed copies of their weights (engine/backends/cpu_linear.py;
+    # one more copy of those weights in memory). None: on when the copy takes under a quarter of free memory.
+    cpu_packed_weights: bool | None = None
     # Attention backend: "cpu" (torch SDPA), "cuda" (flash-attn), or None to pick from the device.
     attn_backend: str | None = None
     # transformers' name for block_size.
@@ -100,8 +103,9 @@ class ContinuousBatchingConfig:
         for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.use_async_batching is not None and not isinstance(self.use_async_batching, bool):
-            raise ValueError(f"use_async_batching must be a bool or null, got {self.use_async_batching!r}")
+        for name in ("use_async_batching", "cpu_packed_weights"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool or null, got {getattr(self, name)!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("varlen_compile_config", "decode_compile_config"):

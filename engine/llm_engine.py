@@ -11,9 +11,11 @@ import time
 import uuid
 from typing import Any
 
+import psutil
 import torch
 
 from engine.backends import get_backend
+from engine.backends.cpu_linear import PackedLinears, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
@@ -57,6 +59,7 @@ class LLMEngine:
             config.use_cuda_graph, param.device.type, getattr(self.backend, "supports_cuda_graphs", False)
         )
         extra_blocks = reserved_blocks(graph_flags)  # the padding block of CUDA graphs, never handed out
+        self.packed_weights = self._pack_weights(model, param.device)  # before sizing: it takes memory
         self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param, extra_blocks)
         logger.info("cbserve engine: %s", self.sizes.summary())
         self.cache = PagedKVCache(
@@ -73,17 +76,36 @@ class LLMEngine:
             prefill_first=config.scheduler_type == "prefill_first",
             swap=self.swap,
         )
-        self.runner = ModelRunner(model, self.cache, self.backend)
+        self.runner = ModelRunner(model, self.cache, self.backend, self.packed_weights)
         self.runner.dispatch = StepDispatcher.from_config(
             self.runner.forward, config, self.backend, param.device, block_size=self.block_size,
             num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
             max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
         )  # fmt: skip
         self.sampler = Sampler(config.seed)
+        # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
+        self._params = list(model.parameters())
+        self._weights_seen = self._weights_version()
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.step_times = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+
+    def _pack_weights(self, model: torch.nn.Module, device: torch.device) -> PackedLinears | None:
+        choice = self.config.cpu_packed_weights
+        if device.type != "cpu":
+            if choice:
+                raise ValueError(f"cpu_packed_weights needs a model on the CPU, this one is on {device}")
+            return None
+        if choice is False or not packing_available():
+            return None
+        size = packed_bytes(model)
+        if choice is None and size > psutil.virtual_memory().available / 4:
+            logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
+            return None
+        packed = PackedLinears(model)
+        logger.info("cbserve: %d linear weights packed for oneDNN (%.0f MiB)", len(packed.entries), size / 2**20)
+        return packed
 
     def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor, extra_blocks: int):
         """Blocks, token budget and request cap: from the config, else from the memory free now."""
@@ -236,9 +258,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step -------------------------------------------------------------------------------
+    def _weights_version(self) -> int | None:
+        try:
+            return sum(p._version for p in self._params)
+        except RuntimeError:  # inference tensors keep no version counter: nothing to watch
+            return None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (call it after replacing the model's weights by new tensors;
+        changes made in place are noticed by the engine itself)."""
+        self.block_manager.reset_prefix_cache()
+
     def step(self) -> list[Request]:
         """One iteration; returns the requests that got a token or finished."""
         t0 = time.perf_counter()
+        version = self._weights_version()
+        if version != self._weights_seen:
+            self._weights_seen = version
+            self.reset_prefix_cache()
+            logger.info("cbserve: model weights changed in place; prefix cache cleared")
         batch = self.scheduler.schedule()
         if not batch:
             return []

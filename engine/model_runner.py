@@ -7,19 +7,26 @@ sequence that samples this step.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from engine.attention import ATTN_IMPLEMENTATION, StepContext
 from engine.backends import AttentionBackend, AttentionMetadata
+from engine.backends.cpu_linear import PackedLinears
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
+        packed_weights: PackedLinears | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.packed_weights = packed_weights  # CPU: oneDNN-packed linear weights, active during forwards
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/step_dispatch.py)
@@ -78,14 +85,16 @@ class ModelRunner:
         previous = config._attn_implementation
         # cbserve's attention only for this forward: the model stays usable by model.generate
         config._attn_implementation = ATTN_IMPLEMENTATION
+        packed = self.packed_weights.active() if self.packed_weights else contextlib.nullcontext()
         try:
-            out = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=logits_rows,
-                cb_step=StepContext(self.backend, self.cache, meta),
-            )
+            with packed:
+                out = self.model(
+                    input_ids=input_ids[None],
+                    position_ids=positions[None],
+                    use_cache=False,
+                    logits_to_keep=logits_rows,
+                    cb_step=StepContext(self.backend, self.cache, meta),
+                )
         finally:
             config._attn_implementation = previous
         return out.logits[0].float()

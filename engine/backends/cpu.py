@@ -1,9 +1,11 @@
-"""CPU attention over the paged cache with torch SDPA.
+"""CPU attention over the paged cache.
 
-Decode sequences (one query each) are attended in one batched SDPA call over their gathered keys,
-padded to the longest and masked. Prefill chunks are attended one sequence at a time: a chunk with
-no history uses the step's own keys with a causal mask; a chunk with history gathers its keys.
-No dense mask across requests is ever built.
+Decode sequences (one query each) go to cbserve's C++ kernel (engine/csrc/paged_attention_cpu.cpp),
+which reads keys and values in place through the block table. Where it cannot run (no compiler,
+a logit softcap, head dims that are not multiples of 16), they are attended in one batched torch
+call over their gathered keys, padded to the longest and masked. Prefill chunks are attended one
+sequence at a time with torch SDPA: a chunk with no history uses the step's own keys with a causal
+mask; a chunk with history gathers its keys. No dense mask across requests is ever built.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends.base import AttentionMetadata
+from engine.backends.cpu_kernels import cpu_ops
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _attention(q, k, v, mask, scaling, softcap, enable_gqa):
@@ -44,28 +49,63 @@ def _grouped_decode_attention(q, k, v, mask, scaling):
 class SDPABackend:
     name = "cpu"
 
+    def __init__(self, use_kernels: bool = True) -> None:
+        self.ops = cpu_ops() if use_kernels else None
+
     def check_config(self, block_size: int) -> None:
         pass
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        nd, bs = meta.num_decodes, meta.block_size
+        nd = meta.num_decodes
         if nd:
-            k_lens = meta.seq_lens_k[:nd].long()
-            num_blocks = -(-max(meta.k_lens[:nd]) // bs)
-            pos = torch.arange(num_blocks * bs).expand(nd, -1)
-            # whole blocks are gathered (a block is one contiguous chunk): far cheaper than token slots
-            meta.extra["decode_blocks"] = meta.block_tables[:nd, :num_blocks].reshape(-1).long()
-            meta.extra["decode_shape"] = (nd, num_blocks * bs)
-            meta.extra["decode_valid"] = pos < k_lens[:, None]
-            meta.extra["decode_pos"] = pos
-            meta.extra["decode_qpos"] = k_lens - 1
+            meta.extra["decode_lens"] = meta.seq_lens_k[:nd].long()
         # prefill chunks that have history gather their blocks from the cache
         history = {}
+        bs = meta.block_size
         for i in range(nd, meta.num_seqs):
             if meta.k_lens[i] > meta.q_lens[i]:
                 history[i] = meta.block_tables[i, : -(-meta.k_lens[i] // bs)].long()
         meta.extra["history_blocks"] = history
         meta.extra["masks"] = {}
+
+    def _kernel_fits(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap) -> bool:
+        return (
+            self.ops is not None
+            and softcap is None
+            and query.dtype in KERNEL_DTYPES
+            and k_cache.shape[3] % 16 == 0
+            and v_cache.shape[3] % 16 == 0
+            and query.shape[1] <= 256
+        )
+
+    def _decode_gather(self, meta: AttentionMetadata) -> None:
+        """The torch path's gather indices and masks, built once per step on first use."""
+        if "decode_blocks" in meta.extra:
+            return
+        nd, bs = meta.num_decodes, meta.block_size
+        k_lens = meta.extra["decode_lens"]
+        num_blocks = -(-max(meta.k_lens[:nd]) // bs)
+        pos = torch.arange(num_blocks * bs).expand(nd, -1)
+        # whole blocks are gathered (a block is one contiguous chunk): far cheaper than token slots
+        meta.extra["decode_blocks"] = meta.block_tables[:nd, :num_blocks].reshape(-1).long()
+        meta.extra["decode_shape"] = (nd, num_blocks * bs)
+        meta.extra["decode_valid"] = pos < k_lens[:, None]
+        meta.extra["decode_pos"] = pos
+        meta.extra["decode_qpos"] = k_lens - 1
+
+    def _decode_torch(self, query, k_cache, v_cache, meta, scaling, sliding_window, softcap) -> torch.Tensor:
+        """Decode attention in torch: gather each sequence's blocks, pad to the longest, mask."""
+        self._decode_gather(meta)
+        num_kv_heads, head_dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+        b, max_len = meta.extra["decode_shape"]
+        blocks = meta.extra["decode_blocks"]
+        k = k_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, v_dim).transpose(1, 2)
+        mask = self._decode_mask(meta, sliding_window)
+        if query.dtype != torch.float32 and softcap is None:
+            return _grouped_decode_attention(query, k, v, mask, scaling)
+        gqa = query.shape[1] != num_kv_heads
+        return _attention(query.unsqueeze(2), k, v, mask, scaling, softcap, gqa).squeeze(2)
 
     def _decode_mask(self, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
         key = ("decode", window)
@@ -101,15 +141,12 @@ class SDPABackend:
         out = torch.empty(query.shape[0], query.shape[1], v_cache.shape[3], dtype=query.dtype)
         nd = meta.num_decodes
         if nd:
-            b, max_len = meta.extra["decode_shape"]
-            blocks = meta.extra["decode_blocks"]
-            k = k_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
-            v = v_cache.index_select(0, blocks).view(b, max_len, num_kv_heads, v_dim).transpose(1, 2)
-            mask = self._decode_mask(meta, sliding_window)
-            if query.dtype != torch.float32 and softcap is None:
-                out[:nd] = _grouped_decode_attention(query[:nd], k, v, mask, scaling)
+            if self._kernel_fits(query, k_cache, v_cache, softcap):
+                self.ops.paged_decode_attention(out[:nd], query[:nd].contiguous(), k_cache, v_cache,
+                                                meta.block_tables[:nd], meta.extra["decode_lens"], scaling,
+                                                sliding_window or 0)  # fmt: skip
             else:
-                out[:nd] = _attention(query[:nd].unsqueeze(2), k, v, mask, scaling, softcap, gqa).squeeze(2)
+                out[:nd] = self._decode_torch(query[:nd], k_cache, v_cache, meta, scaling, sliding_window, softcap)
 
         cu = meta.cu_seqlens_q.tolist() if meta.num_seqs > nd else None
         for i in range(nd, meta.num_seqs):

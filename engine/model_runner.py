@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import ATTN_IMPLEMENTATION, StepContext
 from engine.backends import AttentionBackend, AttentionMetadata
-from engine.backends.cpu_linear import PackedLinears
+from engine.backends.cpu_modules import CPUModules
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
 
@@ -21,12 +21,12 @@ from engine.scheduler import ScheduledBatch
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
-        packed_weights: PackedLinears | None = None,
+        cpu_modules: CPUModules | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.packed_weights = packed_weights  # CPU: oneDNN-packed linear weights, active during forwards
+        self.cpu_modules = cpu_modules  # CPU: oneDNN-packed linear weights, active during forwards
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/step_dispatch.py)
@@ -85,7 +85,7 @@ class ModelRunner:
         previous = config._attn_implementation
         # cbserve's attention only for this forward: the model stays usable by model.generate
         config._attn_implementation = ATTN_IMPLEMENTATION
-        packed = self.packed_weights.active() if self.packed_weights else contextlib.nullcontext()
+        packed = self.cpu_modules.active() if self.cpu_modules else contextlib.nullcontext()
         try:
             with packed:
                 out = self.model(

@@ -40,10 +40,42 @@ inline vfloat load(const c10::Half* p) {
   return v;
 }
 inline vfloat load(const double*) { return vfloat{}; }  // dispatch completeness; refused above
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+typedef int32_t vint __attribute__((vector_size(64)));
+
+// horizontal sum by halving (16 -> 8 -> 4 -> 1 lanes)
 inline float hsum(vfloat v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  vfloat8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const vfloat8 s8 = lo + hi;
+  vfloat4 a, b;
+  std::memcpy(&a, &s8, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
+  const vfloat4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// exp(x) for x <= 0 on 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial
+// (relative error ~1e-7, like std::exp in float); below -87 the result flushes to 0.
+inline vfloat exp_neg(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vfloat n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (vfloat{} - 0.5f), vint), vfloat);
+  vfloat r = x - n * 0.693359375f;  // ln2 in two parts, so r stays exact
+  r = r + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 template <typename T>
@@ -96,8 +128,15 @@ struct Decode {
       float* sh = scores.data() + h * n;
       float m = -INFINITY;
       for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
-      float sum = 0.0f;
-      for (int64_t t = 0; t < n; ++t) {
+      vfloat vsum{};
+      int64_t t = 0;
+      for (; t + kLanes <= n; t += kLanes) {
+        vfloat e = exp_neg(load(sh + t) - m);
+        std::memcpy(sh + t, &e, sizeof(e));
+        vsum += e;
+      }
+      float sum = hsum(vsum);
+      for (; t < n; ++t) {
         sh[t] = std::exp(sh[t] - m);
         sum += sh[t];
       }

@@ -89,7 +89,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.step_times = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+        # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
+        self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
 
     def _cpu_modules(self, model: torch.nn.Module, device: torch.device) -> CPUModules | None:
         choice = self.config.cpu_packed_weights
@@ -314,7 +315,9 @@ class LLMEngine:
         t4 = time.perf_counter()
         times = self.step_times
         times["schedule"] += t1 - t0
-        times["forward"] += t2 - t1
+        prepare = self.runner.last_prepare_s
+        times["prepare"] += prepare
+        times["forward"] += t2 - t1 - prepare
         times["sample"] += t3 - t2
         times["output"] += t4 - t3
         return sample_reqs

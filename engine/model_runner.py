@@ -8,6 +8,7 @@ sequence that samples this step.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -29,6 +30,7 @@ class ModelRunner:
         self.cpu_modules = cpu_modules  # CPU: oneDNN-packed linear weights, active during forwards
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
+        self.last_prepare_s = 0.0  # time build_metadata took in the last run()
         self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/step_dispatch.py)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -102,8 +104,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
         """Forward the step; returns float32 logits [len(sample_rows), vocab] for those sequences."""
+        start = time.perf_counter()
         input_ids, positions, meta = self.build_metadata(batch)
         last = (meta.cu_seqlens_q[1:] - 1).long()
         logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
+        self.last_prepare_s = time.perf_counter() - start
         # a decode CUDA graph, a compiled forward, or self.forward
         return self.dispatch(input_ids, positions, meta, logits_rows)

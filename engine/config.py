@@ -54,7 +54,7 @@ class ContinuousBatchingConfig:
     per_request_processors: bool = False
     # Seed of the sampler for requests that do not bring their own.
     seed: int | None = None
-    # CPU only: linear layers on oneDNN-packed copies of their weights (engine/backends/cpu_modules.py;
+    # CPU only: linear layers on oneDNN-packed copies of their weights (engine/backends/cpu_linear.py;
     # one more copy of those weights in memory). None: on when the copy takes under a quarter of free memory.
     cpu_packed_weights: bool | None = None
     # Attention backend: "cpu" (torch SDPA), "cuda" (flash-attn), or None to pick from the device.

@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from engine.backends import get_backend
-from engine.backends.cpu_modules import CPUModules, packed_bytes, packing_available
+from engine.backends.cpu_linear import PackedLinears, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
@@ -59,7 +59,7 @@ class LLMEngine:
             config.use_cuda_graph, param.device.type, getattr(self.backend, "supports_cuda_graphs", False)
         )
         extra_blocks = reserved_blocks(graph_flags)  # the padding block of CUDA graphs, never handed out
-        self.cpu_modules = self._cpu_modules(model, param.device)  # before sizing: it takes memory
+        self.packed_linears = self._packed_linears(model, param.device)  # before sizing: it takes memory
         self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param, extra_blocks)
         logger.info("cbserve engine: %s", self.sizes.summary())
         self.cache = PagedKVCache(
@@ -76,7 +76,7 @@ class LLMEngine:
             prefill_first=config.scheduler_type == "prefill_first",
             swap=self.swap,
         )
-        self.runner = ModelRunner(model, self.cache, self.backend, self.cpu_modules)
+        self.runner = ModelRunner(model, self.cache, self.backend, self.packed_linears)
         self.runner.dispatch = StepDispatcher.from_config(
             self.runner.forward, config, self.backend, param.device, block_size=self.block_size,
             num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
@@ -92,7 +92,7 @@ class LLMEngine:
         # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
         self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
 
-    def _cpu_modules(self, model: torch.nn.Module, device: torch.device) -> CPUModules | None:
+    def _packed_linears(self, model: torch.nn.Module, device: torch.device) -> PackedLinears | None:
         choice = self.config.cpu_packed_weights
         if device.type != "cpu":
             if choice:
@@ -104,8 +104,8 @@ class LLMEngine:
         if choice is None and size > psutil.virtual_memory().available / 4:
             logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
             return None
-        packed = CPUModules(model)
-        logger.info("cbserve: %d linear weights packed for oneDNN (%.0f MiB)", len(packed.swaps), size / 2**20)
+        packed = PackedLinears(model)
+        logger.info("cbserve: %d linear weights packed for oneDNN (%.0f MiB)", len(packed.layers), size / 2**20)
         return packed
 
     def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor, extra_blocks: int):

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import ATTN_IMPLEMENTATION, StepContext
 from engine.backends import AttentionBackend, AttentionMetadata
-from engine.backends.cpu_modules import CPUModules
+from engine.backends.cpu_linear import PackedLinears
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
 
@@ -22,12 +22,12 @@ from engine.scheduler import ScheduledBatch
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
-        cpu_modules: CPUModules | None = None,
+        packed_linears: PackedLinears | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.cpu_modules = cpu_modules  # CPU: oneDNN-packed linear weights, active during forwards
+        self.packed_linears = packed_linears  # CPU: oneDNN-packed linear weights, active during forwards
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
@@ -87,7 +87,7 @@ class ModelRunner:
         previous = config._attn_implementation
         # cbserve's attention only for this forward: the model stays usable by model.generate
         config._attn_implementation = ATTN_IMPLEMENTATION
-        packed = self.cpu_modules.active() if self.cpu_modules else contextlib.nullcontext()
+        packed = self.packed_linears.active() if self.packed_linears else contextlib.nullcontext()
         try:
             with packed:
                 out = self.model(

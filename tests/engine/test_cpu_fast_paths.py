@@ -12,7 +12,7 @@ import torch
 from engine import ContinuousBatchingConfig, LLMEngine, generate_batch
 from engine.backends.cpu import SDPABackend
 from engine.backends.cpu_kernels import cpu_ops
-from engine.backends.cpu_modules import CPUModules
+from engine.backends.cpu_linear import PackedLinears
 from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
 
 
@@ -83,7 +83,7 @@ def run_engine(model, prompts, *, kernels: bool, packed: bool, **cfg):
     if not kernels:
         engine.backend.ops = None
     assert (engine.backend.ops is not None) == kernels
-    assert (engine.cpu_modules is not None) == packed
+    assert (engine.packed_linears is not None) == packed
     reqs = [engine.make_request(list(p), max_new_tokens=MAX_NEW, ignore_eos=True) for p in prompts]
     for r in reqs:
         engine.add_request(r)
@@ -150,7 +150,7 @@ def test_weights_changed_in_place_are_used_by_the_next_round(packed: bool) -> No
 
 def test_packed_linear_equals_f_linear_to_rounding() -> None:
     layer = torch.nn.Linear(48, 80, bias=True)
-    packed = CPUModules(torch.nn.Sequential(layer))
+    packed = PackedLinears(torch.nn.Sequential(layer))
     x = torch.randn(3, 5, 48)
     with packed.active():
         y = layer(x)

@@ -5,7 +5,7 @@ torch's `F.linear` on the CPU runs near 130 GFLOP/s for a decode step's shapes h
 near 190-200 (fp32; the bf16 gain is smaller). Fusing gate/up products and writing C++ silu-mul and
 RMSNorm passes was tried too and measured no faster end to end (docs/benchmarks.md): not kept.
 
-`CPUModules.active()` swaps the packed forwards in for the duration of an engine forward; outside it the
+`PackedLinears.active()` swaps the packed forwards in for the duration of an engine forward; outside it the
 model is untouched and `model.generate` runs its own code and weights. Costs and limits: one more
 copy of the linear weights in memory (the engine's `cpu_packed_weights` setting turns all of this
 off; by default it is on when the copy fits easily). A weight changed in place (an RL trainer's
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -66,35 +66,23 @@ def _linear_ok(m: torch.nn.Module) -> bool:
 
 
 @dataclass
-class _Swap:
-    """One module's fast forward, packed from `sources` (weights) and packed again when they change."""
+class _PackedLinear:
+    """One linear layer's packed weight, packed again when the weight is replaced or changed in place."""
 
-    module: torch.nn.Module
-    sources: Callable[[], list[torch.Tensor]]  # the weights this entry was built from, read afresh
-    build: Callable[[list[torch.Tensor]], object]  # sources -> packed state
-    forward_of: Callable[[object], Callable]  # packed state -> forward
-    seen: list = field(default_factory=list)
-    state: object = None
+    module: torch.nn.Linear
+    weight: torch.Tensor | None = None  # the tensor that was packed
+    version: int = -1
+    packed: torch.Tensor | None = None
 
     def refresh(self) -> bool:
-        ws = self.sources()
-        key = [(id(w), _version(w)) for w in ws]
-        if key == self.seen:
+        w = self.module.weight
+        if w is self.weight and _version(w) == self.version:
             return False
-        self.seen, self.state = key, self.build(ws)
+        self.weight, self.version, self.packed = w, _version(w), _pack(w)
         return True
 
-
-def _linear_swap(m: torch.nn.Linear) -> _Swap:
-    def forward_of(packed):
-        return lambda x: _packed_linear(x, packed, m.bias)
-
-    return _Swap(m, lambda: [m.weight], lambda ws: _pack(ws[0]), forward_of)
-
-
-def plan(model: torch.nn.Module) -> list[_Swap]:
-    """The swaps this model gets: every packable linear layer."""
-    return [_linear_swap(m) for m in model.modules() if _linear_ok(m)]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _packed_linear(x, self.packed, self.module.bias)
 
 
 def packed_bytes(model: torch.nn.Module) -> int:
@@ -102,24 +90,23 @@ def packed_bytes(model: torch.nn.Module) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _linear_ok(m))
 
 
-class CPUModules:
+class PackedLinears:
     def __init__(self, model: torch.nn.Module) -> None:
-        self.swaps = plan(model)
+        self.layers = [_PackedLinear(m) for m in model.modules() if _linear_ok(m)]
         self.refresh()
 
     def refresh(self) -> int:
         """Pack again every weight replaced or changed in place since it was packed; returns how many."""
-        stale = sum(s.refresh() for s in self.swaps)
-        return stale
+        return sum(layer.refresh() for layer in self.layers)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         if self.refresh():
             logger.info("cbserve: changed weights packed again")
-        for s in self.swaps:
-            s.module.forward = s.forward_of(s.state)
+        for layer in self.layers:
+            layer.module.forward = layer.forward
         try:
             yield
         finally:
-            for s in self.swaps:
-                s.module.__dict__.pop("forward", None)
+            for layer in self.layers:
+                layer.module.__dict__.pop("forward", None)

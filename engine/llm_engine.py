@@ -266,18 +266,22 @@ class LLMEngine:
             return None
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (call it after replacing the model's weights by new tensors;
-        changes made in place are noticed by the engine itself)."""
+        """Call after replacing the model's weights by new tensors (changes made in place are noticed
+        by the engine itself): forgets every cached prefix block, packs the CPU's linear weights
+        again, and watches the new parameters from then on."""
+        self._params = list(self.model.parameters())
+        self._weights_seen = self._weights_version()
         self.block_manager.reset_prefix_cache()
+        if self.packed_linears:
+            self.packed_linears.refresh()
 
     def step(self) -> list[Request]:
         """One iteration; returns the requests that got a token or finished."""
         t0 = time.perf_counter()
         version = self._weights_version()
         if version != self._weights_seen:
-            self._weights_seen = version
             self.reset_prefix_cache()
-            logger.info("cbserve: model weights changed in place; prefix cache cleared")
+            logger.info("cbserve: model weights changed in place; prefix cache cleared, weights packed again")
         batch = self.scheduler.schedule()
         if not batch:
             return []

@@ -2,8 +2,8 @@
 
 The build (about 40 s on two cores, with `-O3 -march=native`) lands in the cbserve cache folder
 under a tag made of the source, torch's version and the CPU's flags, so a later start loads it in
-well under a second and a copied cache never runs code built for another CPU. `make install` builds
-it once (`python -m engine.backends.cpu_kernels`).
+well under a second and a copied cache never runs code built for another CPU. `make kernels` (which
+`make test`, `make demo` and `make bench` run first) builds it: `python -m engine.backends.cpu_kernels`.
 
 When the build cannot happen (no C++ compiler, `CBSERVE_CPU_KERNELS=0`), `cpu_ops()` returns None
 once with a warning and the CPU backend keeps its torch-only path.

@@ -5,25 +5,23 @@ torch's `F.linear` on the CPU runs near 130 GFLOP/s for a decode step's shapes h
 near 190-200 (fp32; the bf16 gain is smaller). Fusing gate/up products and writing C++ silu-mul and
 RMSNorm passes was tried too and measured no faster end to end (docs/benchmarks.md): not kept.
 
-`PackedLinears.active()` swaps the packed forwards in for the duration of an engine forward; outside it the
-model is untouched and `model.generate` runs its own code and weights. Costs and limits: one more
-copy of the linear weights in memory (the engine's `cpu_packed_weights` setting turns all of this
-off; by default it is on when the copy fits easily). A weight changed in place (an RL trainer's
-optimizer step, `load_state_dict`) or replaced is noticed before the next step and packed again.
-Modules whose `forward` someone already replaced (accelerate's offloading hooks) are left alone.
+`PackedLinears.active()` swaps the packed forwards in for the duration of an engine forward; outside
+it the model is untouched and `model.generate` runs its own code and weights. Costs and limits: one
+more copy of the linear weights in memory (the engine's `cpu_packed_weights` setting turns packing
+off; by default it is on when the copy fits easily). The engine calls `refresh()` when the weights
+change (LLMEngine.reset_prefix_cache): a layer whose weight was replaced or changed in place is
+packed again. Modules whose `forward` someone already replaced (accelerate's offloading hooks) are
+left alone.
 Results equal the originals to float rounding, not bit for bit (another summation order).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger("cbserve.engine")
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
@@ -51,14 +49,10 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return y.view(*shape[:-1], y.shape[-1])
 
 
-def _free_forward(m: torch.nn.Module) -> bool:
-    return "forward" not in m.__dict__
-
-
 def _linear_ok(m: torch.nn.Module) -> bool:
     return (
         type(m) is torch.nn.Linear
-        and _free_forward(m)
+        and "forward" not in m.__dict__  # nobody else's forward is replaced
         and m.weight.device.type == "cpu"
         and m.weight.dtype in PACKABLE_DTYPES
         and (m.bias is None or m.bias.dtype == m.weight.dtype)
@@ -101,8 +95,6 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        if self.refresh():
-            logger.info("cbserve: changed weights packed again")
         for layer in self.layers:
             layer.module.forward = layer.forward
         try:

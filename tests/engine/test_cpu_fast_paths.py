@@ -125,9 +125,11 @@ def test_packed_weights_leave_the_model_untouched() -> None:
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_weights_changed_in_place_are_used_by_the_next_round(packed: bool) -> None:
-    """An RL trainer updates the weights in place between rounds: the next round must use the new
-    ones, though the same prompts sit in the prefix cache and (packed) in oneDNN's copies."""
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+def test_changed_weights_are_used_by_the_next_round(packed: bool, how: str) -> None:
+    """An RL trainer updates the weights between rounds: the next round must use the new ones, though
+    the same prompts sit in the prefix cache and (packed) in oneDNN's copies. In place the engine
+    notices by itself; new tensors are announced with reset_prefix_cache()."""
     from engine.testing import build_test_model
 
     model = build_test_model("qwen2", vocab_size=512, seed=1)
@@ -153,10 +155,15 @@ def test_weights_changed_in_place_are_used_by_the_next_round(packed: bool) -> No
 
     before = engine_round()
     assert before == generate_round()
-    with torch.no_grad():  # an optimizer step, in place
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.mul_(-1.5)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.down_proj"):
+                if how == "in place":  # an optimizer step
+                    module.weight.mul_(-1.5)
+                else:
+                    module.weight = torch.nn.Parameter(module.weight * -1.5)
+    if how == "replaced":
+        engine.reset_prefix_cache()
     after = engine_round()
     assert after == generate_round()
     assert after != before

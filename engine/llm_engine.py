@@ -82,7 +82,7 @@ class LLMEngine:
             num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
             max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
         )  # fmt: skip
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, argmax=getattr(self.backend, "argmax", None))
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
         self._params = list(model.parameters())
         self._weights_seen = self._weights_version()

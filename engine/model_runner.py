@@ -81,7 +81,7 @@ class ModelRunner:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
-        """The eager model call of one step: float32 logits [len(logits_rows), vocab]."""
+        """The eager model call of one step: logits [len(logits_rows), vocab] in the model's dtype."""
         self.backend.prepare(meta)
         config = self.model.config
         previous = config._attn_implementation
@@ -99,11 +99,11 @@ class ModelRunner:
                 )
         finally:
             config._attn_implementation = previous
-        return out.logits[0].float()
+        return out.logits[0]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Forward the step; returns float32 logits [len(sample_rows), vocab] for those sequences."""
+        """Forward the step; returns logits [len(sample_rows), vocab] for those sequences (model dtype)."""
         start = time.perf_counter()
         input_ids, positions, meta = self.build_metadata(batch)
         last = (meta.cu_seqlens_q[1:] - 1).long()

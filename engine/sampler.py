@@ -1,6 +1,8 @@
 """Picks one token per sequence, vectorised over the batch, with per-request parameters.
 
-Greedy rows take the argmax (the fast path when every row is greedy). Sampled rows go through
+Logits arrive in the model's dtype. When every row is greedy and nothing asks for logprobs or
+processing, the argmax is taken on them as they are (the CPU backend's kernel reads bfloat16 in
+place); otherwise they are converted to float32 first. Greedy rows take the argmax. Sampled rows go through
 temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with q ~ Exp(1):
 a request with a seed draws q from its own generator, so its tokens do not depend on what else
 is in the batch. Logprobs are those of the model's raw distribution (log_softmax of the logits).
@@ -8,6 +10,7 @@ is in the batch. Logprobs are those of the model's raw distribution (log_softmax
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +25,19 @@ class SampleResult:
     top_logprobs: list[dict[int, float] | None] | None
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _needs_processing(req: Request) -> bool:
+    sp = req.sampling
+    ban_eos = req.num_generated < sp.min_new_tokens and req.eos_token_ids
+    return bool(sp.logit_bias or ban_eos or sp.needs_penalties)
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.argmax = argmax or _argmax  # [rows, vocab] -> int64 [rows]: the backend's, when it has one
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -32,6 +46,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], default_logprobs: bool = False) -> SampleResult:
         want_logprobs = default_logprobs or any(r.sampling.logprobs is not None for r in reqs)
+        if not want_logprobs and all(r.sampling.greedy and not _needs_processing(r) for r in reqs):
+            return SampleResult(self.argmax(logits).tolist(), None, None)
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._process(logits, reqs)
         greedy = [r.sampling.greedy for r in reqs]
@@ -58,10 +75,10 @@ class Sampler:
         """Logit bias, the EOS ban before min_new_tokens, and the penalties, for the rows that ask."""
         cloned = False
         for row, req in enumerate(reqs):
+            if not _needs_processing(req):
+                continue
             sp = req.sampling
             ban_eos = req.num_generated < sp.min_new_tokens and req.eos_token_ids
-            if not (sp.logit_bias or ban_eos or sp.needs_penalties):
-                continue
             if not cloned:
                 logits, cloned = logits.clone(), True
             x = logits[row]

@@ -1,11 +1,12 @@
 """CPU attention over the paged cache.
 
-Decode sequences (one query each) go to cbserve's C++ kernel (engine/csrc/paged_attention_cpu.cpp),
-which reads keys and values in place through the block table. Where it cannot run (no compiler,
-a logit softcap, head dims that are not multiples of 16), they are attended in one batched torch
-call over their gathered keys, padded to the longest and masked. Prefill chunks are attended one
-sequence at a time with torch SDPA: a chunk with no history uses the step's own keys with a causal
-mask; a chunk with history gathers its keys. No dense mask across requests is ever built.
+The whole step (decode tokens, prefill chunks, chunks with cached history) goes to cbserve's C++
+kernel (engine/csrc/paged_attention_cpu.cpp) in one call, which reads keys and values in place
+through the block table. Where it cannot run (no compiler, a logit softcap, head dims that are not
+multiples of 16), torch does it: decode sequences in one batched call over their gathered keys,
+padded to the longest and masked; prefill chunks one sequence at a time with SDPA (a chunk with no
+history uses the step's own keys with a causal mask; a chunk with history gathers its keys). No
+dense mask across requests is ever built.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ class SDPABackend:
             and query.dtype in KERNEL_DTYPES
             and k_cache.shape[3] % 16 == 0
             and v_cache.shape[3] % 16 == 0
-            and query.shape[1] <= 256
+            and query.stride(-1) == 1
         )
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [rows] from logits [rows, vocab], read in their own dtype by the kernel."""
+        if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
+            return self.ops.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _decode_gather(self, meta: AttentionMetadata) -> None:
         """The torch path's gather indices and masks, built once per step on first use."""
@@ -137,16 +144,15 @@ class SDPABackend:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, v_dim).index_copy_(0, meta.slot_mapping, value)
 
+        out = torch.empty(query.shape[0], query.shape[1], v_dim, dtype=query.dtype)
+        if self._kernel_fits(query, k_cache, v_cache, softcap):
+            self.ops.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k,
+                                     meta.cu_seqlens_q, scaling, sliding_window or 0)  # fmt: skip
+            return out
         gqa = query.shape[1] != num_kv_heads
-        out = torch.empty(query.shape[0], query.shape[1], v_cache.shape[3], dtype=query.dtype)
         nd = meta.num_decodes
         if nd:
-            if self._kernel_fits(query, k_cache, v_cache, softcap):
-                self.ops.paged_decode_attention(out[:nd], query[:nd].contiguous(), k_cache, v_cache,
-                                                meta.block_tables[:nd], meta.extra["decode_lens"], scaling,
-                                                sliding_window or 0)  # fmt: skip
-            else:
-                out[:nd] = self._decode_torch(query[:nd], k_cache, v_cache, meta, scaling, sliding_window, softcap)
+            out[:nd] = self._decode_torch(query[:nd], k_cache, v_cache, meta, scaling, sliding_window, softcap)
 
         cu = meta.cu_seqlens_q.tolist() if meta.num_seqs > nd else None
         for i in range(nd, meta.num_seqs):

@@ -24,7 +24,8 @@ import torch
 
 logger = logging.getLogger("cbserve.engine")
 
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"]
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "bindings.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
 
 _lock = threading.Lock()
@@ -61,7 +62,7 @@ def build_directory() -> Path:
 
 
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (with `paged_decode_attention`), or None when it cannot be had."""
+    """The compiled module (`paged_attention`, `argmax_rows`), or None when it cannot be had."""
     global _ops, _tried
     with _lock:
         if _tried:

@@ -1,14 +1,19 @@
-// Decode attention over the paged KV cache on the CPU: one query token per sequence, keys and
-// values read in place through the block table (no gather, no padding to the longest sequence).
+// Attention over the paged KV cache on the CPU, for every sequence of a step at once: decode tokens
+// (one query), prefill chunks (many queries, causal) and chunks whose history is already cached.
+// Keys and values are read in place through the block table (no gather, no padding); the step's own
+// keys and values must be in the cache before the call.
 //
-// Work is split over whole sequences (over (sequence, KV head) when there are few): an item walks its
-// sequence's tokens in order and reads each cache row once per step, for all the query heads that
-// share its KV heads. Scores, softmax and the weighted sum accumulate in float32 whatever the cache
-// dtype (float32, bfloat16, float16). Every index is checked before any memory is read.
-#include <torch/extension.h>
+// A work item is (sequence, KV head, tile of queries); its rows are the tile's queries times the
+// query heads that share the KV head, so each cached row is read once per item. Keys are taken 16 at
+// a time and staged as float32; the 16 q.k products of a row come out as one vector (a transposing
+// reduction, not 16 horizontal sums). Softmax runs over whole rows, then p.V accumulates; everything
+// is float32 whatever the cache dtype (float32, bfloat16, float16). Threads take items from a shared
+// counter, largest first. Every index is checked before any memory is read.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,7 +25,9 @@ namespace {
 typedef float vfloat __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
+constexpr int64_t kTileRows = 32;  // rows (queries x grouped heads) per item in prefill chunks
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -40,25 +47,34 @@ inline vfloat load(const c10::Half* p) {
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef float vfloat4 __attribute__((vector_size(16)));
-typedef int32_t vint __attribute__((vector_size(64)));
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
-// horizontal sum by halving (16 -> 8 -> 4 -> 1 lanes)
-inline float hsum(vfloat v) {
-  vfloat8 lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  const vfloat8 s8 = lo + hi;
-  vfloat4 a, b;
-  std::memcpy(&a, &s8, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
-  const vfloat4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+// r[i] = sum of the lanes of a[i]: four rounds of pairwise shuffles and adds (45 operations for 16
+// sums, against about 7 per horizontal sum).
+inline vfloat reduce16(const vfloat* a) {
+  vfloat b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float hmax(vfloat v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
 }
 
 // exp(x) for x <= 0 on 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial
-// (relative error ~1e-7, like std::exp in float); below -87 the result flushes to 0.
+// (relative error ~1e-7, like std::exp in float); below -87 the result is tiny, not 0 (callers zero
+// the masked entries themselves).
 inline vfloat exp_neg(vfloat x) {
   const vfloat lo = vfloat{} - 87.0f;
   x = x < lo ? lo : x;
@@ -78,157 +94,231 @@ inline vfloat exp_neg(vfloat x) {
   return p * scale;
 }
 
-template <typename T>
-const T* row(const T* cache, const int32_t* table, int64_t pos, int64_t block_size, int64_t row_stride) {
-  return cache + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * row_stride;
-}
+struct Item {
+  int64_t seq, h0, h1, q0, q1, cost;  // KV heads [h0, h1), queries [q0, q1) of the sequence's chunk
+};
 
-// One work item: sequence `seq`, KV heads [h0, h1). Tokens are walked in order and all the item's
-// heads of a cache row are read together, so a block is one sequential sweep of memory.
+struct Scratch {
+  std::vector<float> q, keys, values, scores, acc, inv;
+};
+
 template <typename T>
-struct Decode {
+struct Attention {
   T* out;
   const T *q, *k_cache, *v_cache;
-  const int32_t* block_tables;
-  const int64_t* seq_lens;
+  const int32_t *block_tables, *k_lens, *q_start;
+  int64_t q_stride_t, q_stride_h;
   int64_t num_heads, num_kv_heads, head_dim, v_dim, block_size, max_blocks, window;
   float scale;
 
-  void run(int64_t seq, int64_t h0, int64_t h1, std::vector<vfloat>& qv, std::vector<vfloat>& acc,
-           std::vector<float>& scores) const {
-    const int64_t group = num_heads / num_kv_heads, heads = (h1 - h0) * group;
-    const int64_t kc = head_dim / kLanes, vc = v_dim / kLanes;
-    const int64_t k_row = num_kv_heads * head_dim, v_row = num_kv_heads * v_dim;
-    const int64_t len = seq_lens[seq];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t n = len - first;
+  // Walks cache rows [first, first + n) of one sequence, 16 at a time, staging KV heads [h0, h1) of
+  // each tile as float32 [16, h1 - h0, dim] (zeros past the end) in `tile`; calls visit(t0, rows).
+  template <typename Visit>
+  void walk(const T* cache, int64_t dim, int64_t seq, int64_t h0, int64_t h1, int64_t first, int64_t n,
+            float* tile, Visit visit) const {
     const int32_t* table = block_tables + seq * max_blocks;
-    qv.resize(heads * kc);
-    acc.assign(heads * vc, vfloat{});
-    scores.resize(heads * n);
-    const T* qs = q + (seq * num_heads + h0 * group) * head_dim;  // the item's query heads are contiguous
-    for (int64_t c = 0; c < heads * kc; ++c) qv[c] = load(qs + c * kLanes) * scale;
-    // scores[h, t] = q_h . k_t
-    for (int64_t t = 0; t < n; ++t) {
-      const T* kr = row(k_cache, table, first + t, block_size, k_row);
-      for (int64_t kvh = h0; kvh < h1; ++kvh) {
-        const T* kh = kr + kvh * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kvh - h0) * group + g;
-          const vfloat* qh = qv.data() + h * kc;
-          vfloat s = qh[0] * load(kh);
-          for (int64_t c = 1; c < kc; ++c) s += qh[c] * load(kh + c * kLanes);
-          scores[h * n + t] = hsum(s);
-        }
+    const int64_t row_stride = num_kv_heads * dim, width = (h1 - h0) * dim, chunks = width / kLanes;
+    const T* base = cache + h0 * dim;
+    int64_t blk = first / block_size, off = first % block_size;
+    for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+      const int64_t rows = std::min<int64_t>(kLanes, n - t0);
+      for (int64_t j = 0; j < rows; ++j) {
+        const T* src = base + (static_cast<int64_t>(table[blk]) * block_size + off) * row_stride;
+        for (int64_t c = 0; c < chunks; ++c) store(tile + j * width + c * kLanes, load(src + c * kLanes));
+        if (++off == block_size) off = 0, ++blk;
+      }
+      if (rows < kLanes) std::fill(tile + rows * width, tile + kLanes * width, 0.0f);
+      visit(t0, rows);
+    }
+  }
+
+  // a0[0 .. CN chunks) += sum_j p0[j] v_j, and a1 likewise with p1 (v_j rows `stride` floats apart)
+  template <int CN>
+  static void accumulate(float* a0p, float* a1p, const float* p0, const float* p1, const float* values,
+                         int64_t stride, int64_t tn) {
+    vfloat a0[CN], a1[CN];
+    for (int c = 0; c < CN; ++c) a0[c] = load(a0p + c * kLanes), a1[c] = load(a1p + c * kLanes);
+    for (int64_t j = 0; j < tn; ++j) {
+      const float w0 = p0[j], w1 = p1[j];
+      for (int c = 0; c < CN; ++c) {
+        const vfloat v = load(values + j * stride + c * kLanes);
+        a0[c] += w0 * v;
+        a1[c] += w1 * v;
       }
     }
-    // softmax numerators; the division happens once at the end
-    float total[256];
-    for (int64_t h = 0; h < heads; ++h) {
-      float* sh = scores.data() + h * n;
-      float m = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
+    for (int c = 0; c < CN; ++c) store(a0p + c * kLanes, a0[c]), store(a1p + c * kLanes, a1[c]);
+  }
+
+  template <int KC>
+  void run(const Item& it, Scratch& s) const {
+    const int64_t group = num_heads / num_kv_heads, heads = it.h1 - it.h0;
+    const int64_t kc = KC ? KC : head_dim / kLanes, vc = v_dim / kLanes;
+    const int64_t chunk_start = q_start[it.seq], q_len = q_start[it.seq + 1] - chunk_start;
+    const int64_t pos0 = k_lens[it.seq] - q_len;  // position of the chunk's first query
+    const int64_t per_head = (it.q1 - it.q0) * group, rows = heads * per_head;
+    const int64_t last = pos0 + it.q1 - 1;  // keys up to the last query's position
+    const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 + it.q0 - window + 1) : 0;
+    const int64_t n = last - first + 1, npad = (n + kLanes - 1) / kLanes * kLanes;
+    const int64_t k_width = heads * head_dim, v_width = heads * v_dim;
+    s.q.resize(rows * head_dim);
+    s.keys.resize(kLanes * k_width);
+    s.values.resize(kLanes * v_width);
+    s.scores.resize(rows * npad);
+    s.acc.assign((rows + 1) * v_dim, 0.0f);  // one spare row (see below)
+    s.inv.resize(rows);
+    // row r = (hh * queries + i) * group + g: query it.q0 + i of query head (it.h0 + hh) * group + g, scaled
+    auto token = [&](int64_t r) { return chunk_start + it.q0 + (r % per_head) / group; };
+    auto head = [&](int64_t r) { return (it.h0 + r / per_head) * group + r % group; };
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = q + token(r) * q_stride_t + head(r) * q_stride_h;
+      for (int64_t c = 0; c < kc; ++c) store(s.q.data() + r * head_dim + c * kLanes, load(src + c * kLanes) * scale);
+    }
+    // scores[r, t] = q_r . k_(first + t)
+    walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t t0, int64_t) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = s.q.data() + r * head_dim;
+        const float* kt = s.keys.data() + (r / per_head) * head_dim;
+        vfloat a[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          vfloat sum = load(qr) * load(kt + j * k_width);
+          for (int64_t c = 1; c < kc; ++c) sum += load(qr + c * kLanes) * load(kt + j * k_width + c * kLanes);
+          a[j] = sum;
+        }
+        store(s.scores.data() + r * npad + t0, reduce16(a));
+      }
+    });
+    // softmax over each row's own keys (causal, sliding window); others get probability 0
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s.scores.data() + r * npad;
+      const int64_t qpos = pos0 + it.q0 + (r % per_head) / group;
+      const int64_t lo = (window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0) - first, hi = qpos - first + 1;
+      std::fill(sr, sr + lo, -INFINITY);
+      std::fill(sr + hi, sr + npad, -INFINITY);
+      vfloat vm = vfloat{} - INFINITY;
+      for (int64_t t = 0; t < npad; t += kLanes) {
+        const vfloat v = load(sr + t);
+        vm = v > vm ? v : vm;
+      }
+      const float m = hmax(vm);
+      for (int64_t t = 0; t < npad; t += kLanes) store(sr + t, exp_neg(load(sr + t) - m));
+      std::fill(sr, sr + lo, 0.0f);
+      std::fill(sr + hi, sr + npad, 0.0f);
       vfloat vsum{};
-      int64_t t = 0;
-      for (; t + kLanes <= n; t += kLanes) {
-        vfloat e = exp_neg(load(sh + t) - m);
-        std::memcpy(sh + t, &e, sizeof(e));
-        vsum += e;
-      }
-      float sum = hsum(vsum);
-      for (; t < n; ++t) {
-        sh[t] = std::exp(sh[t] - m);
-        sum += sh[t];
-      }
-      total[h] = sum;
+      for (int64_t t = 0; t < npad; t += kLanes) vsum += load(sr + t);
+      float total = 0.0f;
+      for (int i = 0; i < kLanes; ++i) total += vsum[i];
+      s.inv[r] = 1.0f / total;
     }
-    // acc[h] = sum_t p[h, t] v_t
-    for (int64_t t = 0; t < n; ++t) {
-      const T* vr = row(v_cache, table, first + t, block_size, v_row);
-      for (int64_t kvh = h0; kvh < h1; ++kvh) {
-        const T* vh = vr + kvh * v_dim;
-        for (int64_t c = 0; c < vc; ++c) {
-          const vfloat v = load(vh + c * kLanes);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = (kvh - h0) * group + g;
-            acc[h * vc + c] += scores[h * n + t] * v;
-          }
+    // acc[r] = sum_t p[r, t] v_t: two rows of one head and four 16-lane chunks at a time
+    float* spare = s.acc.data() + rows * v_dim;  // an odd last row of a head pairs with the spare row
+    walk(v_cache, v_dim, it.seq, it.h0, it.h1, first, n, s.values.data(), [&](int64_t t0, int64_t tn) {
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float* vt = s.values.data() + hh * v_dim;
+        for (int64_t r = hh * per_head; r < (hh + 1) * per_head; r += 2) {
+          const bool pair = r + 1 < (hh + 1) * per_head;
+          const float* p0 = s.scores.data() + r * npad + t0;
+          const float* p1 = pair ? p0 + npad : p0;
+          float* a0 = s.acc.data() + r * v_dim;
+          float* a1 = pair ? a0 + v_dim : spare;
+          int64_t c = 0;
+          for (; c + 4 <= vc; c += 4)
+            accumulate<4>(a0 + c * kLanes, a1 + c * kLanes, p0, p1, vt + c * kLanes, v_width, tn);
+          for (; c < vc; ++c) accumulate<1>(a0 + c * kLanes, a1 + c * kLanes, p0, p1, vt + c * kLanes, v_width, tn);
         }
       }
-    }
-    T* os = out + (seq * num_heads + h0 * group) * v_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float inv = 1.0f / total[h];
-      for (int64_t c = 0; c < vc; ++c)
-        for (int i = 0; i < kLanes; ++i) os[(h * vc + c) * kLanes + i] = static_cast<T>(acc[h * vc + c][i] * inv);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = s.inv[r];
+      T* dst = out + (token(r) * num_heads + head(r)) * v_dim;
+      const float* acc = s.acc.data() + r * v_dim;
+      for (int64_t i = 0; i < v_dim; ++i) dst[i] = static_cast<T>(acc[i] * inv);
     }
   }
 };
 
 template <typename T>
-void decode_kernel(const Decode<T>& d, int64_t num_seqs) {
-  // whole sequences per item when there are enough of them; otherwise one KV head per item
-  const int64_t split = num_seqs >= 4 * at::get_num_threads() ? 1 : d.num_kv_heads;
-  const int64_t per_item = d.num_kv_heads / split;
-  at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vfloat> qv, acc;
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h0 = (item % split) * per_item;
-      d.run(item / split, h0, h0 + per_item, qv, acc, scores);
+void attend(const Attention<T>& a, int64_t num_seqs) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t tile = std::max<int64_t>(1, kTileRows / group);
+  // a decode token takes all its KV heads when there are enough sequences to share out: each cache
+  // row is then read whole, in order
+  const bool whole_rows = num_seqs >= 4 * at::get_num_threads();
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = a.q_start[s + 1] - a.q_start[s], pos0 = a.k_lens[s] - q_len;
+    const int64_t step = q_len == 1 && whole_rows ? a.num_kv_heads : 1;
+    for (int64_t q0 = 0; q0 < q_len; q0 += tile) {
+      const int64_t q1 = std::min(q_len, q0 + tile);
+      const int64_t keys = pos0 + q1 - (a.window > 0 ? std::max<int64_t>(0, pos0 + q0 - a.window + 1) : 0);
+      for (int64_t h = 0; h < a.num_kv_heads; h += step) items.push_back({s, h, h + step, q0, q1, keys * (q1 - q0 + 1) * step});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t kc = a.head_dim / kLanes;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch s;
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
+      if (kc == 4) a.template run<4>(items[i], s);
+      else if (kc == 8) a.template run<8>(items[i], s);
+      else a.template run<0>(items[i], s);
     }
   });
 }
 
 }  // namespace
 
-// out [B, H, Dv], q [B, H, D], k_cache [N, bs, Hkv, D], v_cache [N, bs, Hkv, Dv],
-// block_tables int32 [B, max_blocks], seq_lens int64 [B]; window <= 0 means no sliding window.
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention: tensors must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(),
-              "paged_decode_attention: block_tables must be contiguous int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64, "paged_decode_attention: seq_lens must be int64");
+// out [T, H, Dv] contiguous; q [T, H, D] (last dim contiguous); k_cache [N, bs, Hkv, D],
+// v_cache [N, bs, Hkv, Dv]; block_tables int32 [S, max_blocks]; k_lens int32 [S] (keys per sequence,
+// this step's included); q_start int32 [S + 1] (the step's queries of sequence s are rows
+// q_start[s] .. q_start[s+1] - 1, the last positions of its k_lens[s] keys). window <= 0: none.
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window) {
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && q.dim() == 3 &&
+                  q.stride(2) == 1,
+              "paged_attention: out and the caches must be contiguous, q's last dim too");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  k_lens.scalar_type() == at::kInt && k_lens.is_contiguous() &&
+                  q_start.scalar_type() == at::kInt && q_start.is_contiguous(),
+              "paged_attention: block_tables, k_lens and q_start must be contiguous int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "paged_decode_attention: dtypes differ");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+              "paged_attention: dtypes differ");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), v_dim = v_cache.size(3);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads <= 256,
-              "paged_decode_attention: at most 256 query heads, a whole multiple of the KV heads");
-  TORCH_CHECK(head_dim % 16 == 0 && v_dim % 16 == 0, "paged_decode_attention: head dims must be multiples of 16");
-  TORCH_CHECK(v_cache.scalar_type() == q.scalar_type() && v_cache.size(0) == k_cache.size(0) &&
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: query heads must be a whole multiple of the KV heads");
+  TORCH_CHECK(head_dim % 16 == 0 && v_dim % 16 == 0, "paged_attention: head dims must be multiples of 16");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && v_cache.scalar_type() == q.scalar_type() &&
+                  k_cache.size(3) == head_dim && v_cache.size(0) == k_cache.size(0) &&
                   v_cache.size(1) == block_size && v_cache.size(2) == num_kv_heads,
-              "paged_decode_attention: the V cache does not match the K cache");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && seq_lens.numel() == num_seqs &&
-                  out.size(0) == num_seqs && out.size(1) == num_heads && out.size(2) == v_dim,
-              "paged_decode_attention: one block-table row, one length and one output row per sequence");
+              "paged_attention: the caches do not match the queries or each other");
+  TORCH_CHECK(block_tables.dim() == 2 && k_lens.numel() == num_seqs && q_start.numel() == num_seqs + 1 &&
+                  out.dim() == 3 && out.size(0) == num_tokens && out.size(1) == num_heads && out.size(2) == v_dim,
+              "paged_attention: one block-table row and one length per sequence, q_start one longer, out like q");
   const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int32_t* lens = k_lens.data_ptr<int32_t>();
+  const int32_t* starts = q_start.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens, "paged_attention: q_start must run from 0 to the tokens");
   for (int64_t b = 0; b < num_seqs; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size,
-                "paged_decode_attention: sequence length outside its block table");
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 1 && q_len <= lens[b], "paged_attention: every sequence needs 1 to k_len queries");
+    TORCH_CHECK(lens[b] <= max_blocks * block_size, "paged_attention: sequence length outside its block table");
     for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
-                  "paged_decode_attention: block id outside the cache");
+                  "paged_attention: block id outside the cache");
   }
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    const Decode<T> d{out.data_ptr<T>(), q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables,
-                      lens, num_heads, num_kv_heads, head_dim, v_dim, block_size, max_blocks, window,
-                      static_cast<float>(scale)};
-    decode_kernel(d, num_seqs);
+    const Attention<T> a{out.data_ptr<T>(), q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                         tables, lens, starts, q.stride(0), q.stride(1), num_heads, num_kv_heads, head_dim, v_dim,
+                         block_size, max_blocks, window, static_cast<float>(scale)};
+    attend(a, num_seqs);
   };
   switch (q.scalar_type()) {
-    case torch::kFloat: run(float{}); break;
-    case torch::kBFloat16: run(c10::BFloat16{}); break;
-    case torch::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 expected");
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 expected");
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over the paged KV cache (CPU)");
 }

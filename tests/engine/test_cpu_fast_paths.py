@@ -1,4 +1,4 @@
-"""The CPU fast paths: the C++ paged decode kernel and oneDNN-packed linear weights.
+"""The CPU fast paths: the C++ paged attention kernel and oneDNN-packed linear weights.
 
 Each is checked against the torch path it replaces, and the engine's greedy output stays equal to
 model.generate with them on, with them off, and after the weights change in place.
@@ -16,21 +16,42 @@ from engine.backends.cpu_linear import PackedLinears
 from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
 
 
-def reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
-    """One sequence at a time, in float64, straight from the definition."""
-    out = []
-    bs = k_cache.shape[1]
-    for b in range(q.shape[0]):
-        n = int(lens[b])
+def reference_attention(q, k_cache, v_cache, tables, k_lens, q_start, scale, window):
+    """One sequence at a time, in float64, straight from the definition (causal, sliding window)."""
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=torch.float64)
+    bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    for b in range(len(k_lens)):
+        n, s0, s1 = int(k_lens[b]), int(q_start[b]), int(q_start[b + 1])
         blocks = tables[b, : -(-n // bs)].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n].double()
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n].double()
-        first = max(0, n - window) if window else 0
-        group = q.shape[1] // k_cache.shape[2]
-        k, v = k[first:].repeat_interleave(group, 1), v[first:].repeat_interleave(group, 1)
-        scores = torch.einsum("hd,thd->ht", q[b].double(), k) * scale
-        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
-    return torch.stack(out)
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n].double().repeat_interleave(group, 1)
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n].double().repeat_interleave(group, 1)
+        q_pos, k_pos = torch.arange(n - (s1 - s0), n)[:, None], torch.arange(n)[None]
+        allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        scores = torch.einsum("qhd,thd->hqt", q[s0:s1].double(), k) * scale
+        out[s0:s1] = torch.einsum("hqt,thd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+    return out
+
+
+def random_step(q_lens, k_lens, heads, kv_heads, dim, dtype, seed):
+    """A cache of random blocks and a step with these query and key counts per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    bs, num_blocks = 16, 256
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype)
+    width = max(-(-n // bs) for n in k_lens)
+    tables = torch.randperm(num_blocks, generator=g)[: len(k_lens) * width].view(len(k_lens), width).int()
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
+    q_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, tables.contiguous(), torch.tensor(k_lens, dtype=torch.int32), q_start
+
+
+STEPS = {
+    "one decode": ([1], [37]),
+    "three decodes": ([1, 1, 1], [1, 16, 95]),
+    "forty decodes": ([1] * 40, list(range(2, 82, 2))),  # enough to give each item whole cache rows
+    "mixed": ([1, 1, 7, 40, 1], [3, 90, 7, 60, 17]),  # decodes, a fresh prompt, a chunk with history
+    "long prompt": ([93], [93]),
+}
 
 
 def test_kernel_is_built_here() -> None:
@@ -38,21 +59,16 @@ def test_kernel_is_built_here() -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("num_seqs", [1, 3, 40])  # few sequences split by KV head, many by sequence
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1), (9, 3)])
 @pytest.mark.parametrize("window", [0, 5, 37])
-@pytest.mark.parametrize("dim", [32, 128])
-def test_decode_kernel_matches_definition(dtype, tol, num_seqs, heads, kv_heads, window, dim) -> None:
-    g = torch.Generator().manual_seed(num_seqs * 100 + heads + window + dim)
-    bs, num_blocks = 16, 256
-    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype)
-    lens = torch.randint(1, 6 * bs, (num_seqs,), generator=g)
-    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * 6].view(num_seqs, 6).int().contiguous()
-    q = torch.randn(num_seqs, heads, dim, generator=g).to(dtype)
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_kernel_matches_definition(dtype, tol, step, heads, kv_heads, window, dim) -> None:
+    q_lens, k_lens = STEPS[step]
+    q, k_cache, v_cache, tables, lens, starts = random_step(q_lens, k_lens, heads, kv_heads, dim, dtype, seed=dim)
     out = torch.empty_like(q)
-    cpu_ops().paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim**-0.5, window)
-    expected = reference_decode(q, k_cache, v_cache, tables, lens, dim**-0.5, window)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, dim**-0.5, window)
+    expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, dim**-0.5, window)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
@@ -60,26 +76,64 @@ def test_kernel_refuses_what_it_cannot_do() -> None:
     """Bad shapes, dtypes or indices are a clear error, never a read outside the cache."""
     ops = cpu_ops()
 
-    def call(q=None, cache=None, tables=None, lens=None):
+    def call(q=None, cache=None, tables=None, lens=None, starts=None):
         q = torch.randn(2, 4, 32) if q is None else q
         cache = torch.randn(8, 16, 4, q.shape[-1], dtype=q.dtype) if cache is None else cache
         tables = torch.zeros(2, 1, dtype=torch.int32) if tables is None else tables
-        lens = torch.tensor([3, 4]) if lens is None else lens
-        ops.paged_decode_attention(torch.empty_like(q), q, cache, cache, tables, lens, 0.2, 0)
+        lens = torch.tensor([3, 4], dtype=torch.int32) if lens is None else lens
+        starts = torch.tensor([0, 1, 2], dtype=torch.int32) if starts is None else starts
+        ops.paged_attention(torch.empty_like(q), q, cache, cache, tables, lens, starts, 0.2, 0)
 
     call()  # the baseline is fine
     with pytest.raises(RuntimeError, match="multiples of 16"):
         call(q=torch.randn(2, 4, 24))
     with pytest.raises(RuntimeError, match="int32"):
         call(tables=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="int32"):
+        call(lens=torch.tensor([3, 4]))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         call(q=torch.randn(2, 4, 32, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="length outside its block table"):
-        call(lens=torch.tensor([3, 17]))  # one block of 16 in the table
+        call(lens=torch.tensor([3, 17], dtype=torch.int32))  # one block of 16 in the table
     with pytest.raises(RuntimeError, match="block id outside the cache"):
         call(tables=torch.tensor([[0], [8]], dtype=torch.int32))  # the cache has blocks 0..7
     with pytest.raises(RuntimeError, match="one block-table row"):
-        call(lens=torch.tensor([3]))
+        call(lens=torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="1 to k_len queries"):
+        call(starts=torch.tensor([0, 0, 2], dtype=torch.int32))  # a sequence with no query
+    with pytest.raises(RuntimeError, match="1 to k_len queries"):
+        call(q=torch.randn(6, 4, 32), starts=torch.tensor([0, 4, 6], dtype=torch.int32))  # 4 queries, 3 keys
+    with pytest.raises(RuntimeError, match="from 0 to the tokens"):
+        call(starts=torch.tensor([0, 1, 3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_argmax_kernel_agrees_with_torch(dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    wide = (torch.randn(9, 32000, generator=g) * 4).to(dtype)
+    edge = torch.zeros(6, 37, dtype=dtype)
+    edge[1, 20] = edge[1, 30] = 1  # a tie: the first index wins
+    edge[2, 3], edge[2, 36] = 5, float("nan")  # a NaN wins, as in torch
+    edge[3] = float("-inf")
+    edge[4, 36] = 2  # the largest value in the tail past the last 16 lanes
+    edge[5, 7] = float("nan")
+    short = torch.randn(3, 5, generator=g).to(dtype)
+    for logits in (wide, edge, short, wide[:, :1000]):  # the last one with rows far apart
+        assert torch.equal(cpu_ops().argmax_rows(logits), logits.float().argmax(-1))
+
+
+def test_greedy_argmax_kernel_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        cpu_ops().argmax_rows(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"\[rows, vocab\]"):
+        cpu_ops().argmax_rows(torch.randn(2, 8, 3))
+    with pytest.raises(RuntimeError, match=r"\[rows, vocab\]"):
+        cpu_ops().argmax_rows(torch.randn(8, 2).t())
+    backend = SDPABackend()  # the backend hands the kernel only what it takes
+    x = torch.randn(8, 4, dtype=torch.float64)
+    assert torch.equal(backend.argmax(x), x.argmax(-1))
+    y = torch.randn(8, 4).t()
+    assert torch.equal(backend.argmax(y), y.argmax(-1))
 
 
 def test_backend_falls_back_to_torch_where_the_kernel_cannot_run() -> None:

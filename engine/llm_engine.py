@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from engine.backends import get_backend
+from engine.backends import cpu_malloc, get_backend
 from engine.backends.cpu_linear import PackedLinears, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
@@ -53,6 +53,8 @@ class LLMEngine:
         num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
 
         self.backend = get_backend(param.device, config.attn_backend)
+        if param.device.type == "cpu":
+            cpu_malloc.tune()  # freed activations stay mapped for the next step (engine/backends/cpu_malloc.py)
         self.block_size = config.block_size or DEFAULT_BLOCK_SIZE.get(param.device.type, 256)
         self.backend.check_config(self.block_size)
         graph_flags = normalize_cuda_graph_flag(

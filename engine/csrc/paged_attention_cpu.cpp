@@ -3,12 +3,14 @@
 // Keys and values are read in place through the block table (no gather, no padding); the step's own
 // keys and values must be in the cache before the call.
 //
-// A work item is (sequence, KV head, tile of queries); its rows are the tile's queries times the
-// query heads that share the KV head, so each cached row is read once per item. Keys are taken 16 at
-// a time and staged as float32; the 16 q.k products of a row come out as one vector (a transposing
-// reduction, not 16 horizontal sums). Softmax runs over whole rows, then p.V accumulates; everything
-// is float32 whatever the cache dtype (float32, bfloat16, float16). Threads take items from a shared
-// counter, largest first. Every index is checked before any memory is read.
+// A work item is (sequence, KV heads, tile of queries); its rows are the tile's queries times the
+// query heads that share each KV head, so each cached row is read once per item (a decode token with
+// many sequences around takes all its KV heads: whole cache rows, in order). Keys are taken 16 at a
+// time and staged as float32. q.k for 16 keys comes out as one vector: for many rows, by four rows
+// at a time against the transposed tile; for few (decode), by a transposing reduction of 16 partial
+// sums. Softmax runs over whole rows, then p.V accumulates four rows at a time; everything is float32
+// whatever the cache dtype (float32, bfloat16, float16). Threads take items from a shared counter,
+// largest first. Every index is checked before any memory is read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -28,6 +30,7 @@ typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kTileRows = 32;  // rows (queries x grouped heads) per item in prefill chunks
+constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k runs on a transposed key tile
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -66,6 +69,25 @@ inline vfloat reduce16(const vfloat* a) {
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// In-place transpose of a 16 x 16 float block held as 16 rows: round k swaps bit k of the row
+// index with bit k of the column index, between rows i and i + 2^k.
+#define CB_SWAP(K, A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15, B0, B1, B2, B3, B4, B5, B6, \
+                B7, B8, B9, B10, B11, B12, B13, B14, B15)                                                         \
+  for (int i = 0; i < 16; ++i)                                                                                 \
+    if (!(i & (1 << K))) {                                                                                     \
+      const vfloat a = r[i], b = r[i + (1 << K)];                                                              \
+      r[i] = __builtin_shufflevector(a, b, A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15); \
+      r[i + (1 << K)] =                                                                                        \
+          __builtin_shufflevector(a, b, B0, B1, B2, B3, B4, B5, B6, B7, B8, B9, B10, B11, B12, B13, B14, B15);   \
+    }
+inline void transpose16(vfloat* r) {
+  CB_SWAP(0, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
+  CB_SWAP(1, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+  CB_SWAP(2, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
+  CB_SWAP(3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+}
+#undef CB_SWAP
+
 inline float hmax(vfloat v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -99,7 +121,7 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> q, keys, values, scores, acc, inv;
+  std::vector<float> q, keys, keys_t, values, scores, acc, inv;
 };
 
 template <typename T>
@@ -132,27 +154,81 @@ struct Attention {
     }
   }
 
-  // a0[0 .. CN chunks) += sum_j p0[j] v_j, and a1 likewise with p1 (v_j rows `stride` floats apart)
-  template <int CN>
-  static void accumulate(float* a0p, float* a1p, const float* p0, const float* p1, const float* values,
-                         int64_t stride, int64_t tn) {
-    vfloat a0[CN], a1[CN];
-    for (int c = 0; c < CN; ++c) a0[c] = load(a0p + c * kLanes), a1[c] = load(a1p + c * kLanes);
+  // acc rows a[0 .. R) (CN 16-lane chunks each) += sum_j p[i][j] v_j, v_j rows `stride` floats apart
+  template <int R, int CN>
+  static void accumulate(float* const* a, const float* const* p, const float* values, int64_t stride, int64_t tn) {
+    vfloat acc[R][CN];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CN; ++c) acc[r][c] = load(a[r] + c * kLanes);
     for (int64_t j = 0; j < tn; ++j) {
-      const float w0 = p0[j], w1 = p1[j];
-      for (int c = 0; c < CN; ++c) {
-        const vfloat v = load(values + j * stride + c * kLanes);
-        a0[c] += w0 * v;
-        a1[c] += w1 * v;
+      vfloat v[CN];
+      for (int c = 0; c < CN; ++c) v[c] = load(values + j * stride + c * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float w = p[r][j];
+        for (int c = 0; c < CN; ++c) acc[r][c] += w * v[c];
       }
     }
-    for (int c = 0; c < CN; ++c) store(a0p + c * kLanes, a0[c]), store(a1p + c * kLanes, a1[c]);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CN; ++c) store(a[r] + c * kLanes, acc[r][c]);
+  }
+
+  // p.V for rows [r, r + R) of one head over one tile, chunk by chunk
+  template <int R>
+  void accumulate_rows(float* const* a, const float* const* p, const float* vt, int64_t v_width, int64_t tn) const {
+    const int64_t vc = v_dim / kLanes;
+    int64_t c = 0;
+    for (; c + 4 <= vc; c += 4) {
+      float* ac[R];
+      for (int r = 0; r < R; ++r) ac[r] = a[r] + c * kLanes;
+      accumulate<R, 4>(ac, p, vt + c * kLanes, v_width, tn);
+    }
+    for (; c < vc; ++c) {
+      float* ac[R];
+      for (int r = 0; r < R; ++r) ac[r] = a[r] + c * kLanes;
+      accumulate<R, 1>(ac, p, vt + c * kLanes, v_width, tn);
+    }
+  }
+
+  // Scores of 16 keys for the rows of head hh when they are many: the staged tile is transposed
+  // ([dim][16 keys]), so four rows at a time take one broadcast q value times one key vector per
+  // dim, and 16 scores come out in lanes with no reduction.
+  template <int KC>
+  void scores_transposed(Scratch& s, int64_t hh, int64_t per_head, int64_t k_width, int64_t npad, int64_t t0) const {
+    const int64_t dim = KC ? KC * kLanes : head_dim;
+    float* kt = s.keys_t.data();
+    for (int64_t c = 0; c < dim; c += kLanes) {
+      vfloat block[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) block[j] = load(s.keys.data() + j * k_width + hh * head_dim + c);
+      transpose16(block);
+      for (int64_t i = 0; i < kLanes; ++i) store(kt + (c + i) * kLanes, block[i]);
+    }
+    const int64_t r0 = hh * per_head, r1 = r0 + per_head;
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) {
+      const float *q0 = s.q.data() + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim, *q3 = q2 + head_dim;
+      vfloat a0{}, a1{}, a2{}, a3{};
+      for (int64_t d = 0; d < dim; ++d) {
+        const vfloat k = load(kt + d * kLanes);
+        a0 += q0[d] * k;
+        a1 += q1[d] * k;
+        a2 += q2[d] * k;
+        a3 += q3[d] * k;
+      }
+      float* out = s.scores.data() + r * npad + t0;
+      store(out, a0), store(out + npad, a1), store(out + 2 * npad, a2), store(out + 3 * npad, a3);
+    }
+    for (; r < r1; ++r) {
+      const float* qr = s.q.data() + r * head_dim;
+      vfloat a{};
+      for (int64_t d = 0; d < dim; ++d) a += qr[d] * load(kt + d * kLanes);
+      store(s.scores.data() + r * npad + t0, a);
+    }
   }
 
   template <int KC>
   void run(const Item& it, Scratch& s) const {
     const int64_t group = num_heads / num_kv_heads, heads = it.h1 - it.h0;
-    const int64_t kc = KC ? KC : head_dim / kLanes, vc = v_dim / kLanes;
+    const int64_t kc = KC ? KC : head_dim / kLanes;
     const int64_t chunk_start = q_start[it.seq], q_len = q_start[it.seq + 1] - chunk_start;
     const int64_t pos0 = k_lens[it.seq] - q_len;  // position of the chunk's first query
     const int64_t per_head = (it.q1 - it.q0) * group, rows = heads * per_head;
@@ -162,6 +238,7 @@ struct Attention {
     const int64_t k_width = heads * head_dim, v_width = heads * v_dim;
     s.q.resize(rows * head_dim);
     s.keys.resize(kLanes * k_width);
+    s.keys_t.resize(head_dim * kLanes);
     s.values.resize(kLanes * v_width);
     s.scores.resize(rows * npad);
     s.acc.assign((rows + 1) * v_dim, 0.0f);  // one spare row (see below)
@@ -175,6 +252,10 @@ struct Attention {
     }
     // scores[r, t] = q_r . k_(first + t)
     walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t t0, int64_t) {
+      if (per_head >= kTransposeRows) {
+        for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, hh, per_head, k_width, npad, t0);
+        return;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = s.q.data() + r * head_dim;
         const float* kt = s.keys.data() + (r / per_head) * head_dim;
@@ -209,21 +290,24 @@ struct Attention {
       for (int i = 0; i < kLanes; ++i) total += vsum[i];
       s.inv[r] = 1.0f / total;
     }
-    // acc[r] = sum_t p[r, t] v_t: two rows of one head and four 16-lane chunks at a time
+    // acc[r] = sum_t p[r, t] v_t: four (or two) rows of one head at a time
     float* spare = s.acc.data() + rows * v_dim;  // an odd last row of a head pairs with the spare row
     walk(v_cache, v_dim, it.seq, it.h0, it.h1, first, n, s.values.data(), [&](int64_t t0, int64_t tn) {
       for (int64_t hh = 0; hh < heads; ++hh) {
         const float* vt = s.values.data() + hh * v_dim;
-        for (int64_t r = hh * per_head; r < (hh + 1) * per_head; r += 2) {
-          const bool pair = r + 1 < (hh + 1) * per_head;
-          const float* p0 = s.scores.data() + r * npad + t0;
-          const float* p1 = pair ? p0 + npad : p0;
-          float* a0 = s.acc.data() + r * v_dim;
-          float* a1 = pair ? a0 + v_dim : spare;
-          int64_t c = 0;
-          for (; c + 4 <= vc; c += 4)
-            accumulate<4>(a0 + c * kLanes, a1 + c * kLanes, p0, p1, vt + c * kLanes, v_width, tn);
-          for (; c < vc; ++c) accumulate<1>(a0 + c * kLanes, a1 + c * kLanes, p0, p1, vt + c * kLanes, v_width, tn);
+        const int64_t end = (hh + 1) * per_head;
+        for (int64_t r = hh * per_head; r < end;) {
+          float* a[4];
+          const float* p[4];
+          const int64_t take = end - r >= 4 ? 4 : 2;
+          for (int64_t i = 0; i < take; ++i) {
+            const bool real = r + i < end;
+            a[i] = real ? s.acc.data() + (r + i) * v_dim : spare;
+            p[i] = s.scores.data() + (real ? r + i : r) * npad + t0;
+          }
+          if (take == 4) accumulate_rows<4>(a, p, vt, v_width, tn);
+          else accumulate_rows<2>(a, p, vt, v_width, tn);
+          r += take;
         }
       }
     });

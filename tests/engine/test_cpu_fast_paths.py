@@ -246,3 +246,24 @@ def test_generate_batch_with_everything_off_still_matches() -> None:
     assert [tuple(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))] == [
         reference("mistral", tuple(p)) for p in prompts
     ]
+
+
+def test_malloc_settings_apply_once_on_glibc() -> None:
+    import platform
+
+    from engine.backends import cpu_malloc
+
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert cpu_malloc.tune() is on_glibc  # a CPU engine has already applied them: the same answer
+    assert cpu_malloc.tune() is on_glibc
+
+
+def test_malloc_settings_can_be_switched_off() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from engine.backends import cpu_malloc; print(cpu_malloc.tune())"
+    env = {**os.environ, "CBSERVE_CPU_MALLOC_TUNING": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

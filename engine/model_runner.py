@@ -52,9 +52,9 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.long)[seq_idx] + offset_in_seq
 
         max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            block_tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        block_tables = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs], dtype=torch.int32
+        )  # one tensor from padded lists: cheaper than a small tensor per sequence
         bs = self.block_size
         blocks = block_tables[seq_idx, torch.div(positions, bs, rounding_mode="floor")].long()
         slot_mapping = blocks * bs + positions % bs

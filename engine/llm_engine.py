@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from engine.backends import cpu_malloc, get_backend
+from engine.backends.cpu_fused import FusedModules
 from engine.backends.cpu_linear import PackedLinears, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
@@ -78,7 +79,8 @@ class LLMEngine:
             prefill_first=config.scheduler_type == "prefill_first",
             swap=self.swap,
         )
-        self.runner = ModelRunner(model, self.cache, self.backend, self.packed_linears)
+        self.fused_modules = self._fused_modules(model)
+        self.runner = ModelRunner(model, self.cache, self.backend, [self.packed_linears, self.fused_modules])
         self.runner.dispatch = StepDispatcher.from_config(
             self.runner.forward, config, self.backend, param.device, block_size=self.block_size,
             num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
@@ -109,6 +111,14 @@ class LLMEngine:
         packed = PackedLinears(model)
         logger.info("cbserve: %d linear weights packed for oneDNN (%.0f MiB)", len(packed.layers), size / 2**20)
         return packed
+
+    def _fused_modules(self, model: torch.nn.Module) -> FusedModules | None:
+        ops = getattr(self.backend, "ops", None)  # the CPU backend's compiled kernels, when built
+        if ops is None or not hasattr(ops, "rms_norm"):
+            return None
+        fused = FusedModules(model, ops)
+        logger.info("cbserve: %d fused C++ element-wise passes (RMSNorm, rotary, MLP)", len(fused))
+        return fused
 
     def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor, extra_blocks: int):
         """Blocks, token budget and request cap: from the config, else from the memory free now."""

@@ -9,25 +9,36 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from engine.attention import ATTN_IMPLEMENTATION, StepContext
 from engine.backends import AttentionBackend, AttentionMetadata
-from engine.backends.cpu_linear import PackedLinears
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
+
+
+class ModuleSwaps(Protocol):
+    """Replacement forwards for some of the model's modules, in place while `active()` is entered."""
+
+    def __len__(self) -> int: ...
+
+    def active(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
-        packed_linears: PackedLinears | None = None,
+        module_swaps: Sequence[ModuleSwaps] = (),
     ) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.packed_linears = packed_linears  # CPU: oneDNN-packed linear weights, active during forwards
+        # CPU: packed linears, fused norms and MLPs; their forwards replace the modules' own only
+        # inside the engine's forwards
+        self.module_swaps = [s for s in module_swaps if s]
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
@@ -87,9 +98,10 @@ class ModelRunner:
         previous = config._attn_implementation
         # cbserve's attention only for this forward: the model stays usable by model.generate
         config._attn_implementation = ATTN_IMPLEMENTATION
-        packed = self.packed_linears.active() if self.packed_linears else contextlib.nullcontext()
         try:
-            with packed:
+            with contextlib.ExitStack() as swaps:
+                for swap in self.module_swaps:
+                    swaps.enter_context(swap.active())
                 out = self.model(
                     input_ids=input_ids[None],
                     position_ids=positions[None],

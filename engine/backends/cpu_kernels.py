@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger("cbserve.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "bindings.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "elementwise_cpu.cpp", "bindings.cpp")]
+HEADERS = [CSRC / "vec16.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
 
 _lock = threading.Lock()
@@ -47,7 +48,7 @@ def _cpu_flags() -> str:
 
 def build_tag() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -62,7 +63,7 @@ def build_directory() -> Path:
 
 
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (`paged_attention`, `argmax_rows`), or None when it cannot be had."""
+    """The compiled module (`paged_attention`, `argmax_rows`, `rms_norm`, `silu_mul`), or None when it cannot be had."""
     global _ops, _tried
     with _lock:
         if _tried:

@@ -89,6 +89,9 @@ class PackedLinears:
         self.layers = [_PackedLinear(m) for m in model.modules() if _linear_ok(m)]
         self.refresh()
 
+    def __len__(self) -> int:
+        return len(self.layers)
+
     def refresh(self) -> int:
         """Pack again every weight replaced or changed in place since it was packed; returns how many."""
         return sum(layer.refresh() for layer in self.layers)

@@ -4,39 +4,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-
-// 16 values as float32 (bfloat16 by a shift: exact)
-template <typename T>
-inline vfloat lanes(const T* p) {
-  vfloat v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-inline vfloat lanes(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vfloat lanes(const c10::BFloat16* p) {
-  vu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu32 w = __builtin_convertvector(h, vu32) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
+using namespace cbserve;
 
 template <typename T>
 int64_t scalar_argmax(const T* row, int64_t n) {
@@ -56,10 +32,10 @@ template <typename T>
 int64_t row_argmax(const T* row, int64_t n) {
   const int64_t body = n / kLanes * kLanes;
   if (body == 0) return scalar_argmax(row, n);
-  vfloat top = lanes(row);
+  vfloat top = load(row);
   vint nan{};
   for (int64_t i = 0; i < body; i += kLanes) {
-    const vfloat v = lanes(row + i);
+    const vfloat v = load(row + i);
     top = v > top ? v : top;
     nan |= v != v;
   }
@@ -73,7 +49,7 @@ int64_t row_argmax(const T* row, int64_t n) {
   for (int i = 0; i < kLanes; ++i)
     if (nan[i]) return scalar_argmax(row, n);
   for (int64_t i = 0; i < body; i += kLanes) {
-    const vint hit = lanes(row + i) == best;
+    const vint hit = load(row + i) == best;
     for (int j = 0; j < kLanes; ++j)
       if (hit[j]) return i + j;
   }

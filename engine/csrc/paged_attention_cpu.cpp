@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -23,34 +25,10 @@
 
 namespace {
 
-// 16 float lanes: one AVX-512 register, or two AVX2 ones (GCC vector extensions, -march=native).
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using namespace cbserve;
+
 constexpr int64_t kTileRows = 32;  // rows (queries x grouped heads) per item in prefill chunks
 constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k runs on a transposed key tile
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vfloat load(const c10::BFloat16* p) {
-  vu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  vu32 w = __builtin_convertvector(h, vu32) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-inline vfloat load(const c10::Half* p) {
-  vfloat v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 // r[i] = sum of the lanes of a[i]: four rounds of pairwise shuffles and adds (45 operations for 16
 // sums, against about 7 per horizontal sum).
@@ -92,28 +70,6 @@ inline float hmax(vfloat v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
-}
-
-// exp(x) for x <= 0 on 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial
-// (relative error ~1e-7, like std::exp in float); below -87 the result is tiny, not 0 (callers zero
-// the masked entries themselves).
-inline vfloat exp_neg(vfloat x) {
-  const vfloat lo = vfloat{} - 87.0f;
-  x = x < lo ? lo : x;
-  const vfloat n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (vfloat{} - 0.5f), vint), vfloat);
-  vfloat r = x - n * 0.693359375f;  // ln2 in two parts, so r stays exact
-  r = r + n * 2.12194440e-4f;
-  vfloat p = vfloat{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 struct Item {

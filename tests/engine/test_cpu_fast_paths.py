@@ -1,4 +1,4 @@
-"""The CPU fast paths: the C++ paged attention kernel and oneDNN-packed linear weights.
+"""The CPU fast paths: the C++ paged attention kernel, fused element-wise passes, oneDNN-packed linear weights.
 
 Each is checked against the torch path it replaces, and the engine's greedy output stays equal to
 model.generate with them on, with them off, and after the weights change in place.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from transformers.models.llama import modeling_llama as llama
 
 from engine import ContinuousBatchingConfig, LLMEngine, generate_batch
 from engine.backends.cpu import SDPABackend
@@ -148,8 +150,9 @@ def test_backend_falls_back_to_torch_where_the_kernel_cannot_run() -> None:
 
 def run_engine(model, prompts, *, kernels: bool, packed: bool, **cfg):
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=512, cpu_packed_weights=packed, **cfg))
-    if not kernels:
+    if not kernels:  # no attention kernel, no fused element-wise passes: torch alone
         engine.backend.ops = None
+        engine.runner.module_swaps.remove(engine.fused_modules)
     assert (engine.backend.ops is not None) == kernels
     assert (engine.packed_linears is not None) == packed
     reqs = [engine.make_request(list(p), max_new_tokens=MAX_NEW, ignore_eos=True) for p in prompts]
@@ -171,6 +174,7 @@ def test_packed_weights_leave_the_model_untouched() -> None:
     model = model_for("llama")
     run_engine(model, prompts_for()[:2], kernels=True, packed=True)
     assert not any("forward" in m.__dict__ for m in model.modules())  # no forward left swapped in
+    assert llama.apply_rotary_pos_emb.__module__ == llama.__name__  # transformers' own again
     prompt = prompts_for()[0]
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,

@@ -109,7 +109,7 @@ class LLMEngine:
             logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
             return None
         packed = PackedLinears(model)
-        logger.info("cbserve: %d linear weights packed for oneDNN (%.0f MiB)", len(packed.layers), size / 2**20)
+        logger.info("cbserve: %d linear layers on oneDNN-packed weights (%.0f MiB)", len(packed), size / 2**20)
         return packed
 
     def _fused_modules(self, model: torch.nn.Module) -> FusedModules | None:

@@ -2,8 +2,9 @@
 
 torch's `F.linear` on the CPU runs near 130 GFLOP/s for a decode step's shapes here, and 65 for a
 32k-vocabulary LM head; the same products on weights reordered once into oneDNN's blocked layout run
-near 190-200 (fp32; the bf16 gain is smaller). Fusing gate/up products and writing C++ silu-mul and
-RMSNorm passes was tried too and measured no faster end to end (docs/benchmarks.md): not kept.
+near 190-200 (fp32; the bf16 gain is smaller). Siblings that read one input (q/k/v projections,
+gate/up) share one packed weight and one product: a 64-row decode step's q/k/v take 198 us instead
+of 284 in bf16 (fewer, wider products). The members' outputs are views of the one result.
 
 `PackedLinears.active()` swaps the packed forwards in for the duration of an engine forward; outside
 it the model is untouched and `model.generate` runs its own code and weights. Costs and limits: one
@@ -18,13 +19,15 @@ Results equal the originals to float rounding, not bit for bit (another summatio
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
+# sibling linears that read one input: packed together, one product (engine/backends/cpu_linear.py)
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def packing_available() -> bool:
@@ -78,6 +81,74 @@ class _PackedLinear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _packed_linear(x, self.packed, self.module.bias)
 
+    def swaps(self) -> list[tuple[torch.nn.Module, Callable]]:
+        return [(self.module, self.forward)]
+
+
+class _PackedGroup:
+    """Sibling linears that read the same input (q/k/v, gate/up): one product on their concatenated
+    packed weights. The first member's call computes every member's output (views of one tensor);
+    the others return theirs when called with that same input tensor, else run `F.linear`."""
+
+    def __init__(self, modules: list[torch.nn.Linear]) -> None:
+        self.modules = modules
+        self.seen: list[tuple[torch.Tensor, int]] = []
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.splits = [m.out_features for m in modules]
+        self.pending_input: torch.Tensor | None = None
+        self.pending: list[torch.Tensor | None] = []
+
+    def refresh(self) -> bool:
+        seen = [(m.weight, _version(m.weight)) for m in self.modules]
+        if len(seen) == len(self.seen) and all(a is b and u == v for (a, u), (b, v) in zip(seen, self.seen)):
+            return False
+        with torch.no_grad():
+            self.packed = _pack(torch.cat([m.weight.detach() for m in self.modules]))
+            biases = [m.bias for m in self.modules]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.seen = seen
+        return True
+
+    def _first(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = list(_packed_linear(x, self.packed, self.bias).split(self.splits, dim=-1))
+        self.pending_input, self.pending = x, outputs
+        return outputs[0]
+
+    def _member(self, i: int) -> Callable:
+        module = self.modules[i]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x is self.pending_input and self.pending[i] is not None:
+                out, self.pending[i] = self.pending[i], None
+                if all(p is None for p in self.pending[1:]):
+                    self.pending_input, self.pending = None, []
+                return out
+            return torch.nn.functional.linear(x, module.weight, module.bias)
+
+        return forward
+
+    def swaps(self) -> list[tuple[torch.nn.Module, Callable]]:
+        return [(self.modules[0], self._first)] + [(m, self._member(i)) for i, m in enumerate(self.modules) if i]
+
+    def release(self) -> None:
+        self.pending_input, self.pending = None, []
+
+
+def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """Children that read the same input and can share one packed product."""
+    found = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, torch.nn.Linear) and _linear_ok(m) for m in members):
+                continue
+            first = members[0]
+            if all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+                   and (m.bias is None) == (first.bias is None) for m in members):  # fmt: skip
+                found.append(members)
+    return found
+
 
 def packed_bytes(model: torch.nn.Module) -> int:
     """Memory the packed copies would take."""
@@ -86,11 +157,16 @@ def packed_bytes(model: torch.nn.Module) -> int:
 
 class PackedLinears:
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = [_PackedLinear(m) for m in model.modules() if _linear_ok(m)]
+        groups = _groups(model)
+        grouped = {id(m) for g in groups for m in g}
+        self.groups = [_PackedGroup(g) for g in groups]
+        singles = [_PackedLinear(m) for m in model.modules() if _linear_ok(m) and id(m) not in grouped]
+        self.layers: list[_PackedLinear | _PackedGroup] = [*self.groups, *singles]
         self.refresh()
+        self._swaps = [swap for layer in self.layers for swap in layer.swaps()]
 
     def __len__(self) -> int:
-        return len(self.layers)
+        return len(self._swaps)
 
     def refresh(self) -> int:
         """Pack again every weight replaced or changed in place since it was packed; returns how many."""
@@ -98,10 +174,12 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        for layer in self.layers:  # straight into __dict__: nn.Module.__setattr__ costs more per step
-            layer.module.__dict__["forward"] = layer.forward
+        for module, forward in self._swaps:  # straight into __dict__: nn.Module.__setattr__ costs more per step
+            module.__dict__["forward"] = forward
         try:
             yield
         finally:
-            for layer in self.layers:
-                layer.module.__dict__.pop("forward", None)
+            for module, _ in self._swaps:
+                module.__dict__.pop("forward", None)
+            for group in self.groups:
+                group.release()

@@ -151,7 +151,7 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
 }
 
 // q or k [batch, heads, tokens, head_dim] (any strides, the last one 1), cos and sin [batch, tokens,
-// head_dim] contiguous: the rotated tensor, laid out as the input is
+// head_dim] contiguous: the rotated tensor
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
               "rotary: x must be a CPU [batch, heads, tokens, head_dim] tensor with an even, contiguous head_dim");
@@ -160,9 +160,10 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == D && t->is_contiguous() &&
                     t->scalar_type() == x.scalar_type(),
                 "rotary: cos and sin must be contiguous [", B, ", ", L, ", ", D, "] in x's dtype");
-  at::Tensor out = at::empty_like(x);  // the same strides: a transposed view stays one
-  TORCH_CHECK(out.strides() == x.strides(), "rotary: x must be dense (no overlapping or broadcast strides)");
+  // laid out [batch, tokens, heads, head_dim], as a projection viewed per head and transposed is
+  at::Tensor out = at::empty({B, L, H, D}, x.options()).transpose(1, 2);
   const int64_t sb = x.stride(0), sh = x.stride(1), sl = x.stride(2);
+  const int64_t ob = out.stride(0), oh = out.stride(1), ol = out.stride(2);
   for_each_dtype(x, "rotary", [&](auto zero) {
     using T = decltype(zero);
     const T *src = x.data_ptr<T>(), *c = cos.data_ptr<T>(), *s = sin.data_ptr<T>();
@@ -171,8 +172,7 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
       for (int64_t bl = begin; bl < end; ++bl) {
         const int64_t b = bl / L, l = bl % L;
         for (int64_t h = 0; h < H; ++h) {
-          const int64_t off = b * sb + h * sh + l * sl;
-          rotary_row(src + off, c + bl * D, s + bl * D, dst + off, D / 2);
+          rotary_row(src + b * sb + h * sh + l * sl, c + bl * D, s + bl * D, dst + b * ob + h * oh + l * ol, D / 2);
         }
       }
     });

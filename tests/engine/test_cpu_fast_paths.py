@@ -237,6 +237,32 @@ def test_packed_linear_equals_f_linear_to_rounding() -> None:
     assert "forward" not in layer.__dict__
 
 
+def test_sibling_linears_share_one_product_and_fall_back_when_called_apart() -> None:
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(32, n, bias=True) for n in (64, 16, 16))
+
+    attn = Attention()
+    packed = PackedLinears(attn)
+    assert len(packed.groups) == 1 and len(packed) == 3
+    x, other = torch.randn(5, 32), torch.randn(5, 32)
+    want = [torch.nn.functional.linear(t, m.weight, m.bias) for t, m in
+            ((x, attn.q_proj), (x, attn.k_proj), (other, attn.v_proj), (x, attn.v_proj))]  # fmt: skip
+    with packed.active():
+        got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(other), attn.v_proj(x)]  # v first on another input
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert packed.groups[0].pending_input is None  # nothing held after the forward
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)  # a changed member packs the group again
+    assert packed.refresh() == 1
+    with packed.active():
+        attn.q_proj(x)
+        torch.testing.assert_close(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
 def test_cpu_packed_weights_is_validated() -> None:
     with pytest.raises(ValueError, match="cpu_packed_weights"):
         ContinuousBatchingConfig(cpu_packed_weights="yes")

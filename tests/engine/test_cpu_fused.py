@@ -45,7 +45,15 @@ def test_rotary_equals_transformers_bit_for_bit(ops, dtype, dim) -> None:
     want_q, want_k = llama.apply_rotary_pos_emb(q, k, cos, sin)
     got_q, got_k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert got_q.stride() == q.stride()  # laid out as the input: the attention call reads it the same way
+    assert got_q.stride() == q.stride()  # [1, T, H, D] in memory, as the projection's view is
+
+
+def test_rotary_takes_a_slice_of_a_packed_projection(ops) -> None:
+    """With q/k/v packed into one product, k is a strided slice of its output."""
+    qkv = torch.randn(1, 9, 3 * 4 * 16, generator=torch.Generator().manual_seed(2))
+    k = qkv[..., 64:128].view(1, 9, 4, 16).transpose(1, 2)
+    _, cos, sin = rotary_inputs(torch.float32, 9, 1, 16)
+    assert torch.equal(ops.rotary(k, cos, sin), llama.apply_rotary_pos_emb(k, k, cos, sin)[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,6 +1,6 @@
 """cbserve's C++ CPU kernels (engine/csrc/), compiled for this machine on first use.
 
-The build (about 40 s on two cores, with `-O3 -march=native`) lands in the cbserve cache folder
+The build (about a minute on two cores, with `-O3 -march=native`) lands in the cbserve cache folder
 under a tag made of the source, torch's version and the CPU's flags, so a later start loads it in
 well under a second and a copied cache never runs code built for another CPU. `make kernels` (which
 `make test`, `make demo` and `make bench` run first) builds it: `python -m engine.backends.cpu_kernels`.

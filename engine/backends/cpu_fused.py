@@ -36,7 +36,11 @@ def _same_code(fn: object, reference: Callable) -> bool:
 def _norm_forward(module: torch.nn.Module, ops: ModuleType) -> Callable | None:
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
-    if not (_same_code(type(module).forward, llama.LlamaRMSNorm.forward) and isinstance(weight, torch.Tensor) and isinstance(eps, float)):
+    if not (
+        _same_code(type(module).forward, llama.LlamaRMSNorm.forward)
+        and isinstance(weight, torch.Tensor)
+        and isinstance(eps, float)
+    ):
         return None
     original = type(module).forward
 
@@ -55,13 +59,13 @@ def _mlp_forward(module: torch.nn.Module, ops: ModuleType) -> Callable | None:
         return None
     if "forward" in act.__dict__:
         return None
-    original = type(module).forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        g, u = module.gate_proj(x), module.up_proj(x)
-        if g.dtype not in FUSED_DTYPES or g.dtype != u.dtype or g.device.type != "cpu":
-            return original(module, x)
-        return module.down_proj(ops.silu_mul(g.contiguous(), u.contiguous()))
+        g, u = module.gate_proj(x), module.up_proj(x)  # with packed siblings: two views of one product
+        if g.dtype not in FUSED_DTYPES or g.dtype != u.dtype or g.device.type != "cpu" or g.shape != u.shape:
+            return module.down_proj(module.act_fn(g) * u)  # transformers' own expression
+        n = g.shape[-1]
+        return module.down_proj(ops.silu_mul(g.reshape(-1, n), u.reshape(-1, n)).view(g.shape))
 
     return forward
 

@@ -132,19 +132,22 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
+// gate and up [rows, n] with contiguous rows, any row stride (the halves of one packed gate/up
+// product are two such views): silu(gate) * up, [rows, n] contiguous
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
-  check_rows(gate, "silu_mul");
-  check_rows(up, "silu_mul");
+  for (const at::Tensor* t : {&gate, &up})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->size(1) > 0 && t->stride(1) == 1,
+                "silu_mul: gate and up must be CPU [rows, n] tensors with contiguous rows");
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
               "silu_mul: gate and up must have the same shape and dtype");
-  const int64_t n = gate.size(-1), rows = gate.numel() / n;
-  at::Tensor out = at::empty_like(gate);
+  const int64_t rows = gate.size(0), n = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  at::Tensor out = at::empty({rows, n}, gate.options());
   for_each_dtype(gate, "silu_mul", [&](auto zero) {
     using T = decltype(zero);
     const T *g = gate.data_ptr<T>(), *u = up.data_ptr<T>();
     T* dst = out.data_ptr<T>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) silu_mul_row(g + r * n, u + r * n, dst + r * n, n);
+      for (int64_t r = begin; r < end; ++r) silu_mul_row(g + r * gs, u + r * us, dst + r * n, n);
     });
   });
   return out;

@@ -83,6 +83,12 @@ def test_silu_mul_equals_transformers(ops, dtype) -> None:
         torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-6, atol=1e-6)
 
 
+def test_silu_mul_reads_the_halves_of_one_packed_product(ops) -> None:
+    gate_up = torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(3))
+    gate, up = gate_up[:, :40], gate_up[:, 40:]  # strided rows, as a packed gate/up product gives them
+    torch.testing.assert_close(ops.silu_mul(gate, up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
 def test_silu_mul_tails_do_not_overflow(ops) -> None:
     gate = torch.tensor([[-1e4, -300.0, -120.0, -88.0, -87.5, -20.0, 20.0, 95.0, 300.0, 3e38] + [1.0] * 6])
     got, want = ops.silu_mul(gate, torch.ones_like(gate)), F.silu(gate)
@@ -101,8 +107,10 @@ def test_fused_kernels_refuse_what_they_cannot_do(ops) -> None:
         ops.rms_norm(x.double(), torch.ones(16, dtype=torch.float64), 1e-6)
     with pytest.raises(RuntimeError, match="rms_norm: a contiguous"):
         ops.rms_norm(x.t(), torch.ones(4), 1e-6)
-    with pytest.raises(RuntimeError, match="silu_mul: gate and up"):
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up must have the same"):
         ops.silu_mul(x, torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up must be CPU"):
+        ops.silu_mul(x[None], x[None])
     q, cos, sin = rotary_inputs(torch.float32, 5, 2, 8)
     with pytest.raises(RuntimeError, match="rotary: cos and sin"):
         ops.rotary(q, cos[:, :4], sin[:, :4])

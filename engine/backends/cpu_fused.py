@@ -55,9 +55,11 @@ def _norm_forward(module: torch.nn.Module, ops: ModuleType) -> Callable | None:
 
 def _mlp_forward(module: torch.nn.Module, ops: ModuleType) -> Callable | None:
     act = getattr(module, "act_fn", None)
-    if not (_same_code(type(module).forward, llama.LlamaMLP.forward) and type(act) in (SiLUActivation, torch.nn.SiLU)):
-        return None
-    if "forward" in act.__dict__:
+    if not (
+        _same_code(type(module).forward, llama.LlamaMLP.forward)
+        and type(act) in (SiLUActivation, torch.nn.SiLU)
+        and "forward" not in act.__dict__
+    ):
         return None
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ def build_directory() -> Path:
 
 
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (`paged_attention`, `argmax_rows`, `rms_norm`, `silu_mul`), or None when it cannot be had."""
+    """The compiled module (attention, greedy argmax, element-wise passes), or None when it cannot be had."""
     global _ops, _tried
     with _lock:
         if _tried:

@@ -26,7 +26,7 @@ import torch
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
-# sibling linears that read one input: packed together, one product (engine/backends/cpu_linear.py)
+# sibling linears that read one input: packed together, one product
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

@@ -128,7 +128,8 @@ def test_llama_code_gets_the_fused_passes_and_nothing_else(ops) -> None:
     assert names.count("forward") == 3 * layers + 1  # two norms and an MLP per layer, the final norm
     assert names.count("apply_rotary_pos_emb") == 1  # modeling_llama's
     # other code is left alone: Gemma's norm (1 + weight), a GELU MLP
-    gelu_mlp = llama.LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, hidden_act="gelu"))
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, hidden_act="gelu")
+    gelu_mlp = llama.LlamaMLP(config)
     other = FusedModules(torch.nn.Sequential(GemmaRMSNorm(16), gelu_mlp), ops)
     assert [name for _, name, _ in other.swaps if name == "forward"] == []
 

@@ -114,7 +114,7 @@ class LLMEngine:
 
     def _fused_modules(self, model: torch.nn.Module) -> FusedModules | None:
         ops = getattr(self.backend, "ops", None)  # the CPU backend's compiled kernels, when built
-        if ops is None or not hasattr(ops, "rms_norm"):
+        if ops is None:
             return None
         fused = FusedModules(model, ops)
         logger.info("cbserve: %d fused C++ element-wise passes (RMSNorm, rotary, MLP)", len(fused))

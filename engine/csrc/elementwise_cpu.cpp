@@ -95,16 +95,6 @@ void rotary_row(const T* x, const T* c, const T* s, T* out, int64_t half) {
   }
 }
 
-template <typename F>
-void for_each_dtype(const at::Tensor& t, const char* name, F f) {
-  switch (t.scalar_type()) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 expected");
-  }
-}
-
 int64_t grain(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -121,7 +111,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
               "rms_norm: weight must be [", x.size(-1), "] in the input's dtype");
   const int64_t n = x.size(-1), rows = x.numel() / n;
   at::Tensor out = at::empty_like(x);
-  for_each_dtype(x, "rms_norm", [&](auto zero) {
+  for_each_float_type(x, "rms_norm", [&](auto zero) {
     using T = decltype(zero);
     const T *src = x.data_ptr<T>(), *w = weight.data_ptr<T>();
     T* dst = out.data_ptr<T>();
@@ -142,7 +132,7 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
               "silu_mul: gate and up must have the same shape and dtype");
   const int64_t rows = gate.size(0), n = gate.size(1), gs = gate.stride(0), us = up.stride(0);
   at::Tensor out = at::empty({rows, n}, gate.options());
-  for_each_dtype(gate, "silu_mul", [&](auto zero) {
+  for_each_float_type(gate, "silu_mul", [&](auto zero) {
     using T = decltype(zero);
     const T *g = gate.data_ptr<T>(), *u = up.data_ptr<T>();
     T* dst = out.data_ptr<T>();
@@ -167,7 +157,7 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   at::Tensor out = at::empty({B, L, H, D}, x.options()).transpose(1, 2);
   const int64_t sb = x.stride(0), sh = x.stride(1), sl = x.stride(2);
   const int64_t ob = out.stride(0), oh = out.stride(1), ol = out.stride(2);
-  for_each_dtype(x, "rotary", [&](auto zero) {
+  for_each_float_type(x, "rotary", [&](auto zero) {
     using T = decltype(zero);
     const T *src = x.data_ptr<T>(), *c = cos.data_ptr<T>(), *s = sin.data_ptr<T>();
     T* dst = out.data_ptr<T>();

@@ -73,11 +73,6 @@ at::Tensor argmax_rows(at::Tensor logits) {
       for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * stride, vocab);
     });
   };
-  switch (logits.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "argmax_rows: float32, bfloat16 or float16 expected");
-  }
+  for_each_float_type(logits, "argmax_rows", run);
   return out;
 }

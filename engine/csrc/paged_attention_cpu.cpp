@@ -355,10 +355,5 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                          block_size, max_blocks, window, static_cast<float>(scale)};
     attend(a, num_seqs);
   };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 expected");
-  }
+  for_each_float_type(q, "paged_attention", run);
 }

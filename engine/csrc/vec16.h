@@ -1,6 +1,6 @@
 // 16 float lanes (one AVX-512 register, or two AVX2 ones) with GCC vector extensions, built with
 // -march=native: loads that widen float32/bfloat16/float16 to float32, stores that round back as
-// torch does, and exp for x <= 0. Shared by the CPU kernels in this folder.
+// torch does, exp for x <= 0, and the float-type dispatch. Shared by the CPU kernels in this folder.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -77,6 +77,17 @@ inline vfloat exp_neg(vfloat x) {
   vfloat scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// f(zero of the element type) for a float32, bfloat16 or float16 tensor; an error naming `name` otherwise
+template <typename F>
+void for_each_float_type(const at::Tensor& t, const char* name, F f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 expected");
+  }
 }
 
 inline float hsum(vfloat v) {

@@ -63,7 +63,7 @@ def _mlp_forward(module: torch.nn.Module, ops: ModuleType) -> Callable | None:
         return None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        g, u = module.gate_proj(x), module.up_proj(x)  # with packed siblings: two views of one product
+        g, u = module.gate_proj(x), module.up_proj(x)
         if g.dtype not in FUSED_DTYPES or g.dtype != u.dtype or g.device.type != "cpu" or g.shape != u.shape:
             return module.down_proj(module.act_fn(g) * u)  # transformers' own expression
         n = g.shape[-1]

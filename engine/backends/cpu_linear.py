@@ -2,9 +2,10 @@
 
 torch's `F.linear` on the CPU runs near 130 GFLOP/s for a decode step's shapes here, and 65 for a
 32k-vocabulary LM head; the same products on weights reordered once into oneDNN's blocked layout run
-near 190-200 (fp32; the bf16 gain is smaller). Siblings that read one input (q/k/v projections,
-gate/up) share one packed weight and one product: a 64-row decode step's q/k/v take 198 us instead
-of 284 in bf16 (fewer, wider products). The members' outputs are views of the one result.
+near 190-200 (fp32; the bf16 gain is smaller). The q/k/v projections, which read one input, share
+one packed weight and one product: a 64-row decode step's q/k/v take 201 us instead of 266 in bf16,
+389 instead of 484 in fp32 (`benchmarks/cpu_paths.py products`). The members' outputs are views of
+the one result. Grouping gate/up measured 7% faster in bf16 but 20% slower in fp32: not done.
 
 `PackedLinears.active()` swaps the packed forwards in for the duration of an engine forward; outside
 it the model is untouched and `model.generate` runs its own code and weights. Costs and limits: one
@@ -26,8 +27,8 @@ import torch
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
-# sibling linears that read one input: packed together, one product
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# sibling linears that read one input: packed together, one product (gate/up: slower in fp32)
+GROUPS = (("q_proj", "k_proj", "v_proj"),)
 
 
 def packing_available() -> bool:
@@ -86,7 +87,7 @@ class _PackedLinear:
 
 
 class _PackedGroup:
-    """Sibling linears that read the same input (q/k/v, gate/up): one product on their concatenated
+    """Sibling linears that read the same input (q/k/v): one product on their concatenated
     packed weights. The first member's call computes every member's output (views of one tensor);
     the others return theirs when called with that same input tensor, else run `F.linear`."""
 

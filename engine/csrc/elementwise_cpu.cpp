@@ -122,8 +122,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
-// gate and up [rows, n] with contiguous rows, any row stride (the halves of one packed gate/up
-// product are two such views): silu(gate) * up, [rows, n] contiguous
+// gate and up [rows, n] with contiguous rows, any row stride (the two halves of one gate/up
+// product would be two such views): silu(gate) * up, [rows, n] contiguous
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   for (const at::Tensor* t : {&gate, &up})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->size(1) > 0 && t->stride(1) == 1,

@@ -85,7 +85,7 @@ def test_silu_mul_equals_transformers(ops, dtype) -> None:
 
 def test_silu_mul_reads_the_halves_of_one_packed_product(ops) -> None:
     gate_up = torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(3))
-    gate, up = gate_up[:, :40], gate_up[:, 40:]  # strided rows, as a packed gate/up product gives them
+    gate, up = gate_up[:, :40], gate_up[:, 40:]  # strided rows: the halves of one gate/up product
     torch.testing.assert_close(ops.silu_mul(gate, up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 

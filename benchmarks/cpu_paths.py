@@ -1,13 +1,15 @@
 """cbserve's CPU fast paths measured one at a time, on the workloads of throughput.py.
 
-    python benchmarks/cpu_paths.py ab --what fused|grouped [--dtype bfloat16] [--workload W1] [--runs 3]
+    python benchmarks/cpu_paths.py ab --what fused|grouped|cascade [--dtype bfloat16] [--workload W1] [--runs 3]
     python benchmarks/cpu_paths.py split [--dtype bfloat16] [--workload W1]
     python benchmarks/cpu_paths.py products [--dtype bfloat16]
 
 `ab` runs the workload on engines with the path off and on, alternating in one process after a
 warm-up run, and prints output tokens/s per run, the medians and how many greedy outputs the two
 agree on. `fused` is the C++ RMSNorm/rotary/SiLU-mul passes (engine/backends/cpu_fused.py);
-`grouped` is q/k/v and gate/up packed into one product each (engine/backends/cpu_linear.py).
+`grouped` is q/k/v and gate/up packed into one product each (engine/backends/cpu_linear.py);
+`cascade` is the attention kernel's shared-prefix pass for decode tokens (engine/backends/cpu.py,
+CASCADE_MIN_SEQS; it acts on W2).
 
 `split` times the packed linear calls and the attention kernel calls inside each `LLMEngine.step`
 (second of two runs) and prints, per step kind (steps with prompt tokens, decode-only steps), the
@@ -31,10 +33,12 @@ import engine.backends.cpu_linear as cpu_linear
 from engine import ContinuousBatchingConfig, LLMEngine
 
 
-def make_engine(model, fused: bool = True) -> LLMEngine:
+def make_engine(model, fused: bool = True, cascade: bool = True) -> LLMEngine:
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024))
     if not fused:
         engine.runner.module_swaps.remove(engine.fused_modules)
+    if not cascade:
+        engine.backend.cascade_min_seqs = 0
     return engine
 
 
@@ -60,7 +64,7 @@ def ab(model, prompts, new_tokens: int, what: str, runs: int) -> None:
     for i in range(runs):
         for on in (False, True):
             cpu_linear.GROUPS = groups if (on or what != "grouped") else ()  # read when the engine packs
-            engine = make_engine(model, fused=on or what != "fused")
+            engine = make_engine(model, fused=on or what != "fused", cascade=on or what != "cascade")
             rate, outputs[on] = run(engine, prompts, new_tokens)
             rates[on].append(rate)
             print(f"run {i + 1} {what} {'on' if on else 'off'}: {rate:.1f} tok/s", flush=True)
@@ -143,7 +147,7 @@ def products(dtype: torch.dtype) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["ab", "split", "products"])
-    parser.add_argument("--what", default="fused", choices=["fused", "grouped"])
+    parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
     parser.add_argument("--runs", type=int, default=3)

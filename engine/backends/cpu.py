@@ -2,7 +2,8 @@
 
 The whole step (decode tokens, prefill chunks, chunks with cached history) goes to cbserve's C++
 kernel (engine/csrc/paged_attention_cpu.cpp) in one call, which reads keys and values in place
-through the block table. Where it cannot run (no compiler, a logit softcap, head dims that are not
+through the block table; decode tokens of sequences that share leading blocks attend over those
+blocks together (cascade attention, see CASCADE_MIN_SEQS). Where it cannot run (no compiler, a logit softcap, head dims that are not
 multiples of 16), torch does it: decode sequences in one batched call over their gathered keys,
 padded to the longest and masked; prefill chunks one sequence at a time with SDPA (a chunk with no
 history uses the step's own keys with a causal mask; a chunk with history gathers its keys). No
@@ -18,6 +19,10 @@ from engine.backends.base import AttentionMetadata
 from engine.backends.cpu_kernels import cpu_ops
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# decode tokens of at least this many sequences whose block tables start alike (one prompt sampled
+# many times, a common system prompt) attend over the shared blocks together in the kernel (cascade
+# attention); 0 turns it off
+CASCADE_MIN_SEQS = 4
 
 
 def _attention(q, k, v, mask, scaling, softcap, enable_gqa):
@@ -52,6 +57,7 @@ class SDPABackend:
 
     def __init__(self, use_kernels: bool = True) -> None:
         self.ops = cpu_ops() if use_kernels else None
+        self.cascade_min_seqs = CASCADE_MIN_SEQS
 
     def check_config(self, block_size: int) -> None:
         pass
@@ -147,7 +153,7 @@ class SDPABackend:
         out = torch.empty(query.shape[0], query.shape[1], v_dim, dtype=query.dtype)
         if self._kernel_fits(query, k_cache, v_cache, softcap):
             self.ops.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k,
-                                     meta.cu_seqlens_q, scaling, sliding_window or 0)  # fmt: skip
+                                     meta.cu_seqlens_q, scaling, sliding_window or 0, self.cascade_min_seqs)  # fmt: skip
             return out
         gqa = query.shape[1] != num_kv_heads
         nd = meta.num_decodes

@@ -2,14 +2,16 @@
 #include <torch/extension.h>
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window);
+                     at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window, int64_t cascade_min_seqs);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Attention over the paged KV cache for a whole step (CPU)");
+  m.def("paged_attention", &paged_attention, "Attention over the paged KV cache for a whole step (CPU)", py::arg("out"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("k_lens"),
+        py::arg("q_start"), py::arg("scale"), py::arg("window"), py::arg("cascade_min_seqs") = 4);
   m.def("argmax_rows", &argmax_rows, "Index of each row's largest value, in the tensor's own dtype (CPU)");
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass over each row (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up in the model dtype, in one pass (CPU)");

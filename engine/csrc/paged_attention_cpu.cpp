@@ -11,6 +11,12 @@
 // sums. Softmax runs over whole rows, then p.V accumulates four rows at a time; everything is float32
 // whatever the cache dtype (float32, bfloat16, float16). Threads take items from a shared counter,
 // largest first. Every index is checked before any memory is read.
+//
+// Cascade: decode tokens of sequences that share their leading cache blocks (one prompt with many
+// samples, a common system prompt) attend over the shared part together, before the items run: per
+// KV head, one matrix product of all their queries with the shared keys, a softmax per row that keeps
+// its max and sum, and one product with the shared values. Each item then covers only its
+// sequence's own keys and merges the two parts by their maxima and sums (log-sum-exp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -77,7 +83,20 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> q, keys, keys_t, values, scores, acc, inv;
+  std::vector<float> q, keys, keys_t, values, scores, acc, total, max;
+};
+
+// Decode sequences that share their first `blocks` cache blocks
+struct Share {
+  std::vector<int64_t> seqs;
+  int64_t blocks;
+};
+
+// The shared part's attention for each (sequence, query head) of a share: the max of its scores,
+// the sum of exp(score - max), and the sum of exp(score - max) * v; keys_done[s]: keys it covers
+struct Prior {
+  std::vector<int64_t> keys_done;
+  std::vector<float> max, total, acc;
 };
 
 template <typename T>
@@ -88,6 +107,14 @@ struct Attention {
   int64_t q_stride_t, q_stride_h;
   int64_t num_heads, num_kv_heads, head_dim, v_dim, block_size, max_blocks, window;
   float scale;
+  const Prior* prior = nullptr;  // set when some sequences share blocks
+
+  // the first key a query tile [q0, ...) of sequence seq attends to (before the sliding window:
+  // none; keys a prior covers: skipped)
+  int64_t first_key(int64_t seq, int64_t q_pos0) const {
+    const int64_t from_window = window > 0 ? std::max<int64_t>(0, q_pos0 - window + 1) : 0;
+    return prior ? std::max(from_window, prior->keys_done[seq]) : from_window;
+  }
 
   // Walks cache rows [first, first + n) of one sequence, 16 at a time, staging KV heads [h0, h1) of
   // each tile as float32 [16, h1 - h0, dim] (zeros past the end) in `tile`; calls visit(t0, rows).
@@ -189,7 +216,7 @@ struct Attention {
     const int64_t pos0 = k_lens[it.seq] - q_len;  // position of the chunk's first query
     const int64_t per_head = (it.q1 - it.q0) * group, rows = heads * per_head;
     const int64_t last = pos0 + it.q1 - 1;  // keys up to the last query's position
-    const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 + it.q0 - window + 1) : 0;
+    const int64_t first = first_key(it.seq, pos0 + it.q0);
     const int64_t n = last - first + 1, npad = (n + kLanes - 1) / kLanes * kLanes;
     const int64_t k_width = heads * head_dim, v_width = heads * v_dim;
     s.q.resize(rows * head_dim);
@@ -198,7 +225,8 @@ struct Attention {
     s.values.resize(kLanes * v_width);
     s.scores.resize(rows * npad);
     s.acc.assign((rows + 1) * v_dim, 0.0f);  // one spare row (see below)
-    s.inv.resize(rows);
+    s.total.resize(rows);
+    s.max.resize(rows);
     // row r = (hh * queries + i) * group + g: query it.q0 + i of query head (it.h0 + hh) * group + g, scaled
     auto token = [&](int64_t r) { return chunk_start + it.q0 + (r % per_head) / group; };
     auto head = [&](int64_t r) { return (it.h0 + r / per_head) * group + r % group; };
@@ -228,7 +256,7 @@ struct Attention {
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s.scores.data() + r * npad;
       const int64_t qpos = pos0 + it.q0 + (r % per_head) / group;
-      const int64_t lo = (window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0) - first, hi = qpos - first + 1;
+      const int64_t lo = first_key(it.seq, qpos) - first, hi = qpos - first + 1;
       std::fill(sr, sr + lo, -INFINITY);
       std::fill(sr + hi, sr + npad, -INFINITY);
       vfloat vm = vfloat{} - INFINITY;
@@ -237,6 +265,7 @@ struct Attention {
         vm = v > vm ? v : vm;
       }
       const float m = hmax(vm);
+      s.max[r] = m;
       for (int64_t t = 0; t < npad; t += kLanes) store(sr + t, exp_neg(load(sr + t) - m));
       std::fill(sr, sr + lo, 0.0f);
       std::fill(sr + hi, sr + npad, 0.0f);
@@ -244,7 +273,7 @@ struct Attention {
       for (int64_t t = 0; t < npad; t += kLanes) vsum += load(sr + t);
       float total = 0.0f;
       for (int i = 0; i < kLanes; ++i) total += vsum[i];
-      s.inv[r] = 1.0f / total;
+      s.total[r] = total;
     }
     // acc[r] = sum_t p[r, t] v_t: four (or two) rows of one head at a time
     float* spare = s.acc.data() + rows * v_dim;  // an odd last row of a head pairs with the spare row
@@ -267,17 +296,123 @@ struct Attention {
         }
       }
     });
+    const bool merge = prior && prior->keys_done[it.seq] > 0;
     for (int64_t r = 0; r < rows; ++r) {
-      const float inv = s.inv[r];
       T* dst = out + (token(r) * num_heads + head(r)) * v_dim;
       const float* acc = s.acc.data() + r * v_dim;
-      for (int64_t i = 0; i < v_dim; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+      if (!merge) {
+        const float inv = 1.0f / s.total[r];
+        for (int64_t i = 0; i < v_dim; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+        continue;
+      }
+      // own keys (max m, sum l, acc) and the shared ones (pm, pl, pacc), both rescaled to the larger max
+      const int64_t idx = it.seq * num_heads + head(r);
+      const float m = s.max[r], pm = prior->max[idx], top = std::max(m, pm);
+      const float own = std::exp(m - top), shared = std::exp(pm - top);
+      const float inv = 1.0f / (s.total[r] * own + prior->total[idx] * shared);
+      const float* pacc = prior->acc.data() + idx * v_dim;
+      for (int64_t i = 0; i < v_dim; ++i) dst[i] = static_cast<T>((acc[i] * own + pacc[i] * shared) * inv);
     }
   }
 };
 
+// Groups of at least min_seqs decode sequences whose block tables start alike, with the whole blocks
+// they share before each one's last key
 template <typename T>
-void attend(const Attention<T>& a, int64_t num_seqs) {
+std::vector<Share> find_shares(const Attention<T>& a, int64_t num_seqs, int64_t min_seqs) {
+  std::vector<int64_t> decodes;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    if (a.q_start[s + 1] - a.q_start[s] == 1 && a.k_lens[s] > a.block_size) decodes.push_back(s);
+  auto table = [&](int64_t s) { return a.block_tables + s * a.max_blocks; };
+  std::stable_sort(decodes.begin(), decodes.end(), [&](int64_t x, int64_t y) { return table(x)[0] < table(y)[0]; });
+  std::vector<Share> shares;
+  for (size_t i = 0, j; i < decodes.size(); i = j) {
+    for (j = i + 1; j < decodes.size() && table(decodes[j])[0] == table(decodes[i])[0];) ++j;
+    if (static_cast<int64_t>(j - i) < min_seqs) continue;
+    Share sh{{decodes.begin() + i, decodes.begin() + j}, a.max_blocks};
+    const int32_t* lead = table(sh.seqs[0]);
+    for (const int64_t s : sh.seqs) {
+      int64_t b = 0;
+      const int64_t cap = std::min(sh.blocks, (a.k_lens[s] - 1) / a.block_size);  // one own key at least
+      while (b < cap && table(s)[b] == lead[b]) ++b;
+      sh.blocks = b;
+    }
+    if (sh.blocks > 0) shares.push_back(std::move(sh));
+  }
+  return shares;
+}
+
+// The shared part of one share, for every KV head at once: the queries [Hkv, rows, D] (row i * group
+// + g: sequence i's query head h * group + g) and the shared keys and values, widened to float32, go
+// through two batched products around a softmax that keeps each row's max and sum.
+template <typename T>
+void attend_shared(const Attention<T>& a, const Share& sh, Prior& prior) {
+  const int64_t group = a.num_heads / a.num_kv_heads, kv = a.num_kv_heads, d = a.head_dim, dv = a.v_dim;
+  const int64_t members = sh.seqs.size(), rows = members * group, keys = sh.blocks * a.block_size;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor q = at::empty({kv, rows, d}, f32), k = at::empty({kv, keys, d}, f32), v = at::empty({kv, keys, dv}, f32);
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int64_t i = 0; i < members; ++i)
+    for (int64_t h = 0; h < a.num_heads; ++h) {
+      const T* src = a.q + a.q_start[sh.seqs[i]] * a.q_stride_t + h * a.q_stride_h;
+      float* dst = qp + ((h / group) * rows + i * group + h % group) * d;
+      for (int64_t c = 0; c < d; c += kLanes) store(dst + c, load(src + c) * a.scale);
+    }
+  const int32_t* table = a.block_tables + sh.seqs[0] * a.max_blocks;
+  at::parallel_for(0, keys, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size;
+      for (int64_t h = 0; h < kv; ++h) {
+        const T* ks = a.k_cache + (slot * kv + h) * d;
+        const T* vs = a.v_cache + (slot * kv + h) * dv;
+        for (int64_t c = 0; c < d; c += kLanes) store(kp + (h * keys + t) * d + c, load(ks + c));
+        for (int64_t c = 0; c < dv; c += kLanes) store(vp + (h * keys + t) * dv + c, load(vs + c));
+      }
+    }
+  });
+  at::Tensor scores = at::bmm(q, k.transpose(1, 2));  // [Hkv, rows, keys]
+  float* sp = scores.data_ptr<float>();
+  auto index = [&](int64_t row) {  // row of [Hkv * rows] -> (sequence, query head) slot of the prior
+    const int64_t h = row / rows, i = (row % rows) / group, g = row % group;
+    return sh.seqs[i] * a.num_heads + h * group + g;
+  };
+  at::parallel_for(0, kv * rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* sr = sp + r * keys;
+      float m = -INFINITY;
+      for (int64_t t = 0; t < keys; ++t) m = std::max(m, sr[t]);
+      float total = 0.0f;
+      int64_t t = 0;
+      vfloat vsum{};
+      for (; t + kLanes <= keys; t += kLanes) {
+        const vfloat e = exp_neg(load(sr + t) - m);
+        store(sr + t, e);
+        vsum += e;
+      }
+      for (; t < keys; ++t) total += (sr[t] = std::exp(sr[t] - m));
+      prior.max[index(r)] = m;
+      prior.total[index(r)] = total + hsum(vsum);
+    }
+  });
+  const at::Tensor acc = at::bmm(scores, v);  // [Hkv, rows, Dv]
+  const float* ap = acc.data_ptr<float>();
+  for (int64_t r = 0; r < kv * rows; ++r) std::memcpy(prior.acc.data() + index(r) * dv, ap + r * dv, dv * sizeof(float));
+  for (const int64_t s : sh.seqs) prior.keys_done[s] = keys;
+}
+
+template <typename T>
+void attend(Attention<T> a, int64_t num_seqs, int64_t cascade_min_seqs) {
+  Prior prior;
+  const std::vector<Share> shares = cascade_min_seqs > 0 && a.window <= 0 ? find_shares(a, num_seqs, cascade_min_seqs)
+                                                                         : std::vector<Share>{};
+  if (!shares.empty()) {
+    prior.keys_done.assign(num_seqs, 0);
+    prior.max.resize(num_seqs * a.num_heads);
+    prior.total.resize(num_seqs * a.num_heads);
+    prior.acc.resize(num_seqs * a.num_heads * a.v_dim);
+    for (const Share& sh : shares) attend_shared(a, sh, prior);
+    a.prior = &prior;
+  }
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t tile = std::max<int64_t>(1, kTileRows / group);
   // a decode token takes all its KV heads when there are enough sequences to share out: each cache
@@ -289,7 +424,7 @@ void attend(const Attention<T>& a, int64_t num_seqs) {
     const int64_t step = q_len == 1 && whole_rows ? a.num_kv_heads : 1;
     for (int64_t q0 = 0; q0 < q_len; q0 += tile) {
       const int64_t q1 = std::min(q_len, q0 + tile);
-      const int64_t keys = pos0 + q1 - (a.window > 0 ? std::max<int64_t>(0, pos0 + q0 - a.window + 1) : 0);
+      const int64_t keys = pos0 + q1 - a.first_key(s, pos0 + q0);
       for (int64_t h = 0; h < a.num_kv_heads; h += step) items.push_back({s, h, h + step, q0, q1, keys * (q1 - q0 + 1) * step});
     }
   }
@@ -312,8 +447,10 @@ void attend(const Attention<T>& a, int64_t num_seqs) {
 // v_cache [N, bs, Hkv, Dv]; block_tables int32 [S, max_blocks]; k_lens int32 [S] (keys per sequence,
 // this step's included); q_start int32 [S + 1] (the step's queries of sequence s are rows
 // q_start[s] .. q_start[s+1] - 1, the last positions of its k_lens[s] keys). window <= 0: none.
+// cascade_min_seqs: decode tokens of at least this many sequences that share leading blocks attend
+// over the shared part together (0: never).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window) {
+                     at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window, int64_t cascade_min_seqs) {
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && q.dim() == 3 &&
                   q.stride(2) == 1,
               "paged_attention: out and the caches must be contiguous, q's last dim too");
@@ -350,10 +487,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    const Attention<T> a{out.data_ptr<T>(), q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+    Attention<T> a{out.data_ptr<T>(), q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                          tables, lens, starts, q.stride(0), q.stride(1), num_heads, num_kv_heads, head_dim, v_dim,
                          block_size, max_blocks, window, static_cast<float>(scale)};
-    attend(a, num_seqs);
+    attend(a, num_seqs, cascade_min_seqs);
   };
   for_each_float_type(q, "paged_attention", run);
 }

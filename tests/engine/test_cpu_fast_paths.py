@@ -56,6 +56,45 @@ STEPS = {
 }
 
 
+def sharing_step(dtype, heads=8, kv_heads=2, dim=64, seed=0):
+    """Decode tokens of ten sequences: six share their first three blocks (two of them a fourth too),
+    three share one block, one shares nothing; lengths end inside, and exactly at, a shared block."""
+    k_lens = [49, 64, 65, 80, 71, 100, 40, 17, 33, 50]
+    q, k_cache, v_cache, tables, lens, starts = random_step([1] * 10, k_lens, heads, kv_heads, dim, dtype, seed)
+    tables[:6, :3] = tables[0, :3]
+    tables[4:6, 3] = tables[4, 3]
+    tables[6:9, 0] = tables[6, 0]
+    return q, k_cache, v_cache, tables, lens, starts
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (9, 3, 32), (4, 4, 128)])
+@pytest.mark.parametrize("min_seqs", [0, 2, 3, 4, 20])
+def test_kernel_attends_shared_blocks_together(dtype, tol, heads, kv_heads, dim, min_seqs) -> None:
+    """Cascade attention (the shared blocks for all sharers at once, merged by log-sum-exp) gives
+    the definition's answer whatever the groups it finds; windows and prefill chunks keep it off."""
+    q, k_cache, v_cache, tables, lens, starts = sharing_step(dtype, heads, kv_heads, dim)
+    out = torch.empty_like(q)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, dim**-0.5, 0, min_seqs)
+    expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, dim**-0.5, 0)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, dim**-0.5, 7, min_seqs)
+    expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, dim**-0.5, 7)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_cascade_merges_parts_whose_scores_differ_by_far_more_than_exp_can_hold() -> None:
+    """One part's scores dwarf the other's (exp(-200) is 0 in float32): the merge rescales to the
+    larger max instead of overflowing."""
+    q, k_cache, v_cache, tables, lens, starts = sharing_step(torch.float32)
+    shared = tables[0, :3].long()
+    k_cache[shared] *= 40.0  # the shared keys score far above the own ones
+    out, expected = torch.empty_like(q), reference_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, 0)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, 0.125, 0, 2)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_is_built_here() -> None:
     assert cpu_ops() is not None, "the C++ CPU kernels did not build (see the warning in the log)"
 

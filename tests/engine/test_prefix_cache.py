@@ -106,3 +106,22 @@ def test_refcounts_shared_blocks_are_freed_once() -> None:
     assert bm.num_free == 8 - 3  # b still holds the three shared blocks
     bm.release(b)
     assert bm.num_free == 8
+
+
+def test_decode_tokens_attend_over_shared_blocks_together_with_exact_outputs(arch) -> None:
+    """Sequences whose cached prompts share blocks take the kernel's cascade pass in decode steps
+    (the shared blocks once for all of them, merged by log-sum-exp): greedy outputs stay equal to
+    model.generate, and to the same engine with the pass off."""
+    prompts = shared_prefix_prompts(8, 40, seed=3)  # 8 decoders over 2 shared blocks of 16
+    outputs = {}
+    for min_seqs in (4, 0):
+        engine = LLMEngine(model_for(arch), ContinuousBatchingConfig(block_size=16, num_blocks=256))
+        engine.backend.cascade_min_seqs = min_seqs
+        reqs = [engine.make_request(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        for r in reqs:
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+        outputs[min_seqs] = [tuple(r.generated_ids) for r in reqs]
+    assert outputs[4] == outputs[0]
+    assert outputs[4] == [reference(arch, tuple(p), 12) for p in prompts]

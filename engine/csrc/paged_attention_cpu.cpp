@@ -6,9 +6,10 @@
 // A work item is (sequence, KV heads, tile of queries); its rows are the tile's queries times the
 // query heads that share each KV head, so each cached row is read once per item (a decode token with
 // many sequences around takes all its KV heads: whole cache rows, in order). Keys are taken 16 at a
-// time and staged as float32, four such tiles at once with their rows read in turn. q.k for 16 keys comes out as one vector: for many rows, by four rows
-// at a time against the transposed tile; for few (decode), by a transposing reduction of 16 partial
-// sums. Softmax runs over whole rows, then p.V accumulates four rows at a time; everything is float32
+// time and staged as float32, four such tiles at once with their rows read in turn. q.k for 16 keys
+// comes out as one vector: for many rows, by eight rows and two transposed tiles at a time; for few
+// (decode), by a transposing reduction of 16 partial sums. Softmax runs over whole rows, then p.V
+// accumulates four rows at a time; everything is float32
 // whatever the cache dtype (float32, bfloat16, float16). Threads take items from a shared counter,
 // largest first. Every index is checked before any memory is read.
 //
@@ -33,7 +34,7 @@ namespace {
 
 using namespace cbserve;
 
-constexpr int64_t kTileRows = 32;  // rows (queries x grouped heads) per item in prefill chunks
+constexpr int64_t kTileRows = 64;  // rows (queries x grouped heads) per item in prefill chunks
 constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k runs on a transposed key tile
 constexpr int64_t kStreams = 4;  // tiles staged together, their rows read in turn (see walk)
 
@@ -117,12 +118,12 @@ struct Attention {
     return prior ? std::max(from_window, prior->keys_done[seq]) : from_window;
   }
 
-  // Walks cache rows [first, first + n) of one sequence, 16 at a time, staging KV heads [h0, h1) of
-  // each tile as float32 [16, h1 - h0, dim] (zeros past the end) in `staged` (room for kStreams
-  // tiles); calls visit(t0, rows, tile). Up to kStreams tiles are staged together, taking their rows
-  // in turn: the tiles lie in different blocks, and reading several places at once keeps more
-  // memory reads in flight (random 8 KB blocks read at 12 GB/s one at a time, 20 GB/s four at a
-  // time on this project's machine).
+  // Walks cache rows [first, first + n) of one sequence in groups of up to kStreams tiles of 16,
+  // staging KV heads [h0, h1) of each row as float32 [h1 - h0, dim] in `staged` (zeros past the
+  // end; a group's rows are consecutive there) and calling visit(g0, rows, staged) per group. A
+  // group's tiles lie in different blocks and their rows are read in turn: reading several places
+  // at once keeps more memory reads in flight (random 8 KB blocks read at 12 GB/s one at a time,
+  // 20 GB/s four at a time on this project's machine).
   template <typename Visit>
   void walk(const T* cache, int64_t dim, int64_t seq, int64_t h0, int64_t h1, int64_t first, int64_t n,
             float* staged, Visit visit) const {
@@ -144,10 +145,7 @@ struct Attention {
           const T* src = base + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * row_stride;
           for (int64_t c = 0; c < chunks; ++c) store(dst + c * kLanes, load(src + c * kLanes));
         }
-      for (int64_t g = 0; g < tiles; ++g) {
-        const int64_t t0 = g0 + g * kLanes;
-        visit(t0, std::min<int64_t>(kLanes, n - t0), staged + g * tile_size);
-      }
+      visit(g0, std::min(n - g0, tiles * kLanes), staged);
     }
   }
 
@@ -186,41 +184,57 @@ struct Attention {
     }
   }
 
-  // Scores of 16 keys for the rows of head hh when they are many: the staged tile is transposed
-  // ([dim][16 keys]), so four rows at a time take one broadcast q value times one key vector per
-  // dim, and 16 scores come out in lanes with no reduction.
+  // q.k of R rows (q: the first, rows head_dim apart) against one or two transposed tiles
+  // ([dim][16 keys] each, k1 ignored unless Two): per dim, one broadcast q value per row times one
+  // key vector per tile, so each value loaded feeds R or 2R products; 16 scores per tile in lanes.
+  template <int R, bool Two, int KC>
+  void qk_block(const float* q, const float* k0, const float* k1, float* out, int64_t npad) const {
+    const int64_t dim = KC ? KC * kLanes : head_dim;
+    vfloat a0[R], a1[R];
+    for (int i = 0; i < R; ++i) a0[i] = a1[i] = vfloat{};
+    for (int64_t d = 0; d < dim; ++d) {
+      const vfloat x0 = load(k0 + d * kLanes), x1 = Two ? load(k1 + d * kLanes) : x0;
+      for (int i = 0; i < R; ++i) {
+        const float w = q[i * head_dim + d];
+        a0[i] += w * x0;
+        if (Two) a1[i] += w * x1;
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      store(out + i * npad, a0[i]);
+      if (Two) store(out + i * npad + kLanes, a1[i]);
+    }
+  }
+
+  template <int R, int KC>
+  void qk_rows(const float* q, const float* kt, int64_t tiles, float* out, int64_t npad) const {
+    const int64_t step = (KC ? KC * kLanes : head_dim) * kLanes;
+    int64_t g = 0;
+    for (; g + 2 <= tiles; g += 2) qk_block<R, true, KC>(q, kt + g * step, kt + (g + 1) * step, out + g * kLanes, npad);
+    if (g < tiles) qk_block<R, false, KC>(q, kt + g * step, nullptr, out + g * kLanes, npad);
+  }
+
+  // Scores of a staged group of tiles for the rows of head hh when they are many: each tile is
+  // transposed ([dim][16 keys]), then eight rows times two tiles at a time (sixteen accumulators),
+  // four or one row for what is left.
   template <int KC>
-  void scores_transposed(Scratch& s, const float* keys, int64_t hh, int64_t per_head, int64_t k_width, int64_t npad,
-                         int64_t t0) const {
+  void scores_transposed(Scratch& s, const float* keys, int64_t tiles, int64_t hh, int64_t per_head, int64_t k_width,
+                         int64_t npad, int64_t t0) const {
     const int64_t dim = KC ? KC * kLanes : head_dim;
     float* kt = s.keys_t.data();
-    for (int64_t c = 0; c < dim; c += kLanes) {
-      vfloat block[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) block[j] = load(keys + j * k_width + hh * head_dim + c);
-      transpose16(block);
-      for (int64_t i = 0; i < kLanes; ++i) store(kt + (c + i) * kLanes, block[i]);
-    }
-    const int64_t r0 = hh * per_head, r1 = r0 + per_head;
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-      const float *q0 = s.q.data() + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim, *q3 = q2 + head_dim;
-      vfloat a0{}, a1{}, a2{}, a3{};
-      for (int64_t d = 0; d < dim; ++d) {
-        const vfloat k = load(kt + d * kLanes);
-        a0 += q0[d] * k;
-        a1 += q1[d] * k;
-        a2 += q2[d] * k;
-        a3 += q3[d] * k;
+    for (int64_t g = 0; g < tiles; ++g)
+      for (int64_t c = 0; c < dim; c += kLanes) {
+        vfloat block[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) block[j] = load(keys + (g * kLanes + j) * k_width + hh * head_dim + c);
+        transpose16(block);
+        for (int64_t i = 0; i < kLanes; ++i) store(kt + (g * dim + c + i) * kLanes, block[i]);
       }
-      float* out = s.scores.data() + r * npad + t0;
-      store(out, a0), store(out + npad, a1), store(out + 2 * npad, a2), store(out + 3 * npad, a3);
-    }
-    for (; r < r1; ++r) {
-      const float* qr = s.q.data() + r * head_dim;
-      vfloat a{};
-      for (int64_t d = 0; d < dim; ++d) a += qr[d] * load(kt + d * kLanes);
-      store(s.scores.data() + r * npad + t0, a);
-    }
+    const int64_t r1 = (hh + 1) * per_head;
+    int64_t r = hh * per_head;
+    auto at = [&](int64_t row) { return std::make_pair(s.q.data() + row * head_dim, s.scores.data() + row * npad + t0); };
+    for (; r + 8 <= r1; r += 8) qk_rows<8, KC>(at(r).first, kt, tiles, at(r).second, npad);
+    for (; r + 4 <= r1; r += 4) qk_rows<4, KC>(at(r).first, kt, tiles, at(r).second, npad);
+    for (; r < r1; ++r) qk_rows<1, KC>(at(r).first, kt, tiles, at(r).second, npad);
   }
 
   template <int KC>
@@ -236,7 +250,7 @@ struct Attention {
     const int64_t k_width = heads * head_dim, v_width = heads * v_dim;
     s.q.resize(rows * head_dim);
     s.keys.resize(kStreams * kLanes * k_width);
-    s.keys_t.resize(head_dim * kLanes);
+    s.keys_t.resize(kStreams * head_dim * kLanes);
     s.values.resize(kStreams * kLanes * v_width);
     s.scores.resize(rows * npad);
     s.acc.assign((rows + 1) * v_dim, 0.0f);  // one spare row (see below)
@@ -250,22 +264,24 @@ struct Attention {
       for (int64_t c = 0; c < kc; ++c) store(s.q.data() + r * head_dim + c * kLanes, load(src + c * kLanes) * scale);
     }
     // scores[r, t] = q_r . k_(first + t)
-    walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t t0, int64_t, const float* keys) {
+    walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
+      const int64_t tiles = (gn + kLanes - 1) / kLanes;
       if (per_head >= kTransposeRows) {
-        for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, hh, per_head, k_width, npad, t0);
+        for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, tiles, hh, per_head, k_width, npad, g0);
         return;
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = s.q.data() + r * head_dim;
-        const float* kt = keys + (r / per_head) * head_dim;
-        vfloat a[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) {
-          vfloat sum = load(qr) * load(kt + j * k_width);
-          for (int64_t c = 1; c < kc; ++c) sum += load(qr + c * kLanes) * load(kt + j * k_width + c * kLanes);
-          a[j] = sum;
+      for (int64_t g = 0; g < tiles; ++g)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = s.q.data() + r * head_dim;
+          const float* kt = keys + g * kLanes * k_width + (r / per_head) * head_dim;
+          vfloat a[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j) {
+            vfloat sum = load(qr) * load(kt + j * k_width);
+            for (int64_t c = 1; c < kc; ++c) sum += load(qr + c * kLanes) * load(kt + j * k_width + c * kLanes);
+            a[j] = sum;
+          }
+          store(s.scores.data() + r * npad + g0 + g * kLanes, reduce16(a));
         }
-        store(s.scores.data() + r * npad + t0, reduce16(a));
-      }
     });
     // softmax over each row's own keys (causal, sliding window); others get probability 0
     for (int64_t r = 0; r < rows; ++r) {
@@ -292,6 +308,7 @@ struct Attention {
     }
     // acc[r] = sum_t p[r, t] v_t: four (or two) rows of one head at a time
     float* spare = s.acc.data() + rows * v_dim;  // an odd last row of a head pairs with the spare row
+    // (a staged group's rows are consecutive, so its tiles count as one)
     walk(v_cache, v_dim, it.seq, it.h0, it.h1, first, n, s.values.data(), [&](int64_t t0, int64_t tn, const float* values) {
       for (int64_t hh = 0; hh < heads; ++hh) {
         const float* vt = values + hh * v_dim;

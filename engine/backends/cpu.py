@@ -3,8 +3,8 @@
 The whole step (decode tokens, prefill chunks, chunks with cached history) goes to cbserve's C++
 kernel (engine/csrc/paged_attention_cpu.cpp) in one call, which reads keys and values in place
 through the block table; decode tokens of sequences that share leading blocks attend over those
-blocks together (cascade attention, see CASCADE_MIN_SEQS). Where it cannot run (no compiler, a logit softcap, head dims that are not
-multiples of 16), torch does it: decode sequences in one batched call over their gathered keys,
+blocks together (cascade attention, see CASCADE_MIN_SEQS). Where it cannot run (no compiler, a
+logit softcap, head dims that are not multiples of 16), torch does it: decode sequences in one batched call over their gathered keys,
 padded to the longest and masked; prefill chunks one sequence at a time with SDPA (a chunk with no
 history uses the step's own keys with a causal mask; a chunk with history gathers its keys). No
 dense mask across requests is ever built.

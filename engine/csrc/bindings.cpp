@@ -9,6 +9,7 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // cascade_min_seqs defaults to engine/backends/cpu.py's CASCADE_MIN_SEQS, which the engine passes
   m.def("paged_attention", &paged_attention, "Attention over the paged KV cache for a whole step (CPU)", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("k_lens"),
         py::arg("q_start"), py::arg("scale"), py::arg("window"), py::arg("cascade_min_seqs") = 4);

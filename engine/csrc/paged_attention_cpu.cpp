@@ -9,9 +9,9 @@
 // time and staged as float32, four such tiles at once with their rows read in turn. q.k for 16 keys
 // comes out as one vector: for many rows, by eight rows and two transposed tiles at a time; for few
 // (decode), by a transposing reduction of 16 partial sums. Softmax runs over whole rows, then p.V
-// accumulates four rows at a time; everything is float32
-// whatever the cache dtype (float32, bfloat16, float16). Threads take items from a shared counter,
-// largest first. Every index is checked before any memory is read.
+// accumulates four rows at a time; everything is float32 whatever the cache dtype (float32,
+// bfloat16, float16). Threads take items from a shared counter, largest first. Every index is
+// checked before any memory is read.
 //
 // Cascade: decode tokens of sequences that share their leading cache blocks (one prompt with many
 // samples, a common system prompt) attend over the shared part together, before the items run: per
@@ -302,9 +302,7 @@ struct Attention {
       std::fill(sr + hi, sr + npad, 0.0f);
       vfloat vsum{};
       for (int64_t t = 0; t < npad; t += kLanes) vsum += load(sr + t);
-      float total = 0.0f;
-      for (int i = 0; i < kLanes; ++i) total += vsum[i];
-      s.total[r] = total;
+      s.total[r] = hsum(vsum);
     }
     // acc[r] = sum_t p[r, t] v_t: four (or two) rows of one head at a time
     float* spare = s.acc.data() + rows * v_dim;  // an odd last row of a head pairs with the spare row
@@ -480,7 +478,8 @@ void attend(Attention<T> a, int64_t num_seqs, int64_t cascade_min_seqs) {
 // this step's included); q_start int32 [S + 1] (the step's queries of sequence s are rows
 // q_start[s] .. q_start[s+1] - 1, the last positions of its k_lens[s] keys). window <= 0: none.
 // cascade_min_seqs: decode tokens of at least this many sequences that share leading blocks attend
-// over the shared part together (0: never).
+// over the shared part together (0 or less: never; the engine passes CASCADE_MIN_SEQS of
+// engine/backends/cpu.py).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window, int64_t cascade_min_seqs) {
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && q.dim() == 3 &&

@@ -6,13 +6,15 @@ model.generate with them on, with them off, and after the weights change in plac
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from transformers.models.llama import modeling_llama as llama
 
 from engine import ContinuousBatchingConfig, LLMEngine, generate_batch
-from engine.backends.cpu import SDPABackend
+from engine.backends.cpu import CASCADE_MIN_SEQS, SDPABackend
 from engine.backends.cpu_kernels import cpu_ops
 from engine.backends.cpu_linear import PackedLinears
 from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
@@ -69,7 +71,7 @@ def sharing_step(dtype, heads=8, kv_heads=2, dim=64, seed=0):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (9, 3, 32), (4, 4, 128)])
-@pytest.mark.parametrize("min_seqs", [0, 2, 3, 4, 20])
+@pytest.mark.parametrize("min_seqs", [-1, 0, 2, 3, 4, 20])
 def test_kernel_attends_shared_blocks_together(dtype, tol, heads, kv_heads, dim, min_seqs) -> None:
     """Cascade attention (the shared blocks for all sharers at once, merged by log-sum-exp) gives
     the definition's answer whatever the groups it finds; windows and prefill chunks keep it off."""
@@ -81,6 +83,13 @@ def test_kernel_attends_shared_blocks_together(dtype, tol, heads, kv_heads, dim,
     cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, dim**-0.5, 7, min_seqs)
     expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, dim**-0.5, 7)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_kernel_default_for_cascade_is_the_engines() -> None:
+    """The binding's default (for direct calls) and the engine's setting are one number."""
+    default = re.search(r"cascade_min_seqs: [^=]*= (\d+)", cpu_ops().paged_attention.__doc__)
+    assert default is not None and int(default.group(1)) == CASCADE_MIN_SEQS
+    assert SDPABackend().cascade_min_seqs == CASCADE_MIN_SEQS
 
 
 def test_cascade_merges_parts_whose_scores_differ_by_far_more_than_exp_can_hold() -> None:

@@ -16,6 +16,10 @@ that stays up across runs, given the same model saved to a folder and the same t
 caching on for W2 only, as for cbserve). Prints output tokens/s per system (median), the ratio of
 cbserve to each, how many greedy outputs equal model.generate's, and the split of cbserve's wall
 time (schedule, prepare, forward, sample, output).
+
+Before each run the harness waits until the machine is quiet (under 10% of its cores busy over
+100 ms, at most 10 s): vLLM's engine process keeps one core busy polling for about a second after
+its `generate` returns, which would otherwise slow whichever system runs next.
 """
 
 from __future__ import annotations
@@ -150,6 +154,28 @@ def main() -> None:
                 peer.close()
 
 
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat (clock ticks)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_quiet(threshold: float = 0.1, window_s: float = 0.1, timeout_s: float = 10.0) -> float:
+    """Wait until the cores are less than `threshold` busy over a `window_s` window (or the
+    timeout passes); returns the seconds waited."""
+    if not Path("/proc/stat").exists():
+        return 0.0
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        busy0, total0 = busy_jiffies()
+        time.sleep(window_s)
+        busy1, total1 = busy_jiffies()
+        if total1 > total0 and (busy1 - busy0) / (total1 - total0) < threshold:
+            break
+    return time.perf_counter() - start
+
+
 def measure(args, model, prompts, systems) -> None:
     run_cbserve(model, prompts[:4])  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -157,6 +183,7 @@ def measure(args, model, prompts, systems) -> None:
     split: dict[str, float] = {}
     for i in range(args.runs):
         for name, fn in systems.items():  # alternate the systems within each run
+            wait_quiet()  # let the previous system's threads and processes go idle first
             result = fn(model, prompts)
             times[name].append(result[0])
             outputs[name] = result[1]

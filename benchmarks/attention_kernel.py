@@ -6,9 +6,12 @@
 Shapes (W1's model: 8 heads, 4 KV heads, head dim 64, block size 16; random blocks of a cache of
 4,096 blocks unless said):
   decode W1         64 decode tokens over 48-287 keys each
-  decode W1 cold    the same over a cache 8x as large (as with 8 layers: the keys come from memory, not L3)
+  decode W1 cold    the same over a cache 8x as large, a 64 MB buffer written before each call (as in a
+                    step, where the layers' weights pass through the caches between calls: the keys
+                    and values come from memory)
   decode W2         64 decode tokens over a shared 512-token prefix plus 32-129 keys of their own
   decode long       64 decode tokens over 560-639 keys each, nothing shared
+  decode long cold  the same, cold as decode W1 cold
   prefill W1        8 fresh prompts of 16-256 tokens
   prefill W2        24 chunks of 40 queries over 552 keys (a cached 512-token prefix)
   prefill W3        one chunk of 1,024 queries over 1,750 keys
@@ -45,7 +48,7 @@ def load_build(tag: str | None):
     return module
 
 
-def step(dtype, q_lens, k_lens, shared_prefix=0, cache_scale=1, seed=0):
+def step(dtype, q_lens, k_lens, shared_prefix=0, cache_scale=1, cold=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 4096 * cache_scale
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
@@ -68,9 +71,10 @@ def shapes():
     prompts = torch.randint(16, 257, (8,), generator=g).tolist()
     return {
         "decode W1": dict(q_lens=[1] * 64, k_lens=w1),
-        "decode W1 cold": dict(q_lens=[1] * 64, k_lens=w1, cache_scale=8),
+        "decode W1 cold": dict(q_lens=[1] * 64, k_lens=w1, cache_scale=8, cold=True),
         "decode W2": dict(q_lens=[1] * 64, k_lens=[512 + n for n in own], shared_prefix=512),
         "decode long": dict(q_lens=[1] * 64, k_lens=long),
+        "decode long cold": dict(q_lens=[1] * 64, k_lens=long, cache_scale=8, cold=True),
         "prefill W1": dict(q_lens=prompts, k_lens=prompts),
         "prefill W2": dict(q_lens=[40] * 24, k_lens=[552] * 24, shared_prefix=512),
         "prefill W3": dict(q_lens=[1024], k_lens=[1750]),
@@ -80,6 +84,7 @@ def shapes():
 def measure(tag: str | None, rounds: int) -> None:
     ops = load_build(tag)
     name = tag or "current"
+    evict = torch.zeros(16 << 20)  # 64 MB, twice the L3 of the machine
     for dtype in (torch.float32, torch.bfloat16):
         for label, shape in shapes().items():
             q, k_cache, v_cache, tables, k_lens, q_start = step(dtype, **shape)
@@ -87,11 +92,15 @@ def measure(tag: str | None, rounds: int) -> None:
             calls = 20 if shape["q_lens"][0] == 1 else 3
             times = []
             for i in range(rounds + 1):
-                t0 = time.perf_counter()
+                elapsed = 0.0
                 for _ in range(calls):
+                    if shape.get("cold"):
+                        evict.add_(1.0)  # the caches now hold this, not the step's keys and values
+                    t0 = time.perf_counter()
                     ops.paged_attention(out, q, k_cache, v_cache, tables, k_lens, q_start, DIM**-0.5, 0)
+                    elapsed += time.perf_counter() - t0
                 if i:  # the first round warms up
-                    times.append((time.perf_counter() - t0) / calls)
+                    times.append(elapsed / calls)
             print(f"{name}\t{str(dtype)[6:]}\t{label}\t{1e3 * statistics.median(times):.3f}", flush=True)
 
 

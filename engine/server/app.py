@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -241,6 +242,14 @@ class Handlers:
         return Response(generate_latest(self.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def freeze_startup_objects() -> None:
+    """Moves every object alive after start-up (the model, torch, transformers) out of the garbage
+    collector's reach (`gc.freeze`), as vLLM does: a full collection then scans only what requests
+    create. Over the startup objects one took 141 ms here (350,000 objects), a stall of every stream."""
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(state: ServerState) -> Starlette:
     """The app; its lifespan starts the engine loop (after warm-up) and stops it last."""
     h = Handlers(state)
@@ -250,6 +259,7 @@ def create_app(state: ServerState) -> Starlette:
         if not state.manager.is_running():
             await asyncio.to_thread(state.manager.warmup)
             state.manager.start()
+        freeze_startup_objects()
         state.ready = True
         logger.info("ready: serving %s", state.model_name)
         try:

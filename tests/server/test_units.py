@@ -73,3 +73,23 @@ def test_cli_bad_setting_is_one_line_and_exit_2(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(cfg)], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["cbserve: error: engine setting: block_size must be a power of two, got 24"]
+
+
+def test_startup_objects_are_frozen_out_of_garbage_collection() -> None:
+    import gc
+
+    from starlette.testclient import TestClient
+
+    from engine import ContinuousBatchingConfig, ContinuousBatchingManager
+    from engine.server.app import build_state, create_app
+    from engine.testing import build_test_model
+
+    manager = ContinuousBatchingManager(build_test_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=64))
+    app = create_app(build_state(manager, build_test_tokenizer(), "test", 256))
+    gc.unfreeze()
+    try:
+        with TestClient(app) as client:  # runs the lifespan: warm-up, start, freeze
+            assert client.get("/ready").status_code == 200
+            assert gc.get_freeze_count() > 10_000  # torch, transformers and the model, at least
+    finally:
+        gc.unfreeze()

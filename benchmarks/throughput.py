@@ -19,12 +19,15 @@ time (schedule, prepare, forward, sample, output).
 
 Before each run the harness waits until the machine is quiet (under 10% of its cores busy over
 100 ms, at most 10 s): vLLM's engine process keeps one core busy polling for about a second after
-its `generate` returns, which would otherwise slow whichever system runs next.
+its `generate` returns, which would otherwise slow whichever system runs next. It also collects
+garbage first: a full collection in this process takes 150 ms or more, and would be charged to
+whichever system's run it fell in.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -183,6 +186,7 @@ def measure(args, model, prompts, systems) -> None:
     split: dict[str, float] = {}
     for i in range(args.runs):
         for name, fn in systems.items():  # alternate the systems within each run
+            gc.collect()  # no system pays for a collection of another's garbage
             wait_quiet()  # let the previous system's threads and processes go idle first
             result = fn(model, prompts)
             times[name].append(result[0])

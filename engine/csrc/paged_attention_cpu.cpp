@@ -156,11 +156,16 @@ struct Attention {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CN; ++c) acc[r][c] = load(a[r] + c * kLanes);
     for (int64_t j = 0; j < tn; ++j) {
-      vfloat v[CN];
-      for (int c = 0; c < CN; ++c) v[c] = load(values + j * stride + c * kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float w = p[r][j];
-        for (int c = 0; c < CN; ++c) acc[r][c] += w * v[c];
+      vfloat w[R];
+      for (int r = 0; r < R; ++r) w[r] = p[r][j] - vfloat{};  // a broadcast (x - 0 is x, -0 included)
+      for (int c = 0; c < CN; ++c) {
+        vfloat v = load(values + j * stride + c * kLanes);
+#if defined(__AVX512F__)  // (a 16-float vector fits one register only with AVX-512)
+        // v stays in a register: otherwise the compiler folds this load into every row's product
+        // (R loads instead of one) and the loop waits on loads instead of multiplies
+        asm("" : "+v"(v));
+#endif
+        for (int r = 0; r < R; ++r) acc[r][c] += w[r] * v;
       }
     }
     for (int r = 0; r < R; ++r)

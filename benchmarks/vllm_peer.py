@@ -13,6 +13,10 @@ Run by throughput.py inside that venv (`--serve`), it loads the benchmark model 
 `run` line on stdin with one JSON line: the wall time of `generate` over every prompt (token ids,
 greedy, `ignore_eos`) and the generated ids. The process stays up between runs so the systems
 can alternate without paying vLLM's start-up (about a minute of torch.compile) each time.
+
+The peer runs as vLLM's CPU documentation recommends: TCMalloc preloaded (`LD_PRELOAD`, Debian's
+libtcmalloc-minimal4: `apt-get install libtcmalloc-minimal4`), which measured a few percent faster
+here. Without the library the peer still runs and says so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,23 @@ VLLM_ENV = {  # the CPU build's knobs: KV space in GiB, both cores, none reserve
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
 }
+
+
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+            "/usr/lib/libtcmalloc_minimal.so.4")  # fmt: skip
+
+
+def tcmalloc() -> str | None:
+    """The TCMalloc library vLLM's CPU docs preload, if this machine has it."""
+    return next((path for path in TCMALLOC if Path(path).exists()), None)
+
+
+def peer_env() -> dict[str, str]:
+    env = {**os.environ, **VLLM_ENV}
+    library = tcmalloc()
+    if library:
+        env["LD_PRELOAD"] = ":".join(x for x in (library, os.environ.get("LD_PRELOAD")) if x)
+    return env
 
 
 def venv_dir() -> Path:
@@ -88,7 +109,7 @@ class VLLMPeer:
             cmd.append("--prefix-caching")
         self.log = open(Path(model_dir) / "vllm.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **VLLM_ENV}, cwd=model_dir)  # fmt: skip
+                                     env=peer_env(), cwd=model_dir)  # fmt: skip
         for line in self.proc.stdout:
             if line.strip() == "READY":
                 return

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cache import cache_dir
+
 logger = logging.getLogger("cbserve.loader")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -38,10 +40,6 @@ class LoadedModel:
     tokenizer: object
     name: str  # what /v1/models calls it unless --served-model-name says otherwise
     max_model_len: int | None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CBSERVE_CACHE_DIR") or Path.home() / ".cache" / "cbserve")
 
 
 def embedded_gguf() -> Path:

@@ -1,65 +1,129 @@
 """cbserve's C++ CPU kernels (engine/csrc/), compiled for this machine on first use.
 
-The build (about a minute on two cores, with `-O3 -march=native`) lands in the cbserve cache folder
-under a tag made of the source, torch's version and the CPU's flags, so a later start loads it in
-well under a second and a copied cache never runs code built for another CPU. `make kernels` (which
+The build (one to two minutes on two cores) is for the ISA that engine/backends/cpu_isa.py chooses:
+AVX-512 (16 float lanes a register) or AVX2 (8 lanes), `-march=native` when that is the CPU's best
+and an x86-64 level (v3 for AVX2) when `CBSERVE_CPU_ISA` asks for less. `make kernels` (which
 `make test`, `make demo` and `make bench` run first) builds it: `python -m engine.backends.cpu_kernels`.
 
-When the build cannot happen (no C++ compiler, `CBSERVE_CPU_KERNELS=0`), `cpu_ops()` returns None
-once with a warning and the CPU backend keeps its torch-only path.
+The cache is safe to share. A build lives in the cbserve cache folder under a tag made of the
+sources, the flags, the CPU's flags, the Python version and torch's version and install folder: two
+virtualenvs (two torch installs) get two builds and never rebuild each other's. One process builds a
+tag at a time (a file lock), into a private folder that is renamed into place when done, so nobody
+loads a half-written build; later loads import the finished library directly, without asking the
+compiler whether anything changed.
+
+When the kernels cannot be had (no C++ compiler, no kernel ISA on this CPU, `CBSERVE_CPU_KERNELS=0`
+or `CBSERVE_CPU_ISA=none`), `cpu_ops()` returns None, one log line says why, and the CPU backend keeps
+its torch-only paths.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
+import platform
 import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
+
+from engine.backends.cpu_isa import ISAS, capabilities, read_cpu
+from engine.cache import cache_dir
 
 logger = logging.getLogger("cbserve.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "elementwise_cpu.cpp", "bindings.cpp")]
-HEADERS = [CSRC / "vec16.h"]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
+HEADERS = [CSRC / "vec.h"]
+NAME = "cbserve_cpu_ops"
+BASE_CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
+LEVELS = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
 
 _lock = threading.Lock()
 _ops: ModuleType | None = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
+def cflags(isa: str, best: str | None) -> list[str]:
+    """Compiler flags for kernels of `isa` on a CPU whose best ISA is `best`."""
+    if isa == best:
+        return [*BASE_CFLAGS, "-march=native"]
+    return [*BASE_CFLAGS, f"-march={LEVELS[isa]}", "-mtune=native"]
 
 
-def build_tag() -> str:
+def build_tag(isa: str) -> str:
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(_cpu_flags().encode())
-    return h.hexdigest()[:12]
+    cpu = read_cpu()
+    for part in (
+        " ".join(cflags(isa, cpu.best_isa())),
+        " ".join(sorted(cpu.flags)),
+        platform.python_version(),
+        torch.__version__,
+        str(Path(torch.__file__).resolve().parent),
+    ):
+        h.update(part.encode() + b"\0")
+    return f"{isa}-{h.hexdigest()[:12]}"
 
 
-def build_directory() -> Path:
-    from engine.loader import cache_dir
+def build_directory(isa: str | None = None) -> Path:
+    return cache_dir() / "kernels" / build_tag(isa or capabilities().kernel_isa or "avx2")
 
-    return cache_dir() / "kernels" / build_tag()
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def publish_once(final: Path, build: Callable[[Path], object]) -> object | None:
+    """Make `final` by `build(folder)` unless it exists: one process at a time (a lock file beside
+    it), into a private folder renamed into place when whole. Returns what `build` returned, or None
+    when a finished `final` was already there (built earlier or by a process we waited for)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this very tag: wait for it
+        if final.exists():
+            return None
+        work = Path(tempfile.mkdtemp(prefix=f"{final.name}.build-", dir=final.parent))
+        try:
+            result = build(work)
+            os.replace(work, final)  # readers see no build or a whole one
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def load_kernels(isa: str) -> ModuleType:
+    """The kernels for `isa`: imported from a finished build in the cache, else built there first."""
+    final = build_directory(isa)
+    library = final / f"{NAME}.so"
+    if not library.exists() and final.exists():  # an interrupted build of an older version: start again
+        shutil.rmtree(final, ignore_errors=True)
+
+    def build(folder: Path) -> ModuleType:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH
+            os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        logger.info("cbserve: building the %s CPU kernels (one to two minutes, once)", isa)
+        return load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=cflags(isa, read_cpu().best_isa()),
+                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)  # fmt: skip
+
+    if library.exists():
+        return _import(library)
+    module = publish_once(final, build)  # None: another process finished it while we waited
+    return module if module is not None else _import(library)
 
 
 def cpu_ops() -> ModuleType | None:
@@ -70,30 +134,35 @@ def cpu_ops() -> ModuleType | None:
             return _ops
         _tried = True
         if os.environ.get("CBSERVE_CPU_KERNELS", "1") == "0":
-            logger.info("cbserve CPU kernels off (CBSERVE_CPU_KERNELS=0): torch-only attention")
+            logger.info("cbserve CPU kernels off (CBSERVE_CPU_KERNELS=0): torch-only paths")
+            return None
+        isa = capabilities().kernel_isa
+        if isa is None:
+            logger.info("cbserve CPU kernels off (no AVX2 or AVX-512 here, or CBSERVE_CPU_ISA=none): torch-only paths")
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH
-                os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-            directory = build_directory()
-            directory.mkdir(parents=True, exist_ok=True)
-            _ops = load(
-                name="cbserve_cpu_ops",
-                sources=[str(s) for s in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=False,
-            )
+            _ops = load_kernels(isa)
         except Exception as exc:  # no compiler, no ninja, a read-only home: all mean the torch path
-            logger.warning("cbserve CPU kernels unavailable, using torch-only attention: %s", exc)
+            logger.warning("cbserve CPU kernels unavailable, using torch-only paths: %s", exc)
             _ops = None
         return _ops
 
 
+def runnable_isas() -> list[str]:
+    """Every kernel ISA this CPU can run, its best first (an AVX-512 CPU runs the AVX2 build too)."""
+    best = read_cpu().best_isa()
+    return list(ISAS[ISAS.index(best):]) if best else []
+
+
 if __name__ == "__main__":
+    # `make kernels`: this CPU's build, and on an AVX-512 CPU the AVX2 one as well, which the tests
+    # run there (CBSERVE_CPU_ISA=avx2) so that both sides of the probe are tested on such a host
     logging.basicConfig(level=logging.INFO)
     ops = cpu_ops()
     print(f"cbserve CPU kernels: {'built in ' + str(build_directory()) if ops else 'unavailable (torch path)'}")
+    for other in runnable_isas()[1:]:
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", "from engine.backends.cpu_kernels import load_kernels; "
+                        f"load_kernels({other!r})"], check=True)  # fmt: skip  (its own process: symbols clash)
+        print(f"cbserve CPU kernels ({other}, for tests): built in {build_directory(other)}")

@@ -15,17 +15,29 @@ change (LLMEngine.reset_prefix_cache): a layer whose weight was replaced or chan
 packed again. Modules whose `forward` someone already replaced (accelerate's offloading hooks) are
 left alone.
 Results equal the originals to float rounding, not bit for bit (another summation order).
+
+Compute dtype: a float32 weight is packed as it is; a bfloat16 or float16 one too where oneDNN
+multiplies that dtype itself on this CPU (engine/backends/cpu_isa.py: AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT for bf16). Elsewhere (an AVX2-only CPU) torch would refuse to pack it and its own
+bf16 product runs at a fraction of the float32 speed, so the weight is packed as float32 and its
+products run in float32: the input is widened, the output rounded back to the model's dtype. The
+packed copy then takes twice the weight's own size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+from engine.backends.cpu_isa import onednn_native
+
+logger = logging.getLogger("cbserve.engine")
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
 # sibling linears that read one input: packed together, one product (gate/up: slower in fp32)
 GROUPS = (("q_proj", "k_proj", "v_proj"),)
@@ -42,15 +54,34 @@ def _version(t: torch.Tensor) -> int:
         return 0
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight of `dtype` is packed and multiplied in on this CPU."""
+    return dtype if onednn_native(dtype) else torch.float32
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight`, in its compute dtype (a float32 copy when the CPU has no
+    native product for the weight's dtype)."""
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        w = weight.detach()
+        compute = compute_dtype(w.dtype)
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(w.to(compute), BATCH_HINT)
+        except RuntimeError as exc:  # the probe said yes but this torch/oneDNN build says no
+            if compute == torch.float32:
+                raise
+            logger.warning("cbserve: oneDNN cannot pack %s here (%s); packing as float32", compute, exc)
+            return torch.ops.mkldnn._reorder_linear_weight(w.float(), BATCH_HINT)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
+    dtype = x.dtype
+    if packed.dtype != dtype:  # a half-precision model on float32-packed weights: widen, round back
+        x = x.float()
+        bias = None if bias is None else bias.float()
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
-    return y.view(*shape[:-1], y.shape[-1])
+    return y.view(*shape[:-1], y.shape[-1]).to(dtype)
 
 
 def _linear_ok(m: torch.nn.Module) -> bool:
@@ -152,8 +183,12 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 
 def packed_bytes(model: torch.nn.Module) -> int:
-    """Memory the packed copies would take."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _linear_ok(m))
+    """Memory the packed copies would take (in their compute dtype)."""
+    return sum(
+        m.weight.numel() * torch.empty(0, dtype=compute_dtype(m.weight.dtype)).element_size()
+        for m in model.modules()
+        if _linear_ok(m)
+    )
 
 
 class PackedLinears:

@@ -1,6 +1,8 @@
 // The Python module of cbserve's CPU kernels: one binding per kernel file.
 #include <torch/extension.h>
 
+#include "vec.h"
+
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window, int64_t cascade_min_seqs);
 at::Tensor argmax_rows(at::Tensor logits);
@@ -17,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass over each row (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up in the model dtype, in one pass (CPU)");
   m.def("rotary", &rotary, "transformers' rotary position embedding of q or k, in one pass (CPU)");
+  m.def("lanes", [] { return cbserve::kLanes; }, "Float lanes per vector of this build: 16 (AVX-512) or 8 (AVX2)");
 }

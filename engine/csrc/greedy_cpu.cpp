@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "vec16.h"
+#include "vec.h"
 
 #include <cmath>
 #include <cstdint>

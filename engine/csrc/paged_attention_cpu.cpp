@@ -5,10 +5,11 @@
 //
 // A work item is (sequence, KV heads, tile of queries); its rows are the tile's queries times the
 // query heads that share each KV head, so each cached row is read once per item (a decode token with
-// many sequences around takes all its KV heads: whole cache rows, in order). Keys are taken 16 at a
-// time and staged as float32, four such tiles at once with their rows read in turn. q.k for 16 keys
-// comes out as one vector: for many rows, by eight rows and two transposed tiles at a time; for few
-// (decode), by a transposing reduction of 16 partial sums. Softmax runs over whole rows, then p.V
+// many sequences around takes all its KV heads: whole cache rows, in order). Keys are taken a tile of
+// kLanes (16 under AVX-512, 8 under AVX2, vec.h) at a time and staged as float32, four such tiles
+// at once with their rows read in turn. q.k for a tile's keys
+// comes out as one vector: for many rows, by kQkRows rows and two transposed tiles at a time; for few
+// (decode), by a transposing reduction of kLanes partial sums. Softmax runs over whole rows, then p.V
 // accumulates four rows at a time; everything is float32 whatever the cache dtype (float32,
 // bfloat16, float16). Threads take items from a shared counter, largest first. Every index is
 // checked before any memory is read.
@@ -21,7 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "vec16.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -37,10 +38,15 @@ using namespace cbserve;
 constexpr int64_t kTileRows = 64;  // rows (queries x grouped heads) per item in prefill chunks
 constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k runs on a transposed key tile
 constexpr int64_t kStreams = 4;  // tiles staged together, their rows read in turn (see walk)
+// register blocks sized to the register file: 32 registers of 16 lanes under AVX-512, 16 of 8 under
+// AVX2 (accumulators plus the loaded operands must fit, or the loops spill to the stack)
+constexpr int kQkRows = kLanes == 16 ? 8 : 4;  // q.k rows against two transposed tiles: 2 x rows accumulators
+constexpr int kPvChunks = kLanes == 16 ? 4 : 2;  // p.V: four rows x this many chunks of a value row
 
-// r[i] = sum of the lanes of a[i]: four rounds of pairwise shuffles and adds (45 operations for 16
-// sums, against about 7 per horizontal sum).
-inline vfloat reduce16(const vfloat* a) {
+// r[i] = sum of the lanes of a[i], for kLanes vectors: rounds of pairwise shuffles and adds (45
+// operations for 16 sums, against about 7 per horizontal sum).
+#if defined(__AVX512F__)
+inline vfloat reduce_lanes(const vfloat* a) {
   vfloat b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -54,24 +60,50 @@ inline vfloat reduce16(const vfloat* a) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline vfloat reduce_lanes(const vfloat* a) {
+  vfloat b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
-// In-place transpose of a 16 x 16 float block held as 16 rows: round k swaps bit k of the row
-// index with bit k of the column index, between rows i and i + 2^k.
-#define CB_SWAP(K, A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15, B0, B1, B2, B3, B4, B5, B6, \
-                B7, B8, B9, B10, B11, B12, B13, B14, B15)                                                         \
-  for (int i = 0; i < 16; ++i)                                                                                 \
-    if (!(i & (1 << K))) {                                                                                     \
-      const vfloat a = r[i], b = r[i + (1 << K)];                                                              \
-      r[i] = __builtin_shufflevector(a, b, A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15); \
-      r[i + (1 << K)] =                                                                                        \
-          __builtin_shufflevector(a, b, B0, B1, B2, B3, B4, B5, B6, B7, B8, B9, B10, B11, B12, B13, B14, B15);   \
+// In-place transpose of a kLanes x kLanes float block held as kLanes rows: round k swaps bit k of
+// the row index with bit k of the column index, between rows i and i + 2^k.
+#define CB_SWAP(K, ...)                                            \
+  for (int i = 0; i < kLanes; ++i)                                 \
+    if (!(i & (1 << K))) {                                         \
+      const vfloat a = r[i], b = r[i + (1 << K)];                  \
+      r[i] = __builtin_shufflevector(a, b, CB_FIRST(__VA_ARGS__)); \
+      r[i + (1 << K)] = __builtin_shufflevector(a, b, CB_SECOND(__VA_ARGS__)); \
     }
-inline void transpose16(vfloat* r) {
+#if defined(__AVX512F__)
+#define CB_FIRST(A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15, ...) \
+  A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15
+#define CB_SECOND(A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15, ...) __VA_ARGS__
+inline void transpose_lanes(vfloat* r) {
   CB_SWAP(0, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
   CB_SWAP(1, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
   CB_SWAP(2, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
   CB_SWAP(3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
 }
+#else
+#define CB_FIRST(A0, A1, A2, A3, A4, A5, A6, A7, ...) A0, A1, A2, A3, A4, A5, A6, A7
+#define CB_SECOND(A0, A1, A2, A3, A4, A5, A6, A7, ...) __VA_ARGS__
+inline void transpose_lanes(vfloat* r) {
+  CB_SWAP(0, 0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15)
+  CB_SWAP(1, 0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15)
+  CB_SWAP(2, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+}
+#endif
+#undef CB_FIRST
+#undef CB_SECOND
 #undef CB_SWAP
 
 inline float hmax(vfloat v) {
@@ -118,7 +150,7 @@ struct Attention {
     return prior ? std::max(from_window, prior->keys_done[seq]) : from_window;
   }
 
-  // Walks cache rows [first, first + n) of one sequence in groups of up to kStreams tiles of 16,
+  // Walks cache rows [first, first + n) of one sequence in groups of up to kStreams tiles of kLanes,
   // staging KV heads [h0, h1) of each row as float32 [h1 - h0, dim] in `staged` (zeros past the
   // end; a group's rows are consecutive there) and calling visit(g0, rows, staged) per group. A
   // group's tiles lie in different blocks and their rows are read in turn: reading several places
@@ -149,7 +181,7 @@ struct Attention {
     }
   }
 
-  // acc rows a[0 .. R) (CN 16-lane chunks each) += sum_j p[i][j] v_j, v_j rows `stride` floats apart
+  // acc rows a[0 .. R) (CN kLanes-float chunks each) += sum_j p[i][j] v_j, v_j rows `stride` floats apart
   template <int R, int CN>
   static void accumulate(float* const* a, const float* const* p, const float* values, int64_t stride, int64_t tn) {
     vfloat acc[R][CN];
@@ -160,11 +192,9 @@ struct Attention {
       for (int r = 0; r < R; ++r) w[r] = p[r][j] - vfloat{};  // a broadcast (x - 0 is x, -0 included)
       for (int c = 0; c < CN; ++c) {
         vfloat v = load(values + j * stride + c * kLanes);
-#if defined(__AVX512F__)  // (a 16-float vector fits one register only with AVX-512)
         // v stays in a register: otherwise the compiler folds this load into every row's product
         // (R loads instead of one) and the loop waits on loads instead of multiplies
-        asm("" : "+v"(v));
-#endif
+        CB_KEEP_IN_REGISTER(v);
         for (int r = 0; r < R; ++r) acc[r][c] += w[r] * v;
       }
     }
@@ -177,10 +207,10 @@ struct Attention {
   void accumulate_rows(float* const* a, const float* const* p, const float* vt, int64_t v_width, int64_t tn) const {
     const int64_t vc = v_dim / kLanes;
     int64_t c = 0;
-    for (; c + 4 <= vc; c += 4) {
+    for (; c + kPvChunks <= vc; c += kPvChunks) {
       float* ac[R];
       for (int r = 0; r < R; ++r) ac[r] = a[r] + c * kLanes;
-      accumulate<R, 4>(ac, p, vt + c * kLanes, v_width, tn);
+      accumulate<R, kPvChunks>(ac, p, vt + c * kLanes, v_width, tn);
     }
     for (; c < vc; ++c) {
       float* ac[R];
@@ -190,8 +220,8 @@ struct Attention {
   }
 
   // q.k of R rows (q: the first, rows head_dim apart) against one or two transposed tiles
-  // ([dim][16 keys] each, k1 ignored unless Two): per dim, one broadcast q value per row times one
-  // key vector per tile, so each value loaded feeds R or 2R products; 16 scores per tile in lanes.
+  // ([dim][kLanes keys] each, k1 ignored unless Two): per dim, one broadcast q value per row times one
+  // key vector per tile, so each value loaded feeds R or 2R products; a tile's scores in lanes.
   template <int R, bool Two, int KC>
   void qk_block(const float* q, const float* k0, const float* k1, float* out, int64_t npad) const {
     const int64_t dim = KC ? KC * kLanes : head_dim;
@@ -220,7 +250,7 @@ struct Attention {
   }
 
   // Scores of a staged group of tiles for the rows of head hh when they are many: each tile is
-  // transposed ([dim][16 keys]), then eight rows times two tiles at a time (sixteen accumulators),
+  // transposed ([dim][kLanes keys]), then kQkRows rows times two tiles at a time (2 x kQkRows accumulators),
   // four or one row for what is left.
   template <int KC>
   void scores_transposed(Scratch& s, const float* keys, int64_t tiles, int64_t hh, int64_t per_head, int64_t k_width,
@@ -231,13 +261,13 @@ struct Attention {
       for (int64_t c = 0; c < dim; c += kLanes) {
         vfloat block[kLanes];
         for (int64_t j = 0; j < kLanes; ++j) block[j] = load(keys + (g * kLanes + j) * k_width + hh * head_dim + c);
-        transpose16(block);
+        transpose_lanes(block);
         for (int64_t i = 0; i < kLanes; ++i) store(kt + (g * dim + c + i) * kLanes, block[i]);
       }
     const int64_t r1 = (hh + 1) * per_head;
     int64_t r = hh * per_head;
     auto at = [&](int64_t row) { return std::make_pair(s.q.data() + row * head_dim, s.scores.data() + row * npad + t0); };
-    for (; r + 8 <= r1; r += 8) qk_rows<8, KC>(at(r).first, kt, tiles, at(r).second, npad);
+    for (; r + kQkRows <= r1; r += kQkRows) qk_rows<kQkRows, KC>(at(r).first, kt, tiles, at(r).second, npad);
     for (; r + 4 <= r1; r += 4) qk_rows<4, KC>(at(r).first, kt, tiles, at(r).second, npad);
     for (; r < r1; ++r) qk_rows<1, KC>(at(r).first, kt, tiles, at(r).second, npad);
   }
@@ -285,7 +315,7 @@ struct Attention {
             for (int64_t c = 1; c < kc; ++c) sum += load(qr + c * kLanes) * load(kt + j * k_width + c * kLanes);
             a[j] = sum;
           }
-          store(s.scores.data() + r * npad + g0 + g * kLanes, reduce16(a));
+          store(s.scores.data() + r * npad + g0 + g * kLanes, reduce_lanes(a));
         }
     });
     // softmax over each row's own keys (causal, sliding window); others get probability 0

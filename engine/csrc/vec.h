@@ -1,6 +1,7 @@
-// 16 float lanes (one AVX-512 register, or two AVX2 ones) with GCC vector extensions, built with
-// -march=native: loads that widen float32/bfloat16/float16 to float32, stores that round back as
-// torch does, exp for x <= 0, and the float-type dispatch. Shared by the CPU kernels in this folder.
+// One register of float lanes with GCC vector extensions: 16 under AVX-512, 8 under AVX2 (the
+// build's -march decides, see engine/backends/cpu_kernels.py); loads that widen float32/bfloat16/
+// float16 to float32, stores that round back as torch does, exp for x <= 0, and the float-type
+// dispatch. Shared by the CPU kernels in this folder; none of them assumes a lane count.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,11 +11,22 @@
 
 namespace cbserve {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vint __attribute__((vector_size(4 * kLanes)));
+
+// keeps v in a register: stops the compiler from folding its load into every use
+#if defined(__AVX512F__)
+#define CB_KEEP_IN_REGISTER(v) asm("" : "+v"(v))
+#else
+#define CB_KEEP_IN_REGISTER(v) asm("" : "+x"(v))
+#endif
 
 inline vfloat load(const float* p) {
   vfloat v;

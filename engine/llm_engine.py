@@ -16,7 +16,7 @@ import torch
 
 from engine.backends import cpu_malloc, get_backend
 from engine.backends.cpu_fused import FusedModules
-from engine.backends.cpu_linear import PackedLinears, packed_bytes, packing_available
+from engine.backends.cpu_linear import PackedLinears, compute_dtype, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
@@ -109,7 +109,10 @@ class LLMEngine:
             logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
             return None
         packed = PackedLinears(model)
-        logger.info("cbserve: %d linear layers on oneDNN-packed weights (%.0f MiB)", len(packed), size / 2**20)
+        compute = compute_dtype(param_dtype := next(model.parameters()).dtype)
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        how = "" if compute == param_dtype else f"; {name(compute)} products: no {name(param_dtype)} ones on this CPU"
+        logger.info("cbserve: %d linear layers on oneDNN-packed weights (%.0f MiB%s)", len(packed), size / 2**20, how)
         return packed
 
     def _fused_modules(self, model: torch.nn.Module) -> FusedModules | None:

@@ -19,6 +19,10 @@ from engine.config import ContinuousBatchingConfig
 SERVER_KEYS = ("dtype", "attn_implementation", "compile")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ENV_PREFIX = "CBSERVE_"
+# CBSERVE_* variables that set up the process, not the engine or the server: read where they act
+# (the cache folder, the CPU probe and kernels, malloc tuning, the benchmark's vLLM venv)
+PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_CPU_ISA", "CBSERVE_CPU_KERNELS", "CBSERVE_CPU_MALLOC_TUNING",
+                         "CBSERVE_VLLM_VENV"})  # fmt: skip
 
 
 class SettingsError(ValueError):
@@ -56,7 +60,7 @@ def _from_env(environ: dict[str, str]) -> dict[str, Any]:
     known = set(ContinuousBatchingConfig.field_names()) | set(SERVER_KEYS)
     values = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in ("CBSERVE_CACHE_DIR",):
+        if not key.startswith(ENV_PREFIX) or key in PROCESS_ENV:
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in known:

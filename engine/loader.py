@@ -7,7 +7,9 @@ the cache folder (`$CBSERVE_CACHE_DIR`, else `~/.cache/cbserve`) so later starts
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -63,14 +65,32 @@ def _convert_embedded(target: Path) -> None:
     logger.info("converting the embedded %s from %s (once; cached in %s)", DEFAULT_MODEL_NAME, gguf, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh one of the same config
-    fresh = type(loaded)(loaded.config)
+    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh one of the same
+    # config, less the GGUF quantization note (the saved weights are plain float32)
+    config = copy.deepcopy(loaded.config)
+    config.__dict__.pop("quantization_config", None)
+    fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
     partial = target.with_name(target.name + ".partial")
     fresh.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(target)  # a crash mid-save never leaves a half-written cache behind
+
+
+def drop_stale_quantization(folder: Path) -> bool:
+    """Remove a GGUF `quantization_config` from a converted checkpoint's config.json (caches written
+    before it was left out on conversion): its weights are plain safetensors, and other tools (vLLM)
+    refuse a folder that claims GGUF quantization. True when the file was rewritten."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") != "gguf":
+        return False
+    del config["quantization_config"]
+    partial = path.with_name("config.json.partial")
+    partial.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, path)
+    return True
 
 
 def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None) -> LoadedModel:
@@ -84,6 +104,7 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
         if not (folder / "config.json").is_file():
             folder.parent.mkdir(parents=True, exist_ok=True)
             _convert_embedded(folder)
+        drop_stale_quantization(folder)
         name = DEFAULT_MODEL_NAME
     else:
         folder = Path(path)

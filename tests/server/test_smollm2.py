@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
 import torch
 
@@ -59,3 +61,26 @@ def test_default_model_through_cbserve_equals_model_generate() -> None:
         ref = loaded.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                     max_new_tokens=20, do_sample=False, eos_token_id=None)
         assert o.generated_tokens == ref[0, len(p):].tolist()
+
+
+def test_the_converted_checkpoint_is_a_plain_transformers_one(tmp_path) -> None:
+    """Its weights are float32 safetensors: no GGUF quantization_config, so other servers (vLLM)
+    and transformers load the folder as it is; a cache converted before this holds gets repaired."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from engine.loader import drop_stale_quantization, load_model
+
+    loaded = load_model(None, dtype="float32")
+    folder = loaded.model.name_or_path
+    config = json.loads((Path(folder) / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    assert not hasattr(AutoConfig.from_pretrained(folder), "quantization_config")
+    old = tmp_path / "old-cache"
+    shutil.copytree(folder, old, ignore=shutil.ignore_patterns("*.safetensors"))
+    stale = {**config, "quantization_config": {"quant_method": "gguf", "gguf_file": "x.gguf", "dequantize": False}}
+    (old / "config.json").write_text(json.dumps(stale))
+    assert drop_stale_quantization(old) and not drop_stale_quantization(old)
+    assert json.loads((old / "config.json").read_text()) == config

@@ -135,8 +135,8 @@ def capabilities() -> Capabilities:
     isa = resolve_isa(cpu, forced)
     emulate = isa == "avx2" and cpu.best_isa() == "avx512"
     caps = Capabilities(cpu, isa, native_dtypes(cpu, emulate), forced if forced not in (None, "auto") else None)
-    # one line: a warning where the kernels are off on a CPU that could run them only if forced,
-    # or where there is no kernel ISA at all (the slow torch paths); else for information
+    # one line: a warning where the CPU has no kernel ISA (an old or non-x86 CPU: the slow torch
+    # paths), information otherwise (CBSERVE_CPU_ISA=none included: asked for)
     level = logging.WARNING if isa is None and forced != "none" else logging.INFO
     logger.log(level, "cbserve CPU: %s", caps.describe())
     return caps

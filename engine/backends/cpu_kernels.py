@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from engine.backends.cpu_isa import ISAS, capabilities, read_cpu
+from engine.backends.cpu_isa import ISAS, kernel_isa, read_cpu
 from engine.cache import cache_dir
 
 logger = logging.getLogger("cbserve.engine")
@@ -76,7 +76,7 @@ def build_tag(isa: str) -> str:
 
 
 def build_directory(isa: str | None = None) -> Path:
-    return cache_dir() / "kernels" / build_tag(isa or capabilities().kernel_isa or "avx2")
+    return cache_dir() / "kernels" / build_tag(isa or kernel_isa() or "avx2")
 
 
 def _import(path: Path) -> ModuleType:
@@ -136,7 +136,7 @@ def cpu_ops() -> ModuleType | None:
         if os.environ.get("CBSERVE_CPU_KERNELS", "1") == "0":
             logger.info("cbserve CPU kernels off (CBSERVE_CPU_KERNELS=0): torch-only paths")
             return None
-        isa = capabilities().kernel_isa
+        isa = kernel_isa()
         if isa is None:
             logger.info("cbserve CPU kernels off (no AVX2 or AVX-512 here, or CBSERVE_CPU_ISA=none): torch-only paths")
             return None

@@ -86,15 +86,18 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
-def publish_once(final: Path, build: Callable[[Path], object]) -> object | None:
-    """Make `final` by `build(folder)` unless it exists: one process at a time (a lock file beside
-    it), into a private folder renamed into place when whole. Returns what `build` returned, or None
-    when a finished `final` was already there (built earlier or by a process we waited for)."""
+def publish_once(final: Path, build: Callable[[Path], object], marker: str) -> object | None:
+    """Make `final` by `build(folder)` unless a finished one (holding `marker`) exists: one process
+    at a time (a lock file beside it), into a private folder renamed into place when whole. Returns
+    what `build` returned, or None when a finished `final` was already there (built earlier or by a
+    process we waited for). A `final` without the marker (an interrupted build of an older version)
+    is removed and built again."""
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f"{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this very tag: wait for it
-        if final.exists():
+        if (final / marker).exists():
             return None
+        shutil.rmtree(final, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f"{final.name}.build-", dir=final.parent))
         try:
             result = build(work)
@@ -108,8 +111,8 @@ def load_kernels(isa: str) -> ModuleType:
     """The kernels for `isa`: imported from a finished build in the cache, else built there first."""
     final = build_directory(isa)
     library = final / f"{NAME}.so"
-    if not library.exists() and final.exists():  # an interrupted build of an older version: start again
-        shutil.rmtree(final, ignore_errors=True)
+    if library.exists():
+        return _import(library)
 
     def build(folder: Path) -> ModuleType:
         from torch.utils.cpp_extension import load
@@ -120,9 +123,7 @@ def load_kernels(isa: str) -> ModuleType:
         return load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=cflags(isa, read_cpu().best_isa()),
                     extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)  # fmt: skip
 
-    if library.exists():
-        return _import(library)
-    module = publish_once(final, build)  # None: another process finished it while we waited
+    module = publish_once(final, build, library.name)  # None: another process finished it while we waited
     return module if module is not None else _import(library)
 
 

@@ -184,11 +184,7 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 def packed_bytes(model: torch.nn.Module) -> int:
     """Memory the packed copies would take (in their compute dtype)."""
-    return sum(
-        m.weight.numel() * torch.empty(0, dtype=compute_dtype(m.weight.dtype)).element_size()
-        for m in model.modules()
-        if _linear_ok(m)
-    )
+    return sum(m.weight.numel() * compute_dtype(m.weight.dtype).itemsize for m in model.modules() if _linear_ok(m))
 
 
 class PackedLinears:

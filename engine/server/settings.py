@@ -72,6 +72,17 @@ def _from_env(environ: dict[str, str]) -> dict[str, Any]:
     return values
 
 
+def _check_cpu_isa(value: str | None) -> None:
+    """CBSERVE_CPU_ISA is read by the CPU probe when the engine is built; a value it would refuse
+    stops start-up here, with the settings' other errors, instead of in the middle of it."""
+    from engine.backends.cpu_isa import read_cpu, resolve_isa
+
+    try:
+        resolve_isa(read_cpu(), value)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
 def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None) -> ServeSettings:
     """`cli` holds the parsed command line (None where a flag was not given)."""
     environ = dict(os.environ if environ is None else environ)
@@ -79,6 +90,7 @@ def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None) ->
     if cli.get("config"):
         merged.update(_read_yaml(cli["config"]))
     merged.update(_from_env(environ))
+    _check_cpu_isa(environ.get("CBSERVE_CPU_ISA"))
     for key in SERVER_KEYS:
         if cli.get(key) is not None:
             merged[key] = cli[key]

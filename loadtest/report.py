@@ -108,18 +108,24 @@ def table(summary: dict[str, Any], server: dict[str, Any] | None = None) -> str:
     for key, label in (("ttft", "time to first token"), ("itl", "inter-token"), ("tpot", "time per output token"),
                        ("e2el", "end to end")):  # fmt: skip
         lines.append(f"{label:<22}" + "".join(f"{s[f'{m}_{key}_ms']:>10.1f}" for m in ("mean", "median", "p90", "p99")))
-    if server:
-        lines.append("")
-        parts = []
-        if server.get("mean_queue_time_ms") is not None:
-            parts.append(f"mean queue {server['mean_queue_time_ms']:.1f} ms")
-        if server.get("max_kv_cache_usage") is not None:
-            parts.append(f"KV cache up to {server['max_kv_cache_usage']:.1%}")
-        parts.append(f"{server.get('preemptions', 0):.0f} preemptions")
-        if server.get("prefix_cache_hit_rate") is not None:
-            parts.append(f"prefix-cache hits {server['prefix_cache_hit_rate']:.0%}")
-        lines.append("server     " + ", ".join(parts))
+    lines.append("")
+    lines.append(server_line(server))
     if s["errors"]:
         lines.append("")
         lines += [f"error x{n}: {e}" for e, n in s["errors"].items()]
     return "\n".join(lines)
+
+
+def server_line(server: dict[str, Any] | None) -> str:
+    """The server's own figures of the run, each "not available" where its /metrics has no such thing."""
+    if not server or not server.get("server"):
+        return "server     /metrics not available (no cbserve, vLLM or llama.cpp metrics at this endpoint)"
+
+    def fig(key: str, label: str, fmt: str) -> str:
+        value = server.get(key)
+        return f"{label} {'not available' if value is None else format(value, fmt)}"
+
+    parts = [fig("mean_queue_time_ms", "mean queue (ms)", ".1f"), fig("max_requests_waiting", "peak waiting", ".0f"),
+             fig("max_kv_cache_usage", "peak KV cache", ".1%"), fig("preemptions", "preemptions", ".0f"),
+             fig("prefix_cache_hit_rate", "prefix-cache hits", ".0%")]  # fmt: skip
+    return f"server     ({server['server']} /metrics) " + ", ".join(parts)

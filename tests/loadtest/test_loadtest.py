@@ -1,10 +1,13 @@
-"""A real short Locust run against a real cbserve on 127.0.0.1; the report adds up."""
+"""Real short Locust runs against a real cbserve and a real non-cbserve server on 127.0.0.1."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,8 +44,13 @@ def test_short_run_report_is_consistent(model_dir, tmp_path) -> None:
         assert p50 <= p90 <= p99
     assert 1 <= summary["max_concurrent_requests"] <= 3
     assert summary["server"]["generation_tokens"] >= summary["total_output_tokens"]
-    for name in ("latency_over_time.png", "ttft_vs_prompt.png", "locust.html", "locust_stats.csv"):
+    assert summary["server"]["server"] == "cbserve" and summary["target"]["readiness"] == "/ready"
+    assert "(cbserve /metrics)" in r.stdout
+    for name in ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", "ttft_vs_prompt.png",
+                 "locust.html", "locust_stats.csv"):  # fmt: skip
         assert (out / name).stat().st_size > 0
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
+    assert json.loads((out / "server_samples.json").read_text())
 
 
 def test_sweep_plots_one_point_per_concurrency(model_dir, tmp_path) -> None:
@@ -55,6 +63,7 @@ def test_sweep_plots_one_point_per_concurrency(model_dir, tmp_path) -> None:
     assert concurrencies == [1, 2, 4][: len(concurrencies)] and len(concurrencies) >= 2
     assert all(p["completed"] > 0 for p in points)
     assert (out / "sweep.png").stat().st_size > 0
+    assert "data:image/png;base64," in (out / "report.html").read_text()
 
 
 @pytest.mark.parametrize("args,message,status", [
@@ -69,5 +78,104 @@ def test_sweep_plots_one_point_per_concurrency(model_dir, tmp_path) -> None:
 def test_bad_flags_and_unreachable_servers_are_one_clear_line(args, message, status) -> None:
     r = run(*args)
     assert r.returncode == status
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+STANDIN = Path(__file__).with_name("openai_standin.py")
+
+
+@pytest.fixture
+def standin(request) -> Iterator[str]:
+    """A real uvicorn serving the stand-in on a socket bound here (it accepts as soon as it runs)."""
+    flags = getattr(request, "param", [])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    proc = subprocess.Popen([sys.executable, str(STANDIN), "--fd", str(sock.fileno()), *flags],
+                            pass_fds=[sock.fileno()])  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        sock.close()
+
+
+@pytest.mark.parametrize("standin,readiness", [(["--api-key", "s3cret"], "/health"),
+                                               (["--api-key", "s3cret", "--no-health"], "/v1/models")],
+                         indirect=["standin"])  # fmt: skip
+def test_any_openai_endpoint_without_ready_or_metrics(standin, readiness, tmp_path) -> None:
+    out = tmp_path / "run"
+    r = run("--url", standin, "--api-key", "s3cret", "--duration", "3s", "--users", "2", "--output-len", "5",
+            "--endpoint", "completions", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "/metrics not available" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["target"]["readiness"] == readiness and summary["target"]["model"] == "standin-model"
+    assert summary["completed"] > 0 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 5 * summary["completed"]
+    assert summary["server"] == {"server": None}
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4 and "standin-model" in html
+
+
+@pytest.mark.parametrize("standin", [["--api-key", "s3cret"]], indirect=True)
+def test_the_key_comes_from_openai_api_key_and_a_wrong_one_fails_every_request(standin, tmp_path) -> None:
+    env = {**os.environ, "OPENAI_API_KEY": "s3cret"}
+    args = [sys.executable, "-m", "loadtest", "--url", standin, "--duration", "2s", "--users", "1", "--output-len",
+            "3", "--out", str(tmp_path / "env")]  # fmt: skip
+    good = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert good.returncode == 0, good.stdout + good.stderr
+    bad = subprocess.run([*args, "--api-key", "wrong"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1  # /health is open, so the run happens and every request is refused
+    assert "HTTP 401" in bad.stdout and "0 completed" in bad.stdout
+
+
+@pytest.mark.parametrize("standin", [["--api-key", "s3cret", "--no-health"]], indirect=True)
+def test_a_refused_readiness_check_names_the_key(standin) -> None:
+    r = run("--url", standin, "--ready-timeout", "5")
+    assert r.returncode == 1
+    assert "answered 401" in r.stderr and "--api-key" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("standin", [["--token-ms", "1"]], indirect=True)
+def test_compare_runs_the_same_load_on_each_target_and_writes_one_report(standin, tmp_path) -> None:
+    out = tmp_path / "cmp"
+    slow = f"slow=cmd:{sys.executable} {STANDIN} --port {{port}} --token-ms 10"
+    r = run("compare", "--target", f"fast={standin}", "--target", slow, "--rounds", "2", "--duration", "2s",
+            "--users", "2", "--output-len", "6", "--input-len", "5:60", "--seed", "7", "--slo", "ttft_ms=1000",
+            "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "compare.json").read_text())
+    fast, slow_ = report["targets"]["fast"], report["targets"]["slow"]
+    assert len(fast["rounds_output_throughput"]) == len(slow_["rounds_output_throughput"]) == 2
+    assert fast["output_throughput"] > 2 * slow_["output_throughput"]
+    assert fast["failed"] == slow_["failed"] == 0
+    assert report["idle_cpu_seconds"]["fast"] is None and report["idle_cpu_seconds"]["slow"] >= 0
+    assert "ratio to fast" in r.stdout and "output tok/s" in r.stdout
+    # the same seeded prompts went to both in a round, new ones in the next: compare first requests
+    def first_prompt(name: str, k: int) -> int:
+        return min(load_rows(out / name / f"round{k}" / "requests.jsonl"), key=lambda x: x["start"])["prompt_words"]
+
+    assert first_prompt("fast", 1) == first_prompt("slow", 1)
+    assert first_prompt("fast", 2) == first_prompt("slow", 2)
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
+    port = int(report["settings"]["targets"]["slow"].split("--port ")[1].split()[0])
+    with pytest.raises(OSError):  # the started target was stopped
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compare", "--target", "nope"], "NAME=URL or NAME=cmd:COMMAND"),
+    (["compare", "--target", "a=cmd:python server.py"], "{port}"),
+    (["compare", "--target", "a=ftp://x"], "neither a URL"),
+    (["compare", "--target", "a=http://x", "--target", "a=http://y"], "names must differ"),
+    (["compare", "--target", "a=http://x", "--rounds", "0"], "--rounds"),
+])
+def test_bad_compare_flags_are_one_clear_line(args, message) -> None:
+    r = run(*args)
+    assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

@@ -2,9 +2,12 @@
 
     python benchmarks/throughput.py [--workload W1|W2|W3] [--runs 5]
                                     [--peers all|transformers|generate|vllm|none] [--dtype float32]
+                                    [--model random|embedded]
 
 The model: Llama config (vocab 32000, hidden 512, intermediate 1376, 8 layers, 8 heads, 4 KV
-heads), torch.manual_seed(0); greedy; EOS ignored; torch.set_num_threads(2). Prompts (seed 0):
+heads), torch.manual_seed(0); or, with `--model embedded`, the real SmolLM2-135M-Instruct cbserve
+serves by default (30 layers, hidden 576, vocab 49152), the model of the server-level comparison.
+Greedy; EOS ignored; torch.set_num_threads(2). Prompts (seed 0, ids below the vocab size):
   W1: 64 prompts of random ids, lengths uniform in [16, 256]; 64 new tokens each.
   W2: 64 prompts sharing a 512-token prefix plus 16-64 tokens of their own; 64 new tokens (prefix caching).
   W3: 16 prompts of 1,500-2,000 tokens; 32 new tokens (chunked prefill; mean time to first token too).
@@ -52,11 +55,17 @@ def build_model(dtype: torch.dtype):
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def build_prompts(workload: str) -> list[list[int]]:
+def build_embedded(dtype: torch.dtype):
+    from engine.loader import load_model
+
+    return load_model(None, dtype=str(dtype).removeprefix("torch.")).model
+
+
+def build_prompts(workload: str, vocab: int = 32000) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
-        return torch.randint(0, 32000, (n,), generator=g).tolist()
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     if workload == "W1":
         return [ids(n) for n in torch.randint(16, 257, (64,), generator=g).tolist()]
@@ -139,11 +148,14 @@ def main() -> None:
     parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
+    parser.add_argument("--model", default="random", choices=["random", "embedded"])
     args = parser.parse_args()
     torch.set_num_threads(2)
     global NEW
     NEW = NEW_TOKENS[args.workload]
-    model, prompts = build_model(getattr(torch, args.dtype)), build_prompts(args.workload)
+    build = build_embedded if args.model == "embedded" else build_model
+    model = build(getattr(torch, args.dtype))
+    prompts = build_prompts(args.workload, model.config.get_text_config().vocab_size)
     systems = {"cbserve": run_cbserve}
     if args.peers in ("all", "transformers"):
         systems["transformers generate_batch"] = run_transformers
@@ -224,7 +236,8 @@ def measure(args, model, prompts, systems) -> None:
     rates = {name: tokens / statistics.median(t) for name, t in times.items()}
     from engine.backends.cpu_isa import capabilities
 
-    print(f"\n{args.workload} ({args.dtype}), {tokens} output tokens, median of {args.runs} runs, "
+    model_name = "SmolLM2-135M-Instruct" if args.model == "embedded" else "the random 8-layer Llama"
+    print(f"\n{args.workload} ({args.dtype}, {model_name}), {tokens} output tokens, median of {args.runs} runs, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\nhost: {capabilities().describe()}")
     print(f"{'system':<30}{'output tok/s':>14}{'min-max':>16}{'cbserve is':>12}")
     for name, rate in rates.items():

@@ -22,16 +22,20 @@ td,th{padding:2px 10px;text-align:left;border-bottom:1px solid #ddd}"""
 
 
 def host() -> str:
-    """This machine's CPU model and core count (the load generator's host)."""
-    model = platform.processor() or "unknown CPU"
+    """The load generator's CPU: model, family and model number, the widest vector ISA, cores."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            key, sep, value = line.partition(":")
+            if sep and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}"
+    flags = set(fields.get("flags", "").split())
+    isa = next((f for f in ("avx512f", "avx2") if f in flags), "no AVX2")
+    model = fields.get("model name") or platform.processor() or "unknown CPU"
+    family = f" (family {fields['cpu family']} model {fields.get('model', '?')})" if "cpu family" in fields else ""
+    return f"{model}{family}, {isa}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}"
 
 
 def _image(path: Path) -> str:

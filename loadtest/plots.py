@@ -185,7 +185,7 @@ def sweep_curve(points: list[dict], path: Path) -> None:
     ax.plot(xs, [p["median_e2el_ms"] / 1000 for p in points], "o-", label="median")
     ax.plot(xs, [p["p99_e2el_ms"] / 1000 for p in points], "s--", label="p99")
     for p, x in zip(points, xs):
-        ax.annotate(f"{p['concurrency']} users", (x, p["median_e2el_ms"] / 1000), textcoords="offset points",
+        ax.annotate(f"{p['concurrency']} user" + ("s" if p["concurrency"] > 1 else ""), (x, p["median_e2el_ms"] / 1000), textcoords="offset points",
                     xytext=(4, -12), fontsize=8)  # fmt: skip
     ax.set_xlabel("output tokens/s")
     ax.set_ylabel("end-to-end latency (s)")

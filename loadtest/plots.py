@@ -68,7 +68,7 @@ def throughput_over_time(runs: dict[str, list[dict]], path: Path) -> None:
     """Output tokens/s (top) and requests in flight (bottom) over each run's whole span."""
     longest = max((span(rows)[1] - span(rows)[0] for rows in runs.values()), default=0.0)
     bin_s = max(1.0, longest / 60)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, height_ratios=(2, 1))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(2, 1))
     for (label, rows), color in zip(runs.items(), COLORS):
         if not rows:
             continue
@@ -85,7 +85,7 @@ def throughput_over_time(runs: dict[str, list[dict]], path: Path) -> None:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     if len(runs) > 1:
-        top.legend(loc="lower center", fontsize=8, ncols=len(runs))
+        top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: it hides no data
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -93,7 +93,7 @@ def throughput_over_time(runs: dict[str, list[dict]], path: Path) -> None:
 
 def server_over_time(runs: dict[str, tuple[list[dict], float]], path: Path) -> None:
     """Queue depth, running requests and KV-cache use from /metrics scrapes; runs: {label: (samples, t0)}."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10.5, 5.5), sharex=True)
     drawn = False
     end = 1.0
     for (label, (samples, t0)), color in zip(runs.items(), COLORS):
@@ -123,9 +123,9 @@ def server_over_time(runs: dict[str, tuple[list[dict], float]], path: Path) -> N
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     if top.get_legend_handles_labels()[0]:
-        top.legend(loc="upper right", fontsize=8)
+        top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: it hides no data
     if len(runs) > 1 and bottom.get_legend_handles_labels()[0]:
-        bottom.legend(loc="upper right", fontsize=8)
+        bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,6 +1,6 @@
-"""Workloads W1-W3 on cbserve and its peers, in one process run, alternating, median of the runs.
+"""Workloads W1-W4 on cbserve and its peers, in one process run, alternating, median of the runs.
 
-    python benchmarks/throughput.py [--workload W1|W2|W3] [--runs 5]
+    python benchmarks/throughput.py [--workload W1|W2|W3|W4] [--runs 5]
                                     [--peers all|transformers|generate|vllm|none] [--dtype float32]
                                     [--model random|embedded]
 
@@ -11,6 +11,7 @@ Greedy; EOS ignored; torch.set_num_threads(2). Prompts (seed 0, ids below the vo
   W1: 64 prompts of random ids, lengths uniform in [16, 256]; 64 new tokens each.
   W2: 64 prompts sharing a 512-token prefix plus 16-64 tokens of their own; 64 new tokens (prefix caching).
   W3: 16 prompts of 1,500-2,000 tokens; 32 new tokens (chunked prefill; mean time to first token too).
+  W4: 16 prompts of 80-350 tokens; 128 new tokens (one wave of `make compare`'s load, offline).
 
 Peers: transformers' own `generate_batch` at its best sizing found here (sdpa, page_size 32,
 num_blocks 1024, max_batch_tokens 1024), `model.generate` on one left-padded batch, and vLLM's
@@ -42,7 +43,7 @@ import torch
 
 from engine import ContinuousBatchingConfig, LLMEngine
 
-NEW_TOKENS = {"W1": 64, "W2": 64, "W3": 32}
+NEW_TOKENS = {"W1": 64, "W2": 64, "W3": 32, "W4": 128}
 NEW = 64  # of the workload being run (set in main)
 
 
@@ -72,6 +73,8 @@ def build_prompts(workload: str, vocab: int = 32000) -> list[list[int]]:
     if workload == "W2":
         prefix = ids(512)
         return [prefix + ids(n) for n in torch.randint(16, 65, (64,), generator=g).tolist()]
+    if workload == "W4":
+        return [ids(n) for n in torch.randint(80, 351, (16,), generator=g).tolist()]
     return [ids(n) for n in torch.randint(1500, 2001, (16,), generator=g).tolist()]
 
 
@@ -147,7 +150,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
+    parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -5,7 +5,8 @@ measured one at a time, the order rotating each round (A B C, then B C A, ...), 
 always runs first or last. Within a round every target gets the same prompts (seed --seed + round);
 each round draws new ones, so no round finds the last one's prompts in a prefix cache. Servers
 wait idle while another is measured; the report says how much CPU each used meanwhile, since on a
-small machine an idle server that spins would slow the others.
+small machine an idle server that spins would slow the others. It also gives each started
+server's CPU time per 1,000 output tokens while measured, and the share of a core Locust took.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def pooled(runs: list[RunResult], slos: dict[str, float]) -> dict:
     summary["rounds_output_throughput"] = [r.summary["output_throughput"] for r in runs]
     summary["output_throughput"] = statistics.fmean(summary["rounds_output_throughput"])
     summary["request_throughput"] = statistics.fmean(r.summary["request_throughput"] for r in runs)
+    summary["load_generator_cpu_s"] = sum(r.summary["load_generator_cpu_s"] for r in runs)
     if slos:
         summary["request_goodput"] = statistics.fmean(r.summary["request_goodput"] for r in runs)
     return summary
@@ -55,7 +57,8 @@ def _ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x"
 
 
-def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | None]) -> str:
+def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | None],
+                  busy_cpu: dict[str, float | None]) -> str:  # fmt: skip
     names = list(pooled_by_name)
     ref = names[0]
     width = max(20, *(len(n) + 2 for n in names))
@@ -80,6 +83,11 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
         row(f"  p50 ratio to {ref}", [_ratio(pooled_by_name[n][f"p50_{key}_ms"], pooled_by_name[ref][f"p50_{key}_ms"])
                                        for n in names])  # fmt: skip
     row("completed / failed", [f"{pooled_by_name[n]['completed']} / {pooled_by_name[n]['failed']}" for n in names])
+    row("server CPU-s per 1k tokens", ["-" if busy_cpu.get(n) is None or not pooled_by_name[n]["total_output_tokens"]
+                                       else f"{1000 * busy_cpu[n] / pooled_by_name[n]['total_output_tokens']:.1f}"
+                                       for n in names])  # fmt: skip
+    row("Locust's CPU share", [f"{pooled_by_name[n]['load_generator_cpu_s'] / pooled_by_name[n]['duration']:.0%}"
+                               for n in names])  # fmt: skip
     row("CPU-s used idle (others ran)", ["-" if idle_cpu.get(n) is None else f"{idle_cpu[n]:.1f}" for n in names])
     return "\n".join(lines)
 
@@ -89,6 +97,7 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[RunResult]] = {t.name: [] for t in targets}
     idle_cpu: dict[str, float | None] = {t.name: (0.0 if t.command else None) for t in targets}
+    busy_cpu: dict[str, float | None] = dict(idle_cpu)  # each started server's CPU time during its own runs
     try:
         for t in targets:
             if t.command:
@@ -103,11 +112,15 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
             for t in order:
                 others = [o for o in targets if o is not t and o.command]
                 before = {o.name: o.cpu_seconds() for o in others}
+                own = t.cpu_seconds()
                 result = run_locust(t, out / t.name / f"round{r + 1}", args.users, args, seed=args.seed + r)
                 for o in others:
                     now = o.cpu_seconds()
                     if now is not None and before[o.name] is not None:
                         idle_cpu[o.name] += now - before[o.name]
+                now = t.cpu_seconds()
+                if own is not None and now is not None:
+                    busy_cpu[t.name] += now - own
                 results[t.name].append(result)
                 s = result.summary
                 print(f"  round {r + 1} {t.name:<12} {s['output_throughput']:8.1f} output tok/s, "
@@ -116,7 +129,7 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
         for t in targets:
             t.stop()
     by_name = {name: pooled(runs, args.slos) for name, runs in results.items()}
-    text = compare_table(by_name, idle_cpu)
+    text = compare_table(by_name, idle_cpu, busy_cpu)
     first = {name: runs[0] for name, runs in results.items()}
     all_rows = {name: [row for r in runs for row in r.rows] for name, runs in results.items()}
     plots.throughput_over_time({n: r.rows for n, r in first.items()}, out / "throughput_over_time.png")
@@ -125,8 +138,9 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
     plots.rounds_bars({n: p["rounds_output_throughput"] for n, p in by_name.items()}, out / "rounds.png")
     report_settings = {**settings(args, args.users), "rounds": args.rounds, "host": html_report.host(),
                        "targets": {t.name: t.command and " ".join(t.command) or t.url for t in targets}}  # fmt: skip
-    (out / "compare.json").write_text(json.dumps({"settings": report_settings, "idle_cpu_seconds": idle_cpu,
-                                                  "targets": by_name}, indent=2))  # fmt: skip
+    report = {"settings": report_settings, "idle_cpu_seconds": idle_cpu, "busy_cpu_seconds": busy_cpu,
+              "targets": by_name}  # fmt: skip
+    (out / "compare.json").write_text(json.dumps(report, indent=2))
     html_report.write_compare(out, text, ["rounds.png", "throughput_over_time.png", "latency_cdf.png",
                                           "server_over_time.png"], report_settings)  # fmt: skip
     print()

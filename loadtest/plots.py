@@ -185,8 +185,8 @@ def sweep_curve(points: list[dict], path: Path) -> None:
     ax.plot(xs, [p["median_e2el_ms"] / 1000 for p in points], "o-", label="median")
     ax.plot(xs, [p["p99_e2el_ms"] / 1000 for p in points], "s--", label="p99")
     for p, x in zip(points, xs):
-        ax.annotate(f"{p['concurrency']} user" + ("s" if p["concurrency"] > 1 else ""), (x, p["median_e2el_ms"] / 1000), textcoords="offset points",
-                    xytext=(4, -12), fontsize=8)  # fmt: skip
+        label = f"{p['concurrency']} user" + ("s" if p["concurrency"] > 1 else "")
+        ax.annotate(label, (x, p["median_e2el_ms"] / 1000), textcoords="offset points", xytext=(4, -12), fontsize=8)
     ax.set_xlabel("output tokens/s")
     ax.set_ylabel("end-to-end latency (s)")
     ax.set_title("Throughput against latency, one point per concurrency")

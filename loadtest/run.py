@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -54,10 +55,13 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
     sampler = ServerSampler(target.url, target.api_key)
     sampler.start()
     started = time.monotonic()
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with (out / "locust.log").open("w") as log:
         env = locust_env(out, target, args, seed)
         code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     elapsed = time.monotonic() - started
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    locust_cpu = sum(getattr(children_after, f) - getattr(children_before, f) for f in ("ru_utime", "ru_stime"))
     sampler.stop()
     after = scrape(target.url, target.api_key)
     if code not in (0, 1):  # 1: some requests failed, which the report shows
@@ -71,6 +75,7 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
         t0 = time.time() - elapsed
     summary = summarize(rows, elapsed, args.slos, extra.get("max_concurrent_requests", 0))
     summary["server"] = window(before, after, sampler.samples)
+    summary["load_generator_cpu_s"] = locust_cpu  # Locust's own CPU time: on a small machine it competes
     summary["target"] = {"name": target.name, "url": target.url, "model": target.model_name,
                          "readiness": target.readiness}  # fmt: skip
     summary["settings"] = {**settings(args, users), "seed": seed}

@@ -154,6 +154,8 @@ def test_compare_runs_the_same_load_on_each_target_and_writes_one_report(standin
     assert fast["output_throughput"] > 2 * slow_["output_throughput"]
     assert fast["failed"] == slow_["failed"] == 0
     assert report["idle_cpu_seconds"]["fast"] is None and report["idle_cpu_seconds"]["slow"] >= 0
+    assert report["busy_cpu_seconds"]["fast"] is None and report["busy_cpu_seconds"]["slow"] > 0
+    assert fast["load_generator_cpu_s"] > 0 and "server CPU-s per 1k tokens" in r.stdout
     assert "ratio to fast" in r.stdout and "output tok/s" in r.stdout
     # the same seeded prompts went to both in a round, new ones in the next: compare first requests
     def first_prompt(name: str, k: int) -> int:

@@ -29,12 +29,13 @@ import gevent
 from locust import HttpUser, LoadTestShape, constant, events, task
 
 from loadtest.dataset import LengthSpec, PromptSource
+from loadtest.target import auth_headers
 
 OUT = Path(os.environ.get("LOADTEST_OUT", "."))
 ENDPOINT = os.environ.get("LOADTEST_ENDPOINT", "chat")
 MODEL = os.environ.get("LOADTEST_MODEL") or None
 RATE = float(os.environ.get("LOADTEST_RATE", "0") or 0)
-HEADERS = {"Authorization": f"Bearer {os.environ['LOADTEST_API_KEY']}"} if os.environ.get("LOADTEST_API_KEY") else {}
+HEADERS = auth_headers(os.environ.get("LOADTEST_API_KEY"))
 SOURCE = PromptSource(
     LengthSpec.parse(os.environ.get("LOADTEST_INPUT_LEN", "64:192"), "--input-len"),
     LengthSpec.parse(os.environ.get("LOADTEST_OUTPUT_LEN", "64"), "--output-len"),

@@ -33,7 +33,11 @@ def warm_up(target: Target, endpoint: str) -> None:
     else:
         path, body["prompt"] = "/v1/completions", "Hello there"
     for _ in range(2):
-        r = requests.post(target.url.rstrip("/") + path, json=body, headers=auth_headers(target.api_key), timeout=300)
+        try:
+            r = requests.post(target.url.rstrip("/") + path, json=body, headers=auth_headers(target.api_key),
+                              timeout=300)  # fmt: skip
+        except requests.RequestException as exc:
+            raise UsageError(f"{target.name}: warm-up request failed: {type(exc).__name__}", 1) from None
         if r.status_code != 200:
             raise UsageError(f"{target.name}: warm-up request got HTTP {r.status_code}: {r.text[:200]}", 1)
 

@@ -181,3 +181,11 @@ def test_bad_compare_flags_are_one_clear_line(args, message) -> None:
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("standin", [["--api-key", "s3cret"]], indirect=True)
+def test_compare_stops_with_one_line_when_a_target_refuses_the_warm_up(standin, tmp_path) -> None:
+    r = run("compare", "--target", f"locked={standin}", "--duration", "2s", "--out", str(tmp_path / "cmp"))
+    assert r.returncode == 1  # /health is open; the completions route wants the key
+    assert "locked: warm-up request got HTTP 401" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,23 +1,29 @@
 """cbserve's CPU fast paths measured one at a time, on the workloads of throughput.py.
 
-    python benchmarks/cpu_paths.py ab --what fused|grouped|cascade [--dtype bfloat16] [--workload W1] [--runs 3]
+    python benchmarks/cpu_paths.py ab --what fused|grouped|cascade|panels [--dtype bfloat16] [--workload W1] [--runs 3]
     python benchmarks/cpu_paths.py split [--dtype bfloat16] [--workload W1]
     python benchmarks/cpu_paths.py products [--dtype bfloat16]
+
+`--model embedded` runs `ab` and `split` on the real SmolLM2-135M-Instruct instead of the random
+model (throughput.py's `--model`); W4 is its workload of mixed prompt lengths.
 
 `ab` runs the workload on engines with the path off and on, alternating in one process after a
 warm-up run, and prints output tokens/s per run, the medians and how many greedy outputs the two
 agree on. `fused` is the C++ RMSNorm/rotary/SiLU-mul passes (engine/backends/cpu_fused.py);
 `grouped` is q/k/v and gate/up packed into one product each (engine/backends/cpu_linear.py);
 `cascade` is the attention kernel's shared-prefix pass for decode tokens (engine/backends/cpu.py,
-CASCADE_MIN_SEQS; it acts on W2).
+CASCADE_MIN_SEQS; it acts on W2); `panels` is cbserve's panel kernel for the linear layers against
+oneDNN's packed product alone (engine/backends/cpu_linear.py).
 
 `split` times the packed linear calls and the attention kernel calls inside each `LLMEngine.step`
 (second of two runs) and prints, per step kind (steps with prompt tokens, decode-only steps), the
 milliseconds per step in linear layers, attention and the rest.
 
-`products` times the W1 model's q/k/v (512 + 256 + 256 outputs) and gate/up (2 x 1376) products on
-oneDNN-packed weights for 64 and 1,024 rows: separately and as one grouped product (best of three
-rounds of 200 or 20 calls, microseconds per call group).
+`products` times linear products on packed weights, best of three rounds, microseconds per call:
+the W1 model's q/k/v (512 + 256 + 256 outputs) and gate/up (2 x 1376) for 64 and 1,024 rows on
+oneDNN, separately and as one grouped product; then SmolLM2-135M's shapes (q/k/v 960 x 576, gate
+1536 x 576, down 576 x 1536) for 1 to 1,024 rows on oneDNN and on cbserve's panels, each call on
+the next of 10 copies of the weight so that it comes from memory, as in a model's forward.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import throughput as workloads  # benchmarks/throughput.py: the workloads' model
 import torch
 
 import engine.backends.cpu_linear as cpu_linear
+import engine.llm_engine as llm_engine
 from engine import ContinuousBatchingConfig, LLMEngine
+from engine.backends.cpu_kernels import cpu_ops
 
 
 def make_engine(model, fused: bool = True, cascade: bool = True) -> LLMEngine:
@@ -57,18 +65,19 @@ def run(engine: LLMEngine, prompts, new_tokens: int, on_step=None) -> tuple[floa
 
 
 def ab(model, prompts, new_tokens: int, what: str, runs: int) -> None:
-    groups = cpu_linear.GROUPS
+    groups, plan = cpu_linear.GROUPS, llm_engine.linear_plan
     rates: dict[bool, list[float]] = {False: [], True: []}
     outputs: dict[bool, list] = {}
     run(make_engine(model), prompts, new_tokens)  # warm-up: the first full-size run pays for fresh memory
     for i in range(runs):
         for on in (False, True):
             cpu_linear.GROUPS = groups if (on or what != "grouped") else ()  # read when the engine packs
+            llm_engine.linear_plan = plan if (on or what != "panels") else (lambda ops: cpu_linear.LinearPlan())
             engine = make_engine(model, fused=on or what != "fused", cascade=on or what != "cascade")
             rate, outputs[on] = run(engine, prompts, new_tokens)
             rates[on].append(rate)
             print(f"run {i + 1} {what} {'on' if on else 'off'}: {rate:.1f} tok/s", flush=True)
-    cpu_linear.GROUPS = groups
+    cpu_linear.GROUPS, llm_engine.linear_plan = groups, plan
     same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"\n{what}: off {off:.1f}, on {on:.1f} output tok/s (median of {runs}); same greedy outputs {same}/{len(prompts)}")
@@ -120,43 +129,63 @@ def split(model, prompts, new_tokens: int) -> None:
         cpu_linear._packed_linear = packed_linear
 
 
-def products(dtype: torch.dtype) -> None:
-    def linear(x, packed):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _best_us(fn, calls: int) -> float:
+    best = 1e9
+    for _ in range(3):
+        fn()
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
+
+def products(dtype: torch.dtype) -> None:
+    plan = cpu_linear.LinearPlan()
     g = torch.Generator().manual_seed(0)
     for rows in (64, 1024):
         x = torch.randn(rows, 512, generator=g).to(dtype)
         for name, widths in (("q/k/v", (512, 256, 256)), ("gate/up", (1376, 1376))):
             weights = [torch.randn(n, 512, generator=g).to(dtype) for n in widths]
-            apart = [cpu_linear._pack(w) for w in weights]
-            grouped = cpu_linear._pack(torch.cat(weights))
+            apart = [plan.pack(w) for w in weights]
+            grouped = plan.pack(torch.cat(weights))
             calls = 200 if rows == 64 else 20
-            best = {}
-            for label, fn in (("apart", lambda: [linear(x, p) for p in apart]), ("grouped", lambda: linear(x, grouped))):
-                for _ in range(3):
-                    fn()
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    best[label] = min(best.get(label, 1e9), (time.perf_counter() - t0) / calls * 1e6)
-            print(f"{rows} rows, {name}: apart {best['apart']:.0f} us, grouped {best['grouped']:.0f} us")
+            t_apart = _best_us(lambda: [cpu_linear._packed_linear(x, p, None) for p in apart], calls)
+            t_grouped = _best_us(lambda: cpu_linear._packed_linear(x, grouped, None), calls)
+            print(f"{rows} rows, {name}: apart {t_apart:.0f} us, grouped {t_grouped:.0f} us")
+    ops = cpu_ops()
+    if ops is None:
+        return print("panels: cbserve's CPU kernels are not available here (make kernels)")
+    layouts = {"oneDNN": cpu_linear.LinearPlan(), "panels": cpu_linear.LinearPlan(ops=ops, onednn=False)}
+    for n, k in ((960, 576), (1536, 576), (576, 1536)):
+        weights = [(torch.randn(n, k, generator=g) * 0.02).to(dtype) for _ in range(10)]
+        packed = {name: [plan.pack(w) for w in weights] for name, plan in layouts.items()}
+        for rows in (1, 4, 16, 64, 256, 1024):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            line = []
+            for name in layouts:
+                us = _best_us(lambda: [cpu_linear._packed_linear(x, p, None) for p in packed[name]], 1) / 10
+                line.append(f"{name} {us:.0f} us ({2 * rows * n * k / us / 1e3:.0f} GFLOP/s)")
+            print(f"{n} x {k}, {rows} rows: " + ", ".join(line), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["ab", "split", "products"])
-    parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade"])
+    parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade", "panels"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
+    parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
+    parser.add_argument("--model", default="random", choices=["random", "embedded"])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.mode == "products":
         return products(getattr(torch, args.dtype))
-    model = workloads.build_model(getattr(torch, args.dtype))
-    prompts, new_tokens = workloads.build_prompts(args.workload), workloads.NEW_TOKENS[args.workload]
+    dtype = getattr(torch, args.dtype)
+    model = workloads.build_embedded(dtype) if args.model == "embedded" else workloads.build_model(dtype)
+    prompts = workloads.build_prompts(args.workload, vocab=model.config.vocab_size)
+    new_tokens = workloads.NEW_TOKENS[args.workload]
     if make_engine(model).backend.ops is None:
         raise SystemExit(f"{args.mode}: cbserve's CPU kernels are not available here (make kernels)")
     if args.mode == "ab":

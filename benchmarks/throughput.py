@@ -210,7 +210,9 @@ def describe_paths(model) -> str:
     if packed is not None:
         from engine.backends.cpu_linear import compute_dtype
 
-        linears = f"oneDNN-packed ({str(compute_dtype(dtype)).removeprefix('torch.')} products)"
+        linears = packed.plan.describe()
+        if packed.plan.onednn:
+            linears += f" ({str(compute_dtype(dtype)).removeprefix('torch.')} products)"
     kernels = "C++ kernels" if engine.backend.ops is not None else "torch attention (no kernels)"
     fused = len(engine.fused_modules or ())
     return (f"host: {capabilities().describe()}\n"

@@ -16,7 +16,7 @@ import torch
 
 from engine.backends import cpu_malloc, get_backend
 from engine.backends.cpu_fused import FusedModules
-from engine.backends.cpu_linear import PackedLinears, compute_dtype, packed_bytes, packing_available
+from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
@@ -102,17 +102,24 @@ class LLMEngine:
             if choice:
                 raise ValueError(f"cpu_packed_weights needs a model on the CPU, this one is on {device}")
             return None
-        if choice is False or not packing_available():
+        if choice is False:
             return None
-        size = packed_bytes(model)
+        ops = getattr(self.backend, "ops", None)  # the CPU backend's compiled kernels, when built
+        if ops is None and not packing_available():
+            return None
+        plan = linear_plan(ops)
+        size = packed_bytes(model, plan)
         if choice is None and size > psutil.virtual_memory().available / 4:
             logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
             return None
-        packed = PackedLinears(model)
-        compute = compute_dtype(param_dtype := next(model.parameters()).dtype)
+        packed = PackedLinears(model, plan)
+        param_dtype = next(model.parameters()).dtype
+        compute = compute_dtype(param_dtype)
         name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
-        how = "" if compute == param_dtype else f"; {name(compute)} products: no {name(param_dtype)} ones on this CPU"
-        logger.info("cbserve: %d linear layers on oneDNN-packed weights (%.0f MiB%s)", len(packed), size / 2**20, how)
+        how = ""
+        if plan.onednn and compute != param_dtype:
+            how = f"; oneDNN's products in {name(compute)}: no {name(param_dtype)} ones on this CPU"
+        logger.info("cbserve: %d linear layers on %s (%.0f MiB%s)", len(packed), plan.describe(), size / 2**20, how)
         return packed
 
     def _fused_modules(self, model: torch.nn.Module) -> FusedModules | None:

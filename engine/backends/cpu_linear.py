@@ -1,27 +1,37 @@
-"""oneDNN-packed copies of a model's linear weights, used by the engine's CPU forwards only.
+"""Packed copies of a model's linear weights, used by the engine's CPU forwards only.
 
-torch's `F.linear` on the CPU runs near 130 GFLOP/s for a decode step's shapes here, and 65 for a
-32k-vocabulary LM head; the same products on weights reordered once into oneDNN's blocked layout run
-near 190-200 (fp32; the bf16 gain is smaller). The q/k/v projections, which read one input, share
-one packed weight and one product: a 64-row decode step's q/k/v take 201 us instead of 266 in bf16,
-389 instead of 484 in fp32 (`benchmarks/cpu_paths.py products`). The members' outputs are views of
-the one result. Grouping gate/up measured 7% faster in bf16 but 20% slower in fp32: not done.
+Two packed layouts, each made once from the weight:
+- **Panels** (engine/csrc/linear_cpu.cpp, with cbserve's C++ kernels): the weight cut into panels
+  of two vectors' worth of outputs, in the weight's own dtype (a bfloat16 model's panels take half a
+  float32 copy's memory and are widened on load), multiplied by a kernel that keeps a block of sums
+  in registers. On an AVX2 host (AMD EPYC, Zen 3) it ran SmolLM2-135M's decode products (16 rows)
+  at 90-110 GFLOP/s where oneDNN's packed product ran 55-80, and prompt products (256-1,024 rows)
+  level with or above oneDNN's (`python benchmarks/cpu_paths.py products`).
+- **oneDNN's blocked layout** (`torch.ops.mkldnn`), in the compute dtype below.
+
+`linear_plan(ops)` decides which a model gets. With kernels built for AVX2: panels only. With
+kernels built for AVX-512: panels for steps of up to `PANEL_ROWS` rows and oneDNN above (its
+AVX-512 and bf16 prompt products were not compared with the panels'). Without the kernels
+(`CBSERVE_CPU_KERNELS=0`, no compiler): oneDNN only.
+
+The q/k/v projections, which read one input, share one packed weight and one product; the
+members' outputs are views of the one result. Grouping gate/up measured 7% faster in bf16 but 20%
+slower in fp32 on oneDNN: not done.
 
 `PackedLinears.active()` swaps the packed forwards in for the duration of an engine forward; outside
 it the model is untouched and `model.generate` runs its own code and weights. Costs and limits: one
-more copy of the linear weights in memory (the engine's `cpu_packed_weights` setting turns packing
-off; by default it is on when the copy fits easily). The engine calls `refresh()` when the weights
-change (LLMEngine.reset_prefix_cache): a layer whose weight was replaced or changed in place is
-packed again. Modules whose `forward` someone already replaced (accelerate's offloading hooks) are
-left alone.
-Results equal the originals to float rounding, not bit for bit (another summation order).
+or two more copies of the linear weights in memory (`packed_bytes`; the engine's
+`cpu_packed_weights` setting turns packing off, and by default it is on when the copies fit easily).
+The engine calls `refresh()` when the weights change (LLMEngine.reset_prefix_cache): a layer whose
+weight was replaced or changed in place is packed again. Modules whose `forward` someone already
+replaced (accelerate's offloading hooks) are left alone. Results equal the originals to float
+rounding, not bit for bit (another summation order).
 
-Compute dtype: a float32 weight is packed as it is; a bfloat16 or float16 one too where oneDNN
-multiplies that dtype itself on this CPU (engine/backends/cpu_isa.py: AVX-512 BW/VL/DQ or
-AVX-NE-CONVERT for bf16). Elsewhere (an AVX2-only CPU) torch would refuse to pack it and its own
-bf16 product runs at a fraction of the float32 speed, so the weight is packed as float32 and its
-products run in float32: the input is widened, the output rounded back to the model's dtype. The
-packed copy then takes twice the weight's own size.
+oneDNN's compute dtype: a float32 weight is packed as it is; a bfloat16 or float16 one too where
+oneDNN multiplies that dtype itself on this CPU (engine/backends/cpu_isa.py: AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT for bf16). Elsewhere (an AVX2-only CPU) torch would refuse to pack it, so it is packed
+as float32 and its products run in float32: the input is widened, the output rounded back to the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +51,7 @@ logger = logging.getLogger("cbserve.engine")
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
+PANEL_ROWS = 64  # with both layouts, products of up to this many rows run on the panels
 # sibling linears that read one input: packed together, one product (gate/up: slower in fp32)
 GROUPS = (("q_proj", "k_proj", "v_proj"),)
 
@@ -59,28 +72,77 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if onednn_native(dtype) else torch.float32
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of `weight`, in its compute dtype (a float32 copy when the CPU has no
     native product for the weight's dtype)."""
-    with torch.no_grad():
-        w = weight.detach()
-        compute = compute_dtype(w.dtype)
-        try:
-            return torch.ops.mkldnn._reorder_linear_weight(w.to(compute), BATCH_HINT)
-        except RuntimeError as exc:  # the probe said yes but this torch/oneDNN build says no
-            if compute == torch.float32:
-                raise
-            logger.warning("cbserve: oneDNN cannot pack %s here (%s); packing as float32", compute, exc)
-            return torch.ops.mkldnn._reorder_linear_weight(w.float(), BATCH_HINT)
+    w = weight.detach()
+    compute = compute_dtype(w.dtype)
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.to(compute), BATCH_HINT)
+    except RuntimeError as exc:  # the probe said yes but this torch/oneDNN build says no
+        if compute == torch.float32:
+            raise
+        logger.warning("cbserve: oneDNN cannot pack %s here (%s); packing as float32", compute, exc)
+        return torch.ops.mkldnn._reorder_linear_weight(w.float(), BATCH_HINT)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class PackedWeight(NamedTuple):
+    out_features: int
+    panels: torch.Tensor | None  # cbserve's panels (engine/csrc/linear_cpu.cpp), in the weight's dtype
+    onednn: torch.Tensor | None  # oneDNN's blocked layout, in compute_dtype(weight.dtype)
+    ops: ModuleType | None  # the kernels that multiply the panels
+    panel_rows: int  # with both layouts: up to this many rows on the panels
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """Which packed layouts a weight gets (see the module's docstring)."""
+
+    ops: ModuleType | None = None  # cbserve's C++ kernels: panels when set
+    onednn: bool = True
+    panel_rows: int = PANEL_ROWS
+
+    def __post_init__(self) -> None:
+        if self.ops is None and not self.onednn:
+            raise ValueError("a linear plan needs panels (cbserve's kernels) or oneDNN")
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        with torch.no_grad():
+            panels = self.ops.pack_linear_weight(weight.detach()) if self.ops is not None else None
+            onednn = _onednn_pack(weight) if self.onednn else None
+        return PackedWeight(weight.shape[0], panels, onednn, self.ops, self.panel_rows)
+
+    def nbytes(self, weight: torch.Tensor) -> int:
+        size = weight.numel() * weight.dtype.itemsize if self.ops is not None else 0
+        return size + (weight.numel() * compute_dtype(weight.dtype).itemsize if self.onednn else 0)
+
+    def describe(self) -> str:
+        if self.ops is None:
+            return "oneDNN-packed weights"
+        if not self.onednn:
+            return "cbserve's panel kernel"
+        return f"cbserve's panel kernel (steps of up to {self.panel_rows} rows), oneDNN-packed weights above"
+
+
+def linear_plan(ops: ModuleType | None) -> LinearPlan:
+    """This host's plan: panels alone under an AVX2 build of the kernels, panels for decode steps and
+    oneDNN for prompt steps under an AVX-512 one, oneDNN alone without the kernels."""
+    if ops is None:
+        return LinearPlan()
+    return LinearPlan(ops=ops, onednn=ops.lanes() == 16 and packing_available())
+
+
+def _packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if packed.panels is not None and (packed.onednn is None or x2.shape[0] <= packed.panel_rows):
+        y = packed.ops.packed_linear(x2, packed.panels, bias, packed.out_features)
+        return y.view(*shape[:-1], packed.out_features)
     dtype = x.dtype
-    if packed.dtype != dtype:  # a half-precision model on float32-packed weights: widen, round back
-        x = x.float()
+    if packed.onednn.dtype != dtype:  # a half-precision model on float32-packed weights: widen, round back
+        x2 = x2.float()
         bias = None if bias is None else bias.float()
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x2, packed.onednn, bias, "none", [], "")
     return y.view(*shape[:-1], y.shape[-1]).to(dtype)
 
 
@@ -99,15 +161,16 @@ class _PackedLinear:
     """One linear layer's packed weight, packed again when the weight is replaced or changed in place."""
 
     module: torch.nn.Linear
+    plan: LinearPlan
     weight: torch.Tensor | None = None  # the tensor that was packed
     version: int = -1
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def refresh(self) -> bool:
         w = self.module.weight
         if w is self.weight and _version(w) == self.version:
             return False
-        self.weight, self.version, self.packed = w, _version(w), _pack(w)
+        self.weight, self.version, self.packed = w, _version(w), self.plan.pack(w)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,10 +185,11 @@ class _PackedGroup:
     packed weights. The first member's call computes every member's output (views of one tensor);
     the others return theirs when called with that same input tensor, else run `F.linear`."""
 
-    def __init__(self, modules: list[torch.nn.Linear]) -> None:
+    def __init__(self, modules: list[torch.nn.Linear], plan: LinearPlan) -> None:
         self.modules = modules
+        self.plan = plan
         self.seen: list[tuple[torch.Tensor, int]] = []
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
         self.bias: torch.Tensor | None = None
         self.splits = [m.out_features for m in modules]
         self.pending_input: torch.Tensor | None = None
@@ -136,7 +200,7 @@ class _PackedGroup:
         if len(seen) == len(self.seen) and all(a is b and u == v for (a, u), (b, v) in zip(seen, self.seen)):
             return False
         with torch.no_grad():
-            self.packed = _pack(torch.cat([m.weight.detach() for m in self.modules]))
+            self.packed = self.plan.pack(torch.cat([m.weight.detach() for m in self.modules]))
             biases = [m.bias for m in self.modules]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.seen = seen
@@ -182,17 +246,18 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return found
 
 
-def packed_bytes(model: torch.nn.Module) -> int:
-    """Memory the packed copies would take (in their compute dtype)."""
-    return sum(m.weight.numel() * compute_dtype(m.weight.dtype).itemsize for m in model.modules() if _linear_ok(m))
+def packed_bytes(model: torch.nn.Module, plan: LinearPlan) -> int:
+    """Memory the packed copies would take."""
+    return sum(plan.nbytes(m.weight) for m in model.modules() if _linear_ok(m))
 
 
 class PackedLinears:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, plan: LinearPlan | None = None) -> None:
+        self.plan = plan = plan or LinearPlan()
         groups = _groups(model)
         grouped = {id(m) for g in groups for m in g}
-        self.groups = [_PackedGroup(g) for g in groups]
-        singles = [_PackedLinear(m) for m in model.modules() if _linear_ok(m) and id(m) not in grouped]
+        self.groups = [_PackedGroup(g, plan) for g in groups]
+        singles = [_PackedLinear(m, plan) for m in model.modules() if _linear_ok(m) and id(m) not in grouped]
         self.layers: list[_PackedLinear | _PackedGroup] = [*self.groups, *singles]
         self.refresh()
         self._swaps = [swap for layer in self.layers for swap in layer.swaps()]

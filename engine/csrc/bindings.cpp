@@ -9,6 +9,9 @@ at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor pack_linear_weight(at::Tensor weight);
+at::Tensor packed_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n);
+int64_t linear_panel_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // cascade_min_seqs defaults to engine/backends/cpu.py's CASCADE_MIN_SEQS, which the engine passes
@@ -19,5 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass over each row (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up in the model dtype, in one pass (CPU)");
   m.def("rotary", &rotary, "transformers' rotary position embedding of q or k, in one pass (CPU)");
+  m.def("pack_linear_weight", &pack_linear_weight, "A linear weight [N, K] in panels for packed_linear (CPU)");
+  m.def("packed_linear", &packed_linear, "x W^T + b on panels from pack_linear_weight, for few rows (CPU)",
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"));
+  m.def("linear_panel_width", &linear_panel_width, "Output columns per weight panel of this build");
   m.def("lanes", [] { return cbserve::kLanes; }, "Float lanes per vector of this build: 16 (AVX-512) or 8 (AVX2)");
 }

@@ -345,3 +345,53 @@ def test_malloc_settings_can_be_switched_off() -> None:
     env = {**os.environ, "CBSERVE_CPU_MALLOC_TUNING": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- cbserve's panel kernel for the linear layers (engine/csrc/linear_cpu.cpp) ---------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_products_equal_f_linear_to_rounding_at_every_block_edge(dtype, bias):
+    """Rows 1 to past one pass of row blocks (96 or 192 rows), outputs not a multiple of a panel,
+    inputs longer than one chunk of k, an input that is a strided view: all as F.linear in float64,
+    to the rounding of the dtype."""
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((37, 300), (64, 64), (130, 520)):
+        weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+        panels = ops.pack_linear_weight(weight)
+        assert panels.dtype == dtype and panels.shape[1:] == (k, ops.linear_panel_width())
+        for rows in (1, 5, 6, 13, 97, 250):
+            x = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, ::2]  # not contiguous
+            y = ops.packed_linear(x, panels, b, n)
+            exact = x.double() @ weight.double().T + (b.double() if bias else 0)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert y.dtype == dtype and y.shape == (rows, n)
+            torch.testing.assert_close(y.double(), exact.to(dtype).double(), atol=tol, rtol=tol)
+
+
+def test_panel_products_refuse_what_they_do_not_take():
+    ops = cpu_ops()
+    panels = ops.pack_linear_weight(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="panels do not match"):
+        ops.packed_linear(torch.randn(2, 31), panels, None, 16)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.pack_linear_weight(torch.ones(4, 4, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="2-d CPU weight"):
+        ops.pack_linear_weight(torch.randn(4))
+
+
+def test_engine_linears_on_panels_match_generate(arch):
+    """The engine of this host (panels under an AVX2 build of the kernels; panels for decode steps
+    under an AVX-512 one) gives model.generate's greedy tokens, with a budget small enough that
+    prompt steps of under and over PANEL_ROWS rows both occur."""
+    prompts = [list(p) for p in prompts_for()[:8]]
+    cfg = ContinuousBatchingConfig(block_size=16, num_blocks=256, max_batch_tokens=96, cpu_packed_weights=True)
+    out = generate_batch(model_for(arch), prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
+                         ignore_eos=True, progress_bar=False)  # fmt: skip
+    assert LLMEngine(model_for(arch), cfg).packed_linears.plan.ops is not None
+    assert [tuple(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))] == [
+        reference(arch, tuple(p)) for p in prompts
+    ]

@@ -110,6 +110,12 @@ KERNEL_CHECK = """
             assert torch.allclose(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5), (q_lens, dtype)
     x = torch.randn(5, 72)
     assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    for dtype in (torch.float32, torch.bfloat16):  # the panel products, remainders of every block
+        for rows in (1, 7, 100):
+            w, x, b = torch.randn(37, 300).to(dtype), torch.randn(rows, 300).to(dtype), torch.randn(37).to(dtype)
+            y = ops.packed_linear(x, ops.pack_linear_weight(w), b, 37)
+            ref = x.double() @ w.double().T + b.double()
+            assert y.dtype == dtype and torch.allclose(y.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
     print("lanes", ops.lanes())
 """
 
@@ -197,28 +203,79 @@ def test_half_precision_linears_pack_natively_or_as_float32(monkeypatch, caplog,
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48).to(dtype)
     x = torch.randn(7, 64).to(dtype)
-    packed = cpu_linear._pack(layer.weight)
+    packed = cpu_linear.LinearPlan().pack(layer.weight)
     out = cpu_linear._packed_linear(x, packed, layer.bias)
     assert out.dtype == dtype and out.shape == (7, 48)
     exact = (x.double() @ layer.weight.double().T + layer.bias.double()).to(dtype)
     assert torch.allclose(out.float(), exact.float(), atol=2e-2, rtol=2e-2)
     if not native:
-        assert packed.dtype == torch.float32
-    elif packed.dtype == torch.float32:  # the probe said yes; this host's oneDNN said no: one warning
+        assert packed.onednn.dtype == torch.float32
+    elif packed.onednn.dtype == torch.float32:  # the probe said yes; this host's oneDNN said no: one warning
         assert "packing as float32" in caplog.text
 
 
+class Lanes:
+    """This host's kernels, claiming another register width (the plan's probe, forced)."""
+
+    def __init__(self, ops, lanes: int) -> None:
+        self.ops, self._lanes = ops, lanes
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def lanes(self) -> int:
+        return self._lanes
+
+
+@pytest.mark.parametrize("lanes", [None, 8, 16])
+def test_the_linear_plan_follows_the_kernel_build_and_each_layout_runs(lanes):
+    """No kernels: oneDNN alone. An AVX2 build: panels alone (in the weight's dtype). An AVX-512
+    build: panels for decode-sized steps and oneDNN above PANEL_ROWS. Every side runs here."""
+    ops = None if lanes is None else Lanes(cpu_ops(), lanes)
+    plan = cpu_linear.linear_plan(ops)
+    assert (plan.ops is not None, plan.onednn) == {None: (False, True), 8: (True, False), 16: (True, True)}[lanes]
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
+    packed = plan.pack(layer.weight)
+    if plan.ops is not None:
+        assert packed.panels.dtype == torch.bfloat16  # half the bytes of a float32 copy
+    assert plan.nbytes(layer.weight) == 96 * 40 * (2 * (plan.ops is not None) + 4 * plan.onednn)
+    calls = []
+    if plan.ops is not None:
+        counting = Lanes(cpu_ops(), lanes)
+        counting.packed_linear = lambda *a: calls.append(a[0].shape[0]) or cpu_ops().packed_linear(*a)
+        packed = packed._replace(ops=counting)
+    for rows in (1, cpu_linear.PANEL_ROWS, cpu_linear.PANEL_ROWS + 1):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        out = cpu_linear._packed_linear(x, packed, layer.bias)
+        exact = x.double() @ layer.weight.double().T + layer.bias.double()
+        assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), exact, atol=5e-2, rtol=2e-2)
+    on_panels = {None: [], 8: [1, 64, 65], 16: [1, 64]}[lanes]
+    assert calls == on_panels
+
+
+def test_a_plan_without_any_layout_is_refused():
+    with pytest.raises(ValueError, match="panels .* or oneDNN"):
+        cpu_linear.LinearPlan(ops=None, onednn=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_half_precision_model_runs_on_any_cpu(monkeypatch, dtype):
+@pytest.mark.parametrize("lanes", [None, 8, 16])
+def test_a_half_precision_model_runs_on_any_cpu(monkeypatch, dtype, lanes):
     """The crash of an AVX2 host (bf16 packing refused mid-construction) cannot come back: with the
-    probe's answer forced to 'no native product', weights pack as float32 and the tokens equal the
-    engine's without packing to within a rounding-level tie."""
+    probe's answer forced to 'no native product', oneDNN's weights pack as float32, panels keep the
+    model's dtype, and under every plan the tokens equal the engine's without packing to within a
+    rounding-level tie."""
     monkeypatch.setattr(cpu_linear, "onednn_native", lambda d: d == torch.float32)
+    monkeypatch.setattr("engine.llm_engine.linear_plan",
+                        lambda ops: cpu_linear.linear_plan(None if lanes is None else Lanes(ops, lanes)))  # fmt: skip
     model = build_test_model("llama", vocab_size=256).to(dtype)
     prompts = [[5, 9, 13, 200, 17, 3], [1, 2, 3, 4], list(range(10, 60))]
     engine = LLMEngine(model, ContinuousBatchingConfig(num_blocks=64, cpu_packed_weights=True))
     assert engine.packed_linears is not None
-    assert all(layer.packed.dtype == torch.float32 for layer in engine.packed_linears.layers)
+    for layer in engine.packed_linears.layers:
+        assert layer.packed.onednn is None or layer.packed.onednn.dtype == torch.float32
+        assert layer.packed.panels is None or layer.packed.panels.dtype == dtype
     packed = generate_batch(model, prompts, max_new_tokens=12, continuous_batching_config=engine.config)
     plain = generate_batch(model, prompts, max_new_tokens=12,
                            continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, cpu_packed_weights=False))  # fmt: skip

@@ -24,6 +24,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--attn-implementation", dest="attn_implementation")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for in-flight requests (default 30)")
+    p.add_argument("--api-key", action="append", dest="api_key",
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
+                        "(repeatable; or CBSERVE_API_KEY, comma-separated)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, dest="max_body_bytes",
+                   help="larger request bodies get 413 before they are read (default 4 MiB)")  # fmt: skip
+    p.add_argument("--body-timeout", type=float, dest="body_timeout",
+                   help="seconds a request body may pause before the request gets 408 (default 30)")  # fmt: skip
 
 
 def _generate_parser(sub) -> None:
@@ -48,15 +55,19 @@ def serve(args: argparse.Namespace) -> int:
     from engine import ContinuousBatchingManager
     from engine.loader import load_model
     from engine.server.app import build_state, create_app
-    from engine.server.settings import load_settings
+    from engine.server.settings import DEFAULT_SERVER_QUEUE, load_settings
 
-    settings = load_settings(vars(args))
+    settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(settings.model, settings.dtype, settings.attn_implementation)
     manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine)
     name = settings.served_model_name or loaded.name
     state = build_state(manager, loaded.tokenizer, name, loaded.max_model_len or manager.engine.block_size)
-    app = create_app(state)
+    app = create_app(state, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
+                     body_timeout=settings.body_timeout)  # fmt: skip
+    if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who reaches the port can use it "
+                       "(--api-key or CBSERVE_API_KEY)", settings.host)  # fmt: skip
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: refuse new work at once, then drain

@@ -15,6 +15,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -22,8 +24,9 @@ from starlette.routing import Route
 from engine import ContinuousBatchingManager
 from engine.server import otel
 from engine.server.generation import Delta, Generation
+from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIError, parse_chat, parse_completion
+from engine.server.protocol import APIError, check_prompt_size, max_token_chars, parse_chat, parse_completion
 
 logger = logging.getLogger("cbserve.server")
 
@@ -35,6 +38,7 @@ class ServerState:
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
+    token_chars: int = 1  # the tokenizer's longest entry, in characters (protocol.max_token_chars)
     ready: bool = False
     draining: bool = False
     in_flight: int = 0
@@ -55,11 +59,34 @@ def _error(exc: APIError, request_id: str | None = None) -> JSONResponse:
     return _json(exc.body(), exc.status, headers)
 
 
-async def _body(request: Request) -> Any:
+LOOP_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop; larger ones in a thread
+
+
+def _loads(raw: bytes) -> Any:
     try:
-        return json.loads(await request.body())
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    return _loads(raw) if len(raw) <= LOOP_BYTES else await asyncio.to_thread(_loads, raw)
+
+
+async def _json_off_loop(data: Any, headers: dict | None = None) -> Response:
+    """A JSON response rendered in a worker thread: a long token list or text (tokenize, echo)
+    takes a large part of a second to serialise."""
+    body = await asyncio.to_thread(json.dumps, data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return Response(body.encode(), media_type="application/json", headers=headers)
+
+
+async def _off_loop(fn, *args):
+    """Tokenisation, chat templates and long decodes run in a worker thread: a large input then
+    holds the GIL in slices, and the event loop keeps every other stream and probe moving."""
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -89,7 +116,9 @@ class Handlers:
             if state.draining or not state.ready:
                 raise APIError(503, "the server is not accepting requests (starting or shutting down)",
                                type="service_unavailable", headers={"Retry-After": "5"})  # fmt: skip
-            req = parse(await _body(request), state.tokenizer, state.vocab_size)
+            body = await _body(request)
+            check_prompt_size(body, state.max_model_len, state.token_chars)
+            req = await _off_loop(parse, body, state.tokenizer, state.vocab_size)
             if req.model is not None and req.model != state.model_name:
                 raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                     f"{state.model_name!r}", param="model", code="model_not_found")  # fmt: skip
@@ -135,7 +164,7 @@ class Handlers:
         for c in gen.choices:
             text = "".join(pieces[c.index])
             if gen.req.echo and gen.req.kind == "completion":
-                text = state.tokenizer.decode(c.prompt, skip_special_tokens=True) + text
+                text = await _off_loop(lambda p: state.tokenizer.decode(p, skip_special_tokens=True), c.prompt) + text
             lp = gen.logprobs_json(logprobs[c.index])
             if gen.req.kind == "chat":
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
@@ -151,7 +180,7 @@ class Handlers:
             "usage": gen.usage(),
             "timings": gen.timings(),
         }
-        return _json(body, headers=headers)
+        return await _json_off_loop(body, headers)
 
     async def _stream(self, gen: Generation) -> AsyncIterator[str]:
         state = self.state
@@ -202,16 +231,19 @@ class Handlers:
             body = await _body(request)
             if not isinstance(body, dict):
                 raise APIError(400, "the request body must be a JSON object")
+            check_prompt_size(body, self.state.max_model_len, self.state.token_chars)
+            tok = self.state.tokenizer
             if "messages" in body:
-                ids = parse_chat({"messages": body["messages"]}, self.state.tokenizer, self.state.vocab_size).prompts[0]
+                chat = await _off_loop(parse_chat, {"messages": body["messages"]}, tok, self.state.vocab_size)
+                ids = chat.prompts[0]
             elif isinstance(body.get("prompt"), str):
-                add = body.get("add_special_tokens", True)
-                ids = self.state.tokenizer(body["prompt"], add_special_tokens=bool(add)).input_ids
+                add = bool(body.get("add_special_tokens", True))
+                ids = await _off_loop(lambda text: tok(text, add_special_tokens=add).input_ids, body["prompt"])
             else:
                 raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
         except APIError as exc:
             return _error(exc)
-        return _json({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
+        return await _json_off_loop({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
         try:
@@ -224,7 +256,7 @@ class Handlers:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
         except APIError as exc:
             return _error(exc)
-        return _json({"prompt": self.state.tokenizer.decode(tokens)})
+        return await _json_off_loop({"prompt": await _off_loop(self.state.tokenizer.decode, tokens)})
 
     async def health(self, request: Request) -> Response:
         alive = self.state.manager.is_running()
@@ -250,8 +282,19 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def create_app(state: ServerState) -> Starlette:
-    """The app; its lifespan starts the engine loop (after warm-up) and stops it last."""
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own 404 and 405 (no such route, wrong method) as OpenAI error JSON."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error(APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
+
+
+def create_app(
+    state: ServerState, api_keys: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+) -> Starlette:  # fmt: skip
+    """The app; its lifespan starts the engine loop (after warm-up) and stops it last. Every
+    request passes the Guard first (engine/server/guard.py: API keys, body size and pace)."""
     h = Handlers(state)
 
     @asynccontextmanager
@@ -278,11 +321,12 @@ def create_app(state: ServerState) -> Starlette:
         Route("/ready", h.ready, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    guard = Middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard], exception_handlers={HTTPException: _http_error})
     app.state.cbserve = state
     return app
 
 
 def build_state(manager: ContinuousBatchingManager, tokenizer, model_name: str, max_model_len: int) -> ServerState:
     metrics = ServerMetrics(model_name, max_model_len, manager.stats)
-    return ServerState(manager, tokenizer, model_name, max_model_len, metrics)
+    return ServerState(manager, tokenizer, model_name, max_model_len, metrics, token_chars=max_token_chars(tokenizer))

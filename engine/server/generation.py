@@ -66,9 +66,32 @@ class Generation:
         self.choices: list[Choice] = []
         self.queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
 
+    def check_fits(self) -> None:
+        """A request that could never be served, refused with 400 before any of it is queued: a
+        prompt plus `max_tokens` over the model's context (vLLM's wording), or more engine requests
+        (prompts x n) than the admission queue holds at all."""
+        req, limit = self.req, self.max_model_len
+        words = "messages" if req.kind == "chat" else "prompt"
+        for prompt in req.prompts:
+            if limit and len(prompt) >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                                    f"has {len(prompt)} input tokens. Please reduce the length of the input {words}.",
+                               param=words, code="context_length_exceeded")  # fmt: skip
+            if limit and req.max_tokens is not None and len(prompt) + req.max_tokens > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                    f"{len(prompt) + req.max_tokens} tokens ({len(prompt)} in the {words}, "
+                                    f"{req.max_tokens} in the completion). Please reduce the length of the {words} "
+                                    "or completion.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        queue = self.manager.config.max_queue_size
+        if queue and req.num_choices > queue:
+            raise APIError(400, f"this request makes {req.num_choices} generations ({len(req.prompts)} prompts x n="
+                                f"{req.n}); the server queues at most {queue} (max_queue_size): send fewer at a time",
+                           param="n" if req.n > 1 else words)  # fmt: skip
+
     def submit(self) -> None:
         """Add every choice's engine request; on refusal, withdraw the ones already added."""
         req = self.req
+        self.check_fits()
         try:
             for i in range(req.num_choices):
                 prompt = req.prompts[i // req.n]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+
 MAX_N = 16
 MAX_LOGPROBS = 20
+INT64 = (-(2**63), 2**63 - 1)  # integers beyond these reach no engine knob: refused, not overflowed
 
 
 class APIError(Exception):
@@ -61,6 +65,8 @@ def _number(body: dict, key: str, lo: float | None = None, hi: float | None = No
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(key, f"'{key}' must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise bad(key, f"'{key}' must be a finite number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         raise bad(key, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:
@@ -74,6 +80,8 @@ def _integer(body: dict, key: str, lo: int | None = None, hi: int | None = None)
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(key, f"'{key}' must be an integer, got {value!r}")
+    lo = INT64[0] if lo is None else lo
+    hi = INT64[1] if hi is None else hi
     if lo is not None and value < lo:
         raise bad(key, f"'{key}' must be >= {lo}, got {value}")
     if hi is not None and value > hi:
@@ -90,14 +98,57 @@ def _boolean(body: dict, key: str, default: bool = False) -> bool:
     return value
 
 
+def text(value: str, param: str) -> str:
+    """`value`, if it is text a tokenizer can take: JSON's \\ud800 escapes make lone surrogates,
+    which no UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(param, f"'{param}' holds a lone UTF-16 surrogate, which is not text") from None
+    return value
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of this tokenizer stands for (its longest vocabulary entry:
+    byte-level BPE and SentencePiece entries are at least as long as the text they decode to)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def _prompt_chars(body: Any) -> int:
+    if not isinstance(body, dict):
+        return 0
+    total, prompt = 0, body.get("prompt")
+    for p in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []:
+        total += len(p) if isinstance(p, str) else 0
+    for m in body.get("messages") if isinstance(body.get("messages"), list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        total += sum(len(c) if isinstance(c, str) else len(c.get("text") or "") if isinstance(c, dict)
+                     and isinstance(c.get("text"), str) else 0 for c in parts)  # fmt: skip
+    return total
+
+
+def check_prompt_size(body: Any, max_model_len: int, token_chars: int) -> None:
+    """Refuse, before tokenising it, text that cannot fit the model's context whatever its tokens:
+    more characters than `max_model_len` tokens of the tokenizer's longest entry cover. Tokenising
+    megabytes takes seconds, and parts of it hold the GIL."""
+    chars = _prompt_chars(body)
+    if chars > max_model_len * token_chars:
+        words = "messages" if isinstance(body, dict) and "messages" in body else "prompt"
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                            f"has {chars} characters of text, more than {max_model_len} tokens can hold (at most "
+                            f"{token_chars} characters each). Please reduce the length of the input {words}.",
+                       param=words, code="context_length_exceeded")  # fmt: skip
+
+
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        return [text(value, "stop")]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
+        return [text(s, "stop") for s in value if s]
     raise bad("stop", "'stop' must be a string or a list of strings")
 
 
@@ -106,7 +157,7 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
         "temperature": _number(body, "temperature", 0, None),
         "top_p": _number(body, "top_p", 0, 1, lo_open=True),
         "min_p": _number(body, "min_p", 0, 1),
-        "seed": _integer(body, "seed"),
+        "seed": _integer(body, "seed", INT64[0], INT64[1] - MAX_N),  # seed + i per sample stays in range
         "presence_penalty": _number(body, "presence_penalty", -2, 2),
         "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
         "repetition_penalty": _number(body, "repetition_penalty", 0, None, lo_open=True),
@@ -135,8 +186,9 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
         kwargs["logit_bias"] = parsed
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids")
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                     and 0 <= t < vocab_size for t in stop_ids):  # fmt: skip
+            raise bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids in [0, {vocab_size})")
         kwargs["stop_token_ids"] = stop_ids
     kwargs["ignore_eos"] = _boolean(body, "ignore_eos")
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -182,7 +234,8 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest
         prompts = prompt
     else:
         raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of those")
-    req.prompts = [tokenizer(p, add_special_tokens=True).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    req.prompts = [tokenizer(text(p, "prompt"), add_special_tokens=True).input_ids if isinstance(p, str) else list(p)
+                   for p in prompts]  # fmt: skip
     for ids in req.prompts:
         if not ids:
             raise bad("prompt", "'prompt' is empty")
@@ -218,10 +271,13 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
             content = ""
         if not isinstance(content, str):
             raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
-        conversation.append({"role": message["role"], "content": content})
+        conversation.append({"role": text(message["role"], "messages"), "content": text(content, "messages")})
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad("messages", "this model has no chat template: use /v1/completions")
-    encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    try:
+        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    except jinja2.TemplateError as exc:  # the template's own checks (roles must alternate, ...)
+        raise bad("messages", f"the model's chat template refused these messages: {exc}") from None
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     req.prompts = [list(ids)]
     want = _boolean(body, "logprobs")

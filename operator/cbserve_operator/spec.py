@@ -27,6 +27,8 @@ _LOCAL = re.compile(r"^/[^\s]*$")
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
 _QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 _INTERVAL = re.compile(r"^\d+[smh]$")
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # a DNS-1123 subdomain
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
 class SpecError(ValueError):
@@ -139,6 +141,7 @@ class CBDeploymentSpec:
     pod_template: PodTemplate = field(default_factory=PodTemplate)
     pdb: Pdb = field(default_factory=Pdb)
     service_monitor: ServiceMonitor = field(default_factory=ServiceMonitor)
+    api_key_secret: tuple[str, str] | None = None  # (Secret name, key): the servers' CBSERVE_API_KEY
 
 
 def parse_model_uri(uri: Any) -> ModelSource:
@@ -261,13 +264,25 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     r.check(bool(_INTERVAL.match(service_monitor.interval)),
             f"serviceMonitor.interval must look like 30s, 1m or 1h, got {service_monitor.interval!r}")
 
+    api_key_secret = None
+    if "apiKeySecret" in spec:
+        secret = r.section(spec, "apiKeySecret")
+        secret_name = r.get(secret, "apiKeySecret.name", (str,), "")
+        secret_key = r.get(secret, "apiKeySecret.key", (str,), "api-key")
+        r.check(bool(_SECRET_NAME.match(secret_name)) and len(secret_name) <= 253,
+                f"apiKeySecret.name must name a Secret (a DNS subdomain), got {secret_name!r}")
+        r.check(bool(_SECRET_KEY.match(secret_key)) and len(secret_key) <= 253,
+                f"apiKeySecret.key must be a Secret data key, got {secret_key!r}")
+        api_key_secret = (secret_name, secret_key)
+
     if r.problems or model is None:
         raise SpecError(r.problems)
+
     return CBDeploymentSpec(
         name=name, model=model, served_name=served_name, image=image, image_pull_policy=pull,
         replicas=replicas, resources=resources, engine=engine, autoscaling=autoscaling,
         service=service, probes=probes, pod_template=pod_template, pdb=pdb,
-        service_monitor=service_monitor,
+        service_monitor=service_monitor, api_key_secret=api_key_secret,
     )
 
 

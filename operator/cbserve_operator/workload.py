@@ -92,6 +92,9 @@ def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
     ]
     if spec.model.scheme != "hf":
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    if spec.api_key_secret is not None:  # clients then need the key; the kubelet's probes use open paths
+        name, key = spec.api_key_secret
+        env.append({"name": "CBSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     overridden = {e["name"] for e in spec.pod_template.env}
     return [e for e in env if e["name"] not in overridden] + spec.pod_template.env
 

@@ -145,3 +145,17 @@ def test_full_example_renders_every_optional_child() -> None:
     assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler",
                                          "PodDisruptionBudget", "ServiceMonitor"]
     assert removed == [("keda.sh/v1alpha1", "ScaledObject")]
+
+
+def test_an_api_key_secret_reaches_the_server_as_cbserve_api_key() -> None:
+    parsed = parse_spec("m", spec(apiKeySecret={"name": "cbserve-keys"}))
+    container = render_children(parsed, "ns")[0][1]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["CBSERVE_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "cbserve-keys", "key": "api-key"}}
+    probes = [container[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    assert set(probes) <= {"/ready", "/health"}  # paths the server leaves open to the kubelet
+    plain = render_children(parse_spec("m", spec()), "ns")[0][1]["spec"]["template"]["spec"]["containers"][0]
+    assert "CBSERVE_API_KEY" not in {e["name"] for e in plain["env"]}
+    with pytest.raises(SpecError) as err:
+        parse_spec("m", spec(apiKeySecret={"name": "Bad_Name", "key": "a key"}))
+    assert "apiKeySecret.name" in str(err.value) and "apiKeySecret.key" in str(err.value)

@@ -1,0 +1,109 @@
+"""What every HTTP request passes before a handler: the API key, the body's size and its pace.
+
+A pure ASGI middleware around the Starlette app, so responses (SSE streams too) pass through it
+untouched. For each request:
+- **API key.** With keys configured (`--api-key`, repeatable, or `CBSERVE_API_KEY`, comma-separated),
+  every path but the probes' and the scraper's (`/health`, `/ready`, `/metrics`) needs
+  `Authorization: Bearer <key>`. The offered key is compared with every configured key in constant
+  time (`hmac.compare_digest`); a missing or wrong key gets 401.
+- **Body size.** A `Content-Length` over `max_body_bytes` gets 413 before any of the body is read;
+  a chunked body gets 413 as soon as what arrived passes the limit.
+- **Body pace.** A body whose next part does not arrive within `body_timeout` seconds gets 408, so a
+  client that sends half a body cannot hold a connection and its buffer forever.
+The body is read here, whole, and handed to the app as one message (every route reads it whole
+anyway); later `receive()` calls, which the handlers use to notice a client leaving, pass through.
+Errors are OpenAI error JSON, as the handlers' are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Sequence
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.server.protocol import APIError
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # about a million tokens as a JSON list of ids
+DEFAULT_BODY_TIMEOUT = 30.0
+
+
+def split_keys(value: str | None) -> tuple[str, ...]:
+    """API keys from a comma-separated string (CBSERVE_API_KEY), blanks dropped."""
+    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+
+
+class Guard:
+    def __init__(
+        self, app: ASGIApp, api_keys: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    ) -> None:  # fmt: skip
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if self.keys and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                             type="authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return await self._reject(error, scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await self._reject(self._too_large(), scope, receive, send)
+        if scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        body = bytearray()
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                                 code="request_timeout", headers={"Connection": "close"})  # fmt: skip
+                return await self._reject(error, scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return  # the client left before its request was whole: nothing to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await self._reject(self._too_large(), scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    def _authorized(self, headers: Headers) -> bool:
+        scheme, _, offered = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        offered_bytes = offered.strip().encode()
+        matches = [hmac.compare_digest(offered_bytes, key) for key in self.keys]  # every key: no early exit
+        return any(matches)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is over the server's limit of {self.max_body_bytes} bytes "
+                             "(--max-body-bytes)", code="request_too_large", headers={"Connection": "close"})  # fmt: skip
+
+    @staticmethod
+    async def _reject(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the whole body once, then whatever the connection says next."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

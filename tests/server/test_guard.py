@@ -1,0 +1,147 @@
+"""A `cbserve serve` safe to expose: API keys, body size and pace, requests that can never fit, 404
+and 405 as OpenAI JSON, and large inputs tokenised off the event loop. All against a real server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import Server
+
+KEYS = ("first-key", "second-key")
+LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("guarded"), {"block_size": 16, "num_blocks": 512},
+                 extra_args=["--max-body-bytes", str(LIMIT), "--body-timeout", "1"],
+                 env={"CBSERVE_API_KEY": ",".join(KEYS), "CBSERVE_MAX_QUEUE_SIZE": "8"})  # fmt: skip
+    yield srv
+    assert srv.stop() == 0
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_every_route_but_the_probes_needs_one_of_the_keys(guarded):
+    for key in KEYS:
+        assert httpx.get(guarded.url + "/v1/models", headers=auth(key)).status_code == 200
+    for headers in ({}, auth("wrong"), {"Authorization": KEYS[0]}, auth(KEYS[0] + "x"), {"Authorization": "Basic x"}):
+        r = httpx.get(guarded.url + "/v1/models", headers=headers)
+        assert_openai_error(r, 401, "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/tokenize", {"prompt": "hi"}),
+                       ("/detokenize", {"tokens": [5]})):  # fmt: skip
+        assert_openai_error(httpx.post(guarded.url + path, json=body), 401, "invalid_api_key")
+        assert httpx.post(guarded.url + path, json=body, headers=auth(KEYS[1])).status_code == 200
+    for path in ("/health", "/ready", "/metrics"):  # probes and scrapers carry no key
+        assert httpx.get(guarded.url + path).status_code == 200
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(guarded):
+    big = b'{"prompt": "' + b"x" * LIMIT + b'"}'
+    r = httpx.post(guarded.url + "/v1/completions", content=big, headers=auth(KEYS[0]))
+    assert_openai_error(r, 413, "request_too_large")
+    # chunked, without a Content-Length: refused once what arrived passes the limit
+    r = httpx.post(guarded.url + "/v1/completions", content=iter([big[:40000], big[40000:]]), headers=auth(KEYS[0]))
+    assert_openai_error(r, 413, "request_too_large")
+    # a Content-Length promising more than the limit: 413 with nothing sent after the headers
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {100 * LIMIT}\r\n\r\n".encode())  # fmt: skip
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    ok = httpx.post(guarded.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth(KEYS[0]))
+    assert ok.status_code == 200
+
+
+def test_a_half_sent_body_times_out_with_408(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ".encode())  # fmt: skip
+        started = time.monotonic()
+        answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert time.monotonic() - started < 5  # --body-timeout 1
+    assert httpx.get(guarded.url + "/health").status_code == 200
+
+
+def test_a_request_that_can_never_fit_the_queue_gets_400_not_503(guarded):
+    body = {"prompt": ["one", "two", "three"], "n": 3, "max_tokens": 2}  # 9 generations, the queue holds 8
+    error = assert_openai_error(httpx.post(guarded.url + "/v1/completions", json=body, headers=auth(KEYS[0])), 400)
+    assert error["param"] == "n" and "at most 8" in error["message"]
+    body["n"] = 2  # 6 fit
+    assert httpx.post(guarded.url + "/v1/completions", json=body, headers=auth(KEYS[0])).status_code == 200
+
+
+def test_unknown_routes_and_methods_are_openai_errors(guarded):
+    r = httpx.get(guarded.url + "/v1/nothing-here", headers=auth(KEYS[0]))
+    assert_openai_error(r, 404, "not_found")
+    r = httpx.get(guarded.url + "/v1/completions", headers=auth(KEYS[0]))
+    assert_openai_error(r, 405, "method_not_allowed")
+    assert "POST" in r.headers["allow"]
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_refused_in_vllms_words(server):
+    context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": context})
+    error = assert_openai_error(r, 400, "context_length_exceeded")
+    assert error["param"] == "max_tokens"
+    assert error["message"] == (
+        f"This model's maximum context length is {context} tokens. However, you requested {context + 3} tokens "
+        f"(3 in the prompt, {context} in the completion). Please reduce the length of the prompt or completion."
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": context}
+    error = assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json=chat), 400, "context_length_exceeded")
+    assert "in the messages" in error["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * context, "max_tokens": 1})
+    assert "your request has" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
+    fits = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": context - 3})
+    assert fits.status_code == 200
+
+
+def test_megabytes_of_text_are_refused_before_tokenising_and_nothing_stalls(server):
+    """3.5 MB of text can hold no context's worth of tokens: every route answers 400 before
+    tokenising it, and while such bodies arrive and are parsed (in a worker thread), /health keeps
+    answering within 100 ms of its usual time."""
+    text = "cbserve tokenises large inputs in a worker thread. " * 70000
+    requests = [("/v1/completions", {"prompt": text}), ("/tokenize", {"prompt": text}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})] * 3  # fmt: skip
+    answers: list[httpx.Response] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            answers.extend(client.post(path, json=body) for path, body in requests)
+
+    with httpx.Client(base_url=server.url, timeout=30) as probe:
+        usual = min(_timed(probe) for _ in range(20))
+        worker = threading.Thread(target=send)
+        worker.start()
+        gaps = []
+        while worker.is_alive():
+            gaps.append(_timed(probe))
+        worker.join()
+    assert len(answers) == len(requests)
+    for r in answers:
+        assert "more than" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
+    assert len(gaps) >= 3 and max(gaps) < usual + 0.1, (usual, sorted(gaps)[-5:])
+
+
+def _timed(client: httpx.Client) -> float:
+    started = time.monotonic()
+    assert client.get("/health").status_code == 200
+    return time.monotonic() - started

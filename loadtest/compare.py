@@ -65,7 +65,8 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
                   busy_cpu: dict[str, float | None]) -> str:  # fmt: skip
     names = list(pooled_by_name)
     ref = names[0]
-    width = max(20, *(len(n) + 2 for n in names))
+    rounds = [" ".join(f"{x:.1f}" for x in pooled_by_name[n]["rounds_output_throughput"]) for n in names]
+    width = max(20, *(len(n) + 2 for n in names), *(len(r) + 2 for r in rounds))
     lines = [f"{'':<30}" + "".join(f"{n:>{width}}" for n in names)]
 
     def row(label: str, cells: list[str]) -> None:
@@ -77,7 +78,7 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
         row(f"  ratio to {ref}", [_ratio(v, values[0]) for v in values])
 
     metric("output tok/s (mean of rounds)", "output_throughput")
-    row("  each round", [" ".join(f"{x:.1f}" for x in pooled_by_name[n]["rounds_output_throughput"]) for n in names])
+    row("  each round", rounds)
     metric("requests/s", "request_throughput", ".2f")
     if pooled_by_name[ref].get("request_goodput") is not None:
         metric("goodput requests/s", "request_goodput", ".2f")

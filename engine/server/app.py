@@ -128,7 +128,7 @@ class Handlers:
             return _error(exc, request_id)
         headers = {"x-request-id": request_id}
         if req.stream:
-            return StreamingResponse(self._stream(gen), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(self._stream(gen, request), media_type="text/event-stream", headers=headers)
         return await self._complete(request, gen, headers)
 
     async def _complete(self, request: Request, gen: Generation, headers: dict) -> Response:
@@ -182,10 +182,15 @@ class Handlers:
         }
         return await _json_off_loop(body, headers)
 
-    async def _stream(self, gen: Generation) -> AsyncIterator[str]:
+    async def _stream(self, gen: Generation, request: Request) -> AsyncIterator[str]:
         state = self.state
         state.in_flight += 1
         span = otel.request_span(gen)
+        # a client that leaves is noticed at once, not at the next write. Starlette watches for it
+        # itself only under ASGI < 2.4 (uvicorn 0.54 speaks 2.3); under 2.4 it relies on the next
+        # send failing, which during a long prefill comes seconds of wasted steps later
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        watcher.add_done_callback(lambda w: None if w.cancelled() or w.exception() else gen.abandon())
         chat = gen.req.kind == "chat"
         base = {"id": gen.id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": gen.created, "model": state.model_name}  # fmt: skip
@@ -215,6 +220,7 @@ class Handlers:
             logger.exception("stream failed")
             yield _sse(APIError(500, f"internal error: {exc}", type="server_error").body())
         finally:
+            watcher.cancel()
             gen.cancel()  # no-op for finished choices; frees the rest when the client went away
             state.in_flight -= 1
             otel.end_span(span, gen)

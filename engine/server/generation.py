@@ -64,7 +64,7 @@ class Generation:
         self.id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices: list[Choice] = []
-        self.queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, GenerationOutput] | None] = asyncio.Queue()
 
     def check_fits(self) -> None:
         """A request that could never be served, refused with 400 before any of it is queued: a
@@ -128,13 +128,21 @@ class Generation:
                 choice.finish_reason = "abort"
                 self.metrics.finished(choice.last, self._prompt_share(choice), choice.completion_tokens, "abort")
 
+    def abandon(self) -> None:
+        """The client left: cancel what has not ended, and wake `events()` so that it ends too."""
+        self.cancel()
+        self.queue.put_nowait(None)
+
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
     async def events(self) -> AsyncIterator[Delta]:
         while not self.done:
-            index, out = await self.queue.get()
+            item = await self.queue.get()
+            if item is None:  # abandon(): every choice has ended
+                continue
+            index, out = item
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue  # the engine's last word on a choice we already ended (stop string)

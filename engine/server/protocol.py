@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,71 @@ import jinja2
 MAX_N = 16
 MAX_LOGPROBS = 20
 INT64 = (-(2**63), 2**63 - 1)  # integers beyond these reach no engine knob: refused, not overflowed
+
+logger = logging.getLogger("cbserve.server")
+
+# Every request field of OpenAI's and vLLM's completions and chat APIs that cbserve knows, and what it
+# does with it; docs/server.md's table lists the same (a test holds them together).
+HONOURED = {
+    "both": ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
+             "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "logit_bias", "stop_token_ids", "min_tokens", "ignore_eos"),
+    "completion": ("prompt", "logprobs", "echo"),
+    "chat": ("messages", "logprobs", "top_logprobs"),
+}
+# refused with 400 naming the field when set to anything but its no-op value
+REFUSED = {
+    "response_format": "structured output is not supported yet; only {'type': 'text'}",
+    "guided_json": "structured output is not supported yet",
+    "guided_regex": "structured output is not supported yet",
+    "guided_choice": "structured output is not supported yet",
+    "guided_grammar": "structured output is not supported yet",
+    "structured_outputs": "structured output is not supported yet",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet; only 'none' (or 'auto' without tools)",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "best_of": "best_of above 1 is not supported (vLLM's V1 engine dropped it too); use n",
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+    "prompt_logprobs": "prompt logprobs are not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "guided_decoding_backend": "structured output is not supported yet",
+}
+NO_OP = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "best_of": (1,),
+         "suffix": ("",), "modalities": (["text"],), "tools": ([],), "functions": ([],)}  # fmt: skip
+# accepted and not acted on, each for a reason docs/server.md gives
+IGNORED = {
+    "user": "an end-user id for the caller's own abuse tracking; cbserve keeps no per-user state",
+    "metadata": "OpenAI stores it with stored completions; cbserve stores nothing",
+    "store": "cbserve stores no completions",
+    "service_tier": "one tier: every request is served alike",
+    "parallel_tool_calls": "no tool calling yet (tools are refused)",
+    "reasoning_effort": "no reasoning-effort control for transformers models",
+    "add_generation_prompt": "always true: the chat template's generation prompt is added",
+    "skip_special_tokens": "special tokens are always skipped in the text",
+    "spaces_between_special_tokens": "decided by the tokenizer",
+    "request_id": "the x-request-id header names a request",
+    "priority": "one queue, first come first served",
+}
+_warned: set[str] = set()
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    for name, reason in REFUSED.items():
+        value = body.get(name)
+        if value is not None and value not in NO_OP.get(name, ()):
+            if name == "tool_choice" and value == "auto" and not body.get("tools"):
+                continue
+            raise bad(name, f"'{name}': {reason}")
+    known = {*HONOURED["both"], *HONOURED[kind], *REFUSED, *IGNORED}
+    for name in body:
+        if name not in known and name not in _warned and len(_warned) < 1000:
+            _warned.add(name)  # once per field name, and a bounded set: a client cannot flood the log
+            logger.warning("ignoring the request field %r, which cbserve does not know", name[:100])
 
 
 class APIError(Exception):
@@ -197,6 +263,7 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
 def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
+    _check_fields(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "'model' must be a string")

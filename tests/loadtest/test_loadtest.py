@@ -189,3 +189,20 @@ def test_compare_stops_with_one_line_when_a_target_refuses_the_warm_up(standin, 
     assert r.returncode == 1  # /health is open; the completions route wants the key
     assert "locked: warm-up request got HTTP 401" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_compare_table_keeps_every_cell_apart_however_many_rounds() -> None:
+    from loadtest.compare import compare_table
+
+    def pooled(rounds: list[float]) -> dict:
+        keys = {f"p{q}_{k}_ms": 1000.0 + q for q in (50, 90, 99) for k in ("ttft", "itl", "tpot", "e2el")}
+        return {"output_throughput": sum(rounds) / len(rounds), "request_throughput": 1.0, "completed": 10,
+                "failed": 0, "total_output_tokens": 1000, "load_generator_cpu_s": 1.0, "duration": 60.0,
+                "rounds_output_throughput": rounds, **keys}  # fmt: skip
+
+    table = compare_table({"cbserve": pooled([130.0, 159.3, 164.8, 156.5]), "vllm": pooled([118.3, 135.0, 135.9, 136.7])},
+                          {"cbserve": None, "vllm": None}, {"cbserve": None, "vllm": None})  # fmt: skip
+    line = next(line for line in table.splitlines() if line.startswith("  each round"))
+    assert "156.5 118.3" not in line and "156.5118.3" not in line
+    assert line.split() == ["each", "round", "130.0", "159.3", "164.8", "156.5", "118.3", "135.0", "135.9", "136.7"]
+    assert "156.5  118.3" in line  # two spaces at least between the targets

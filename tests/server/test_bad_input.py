@@ -75,3 +75,32 @@ def test_tokenize_and_detokenize_round_trip(server) -> None:
     assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 4096
     text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
     assert text.endswith("The capital of France")
+
+
+REFUSALS = [
+    (C, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
+     "response_format"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    (C, {"prompt": "x", "best_of": 2}, "best_of"),
+    (C, {"prompt": "x", "suffix": "end"}, "suffix"),
+    (C, {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
+    (C, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), REFUSALS)
+def test_what_cbserve_cannot_honour_is_refused_naming_the_field(server, path, body, param) -> None:
+    r = httpx.post(server.url + path, json={**body, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_no_op_values_and_unknown_fields_are_accepted(server) -> None:
+    for path, body in [(C, {"prompt": "x", "response_format": {"type": "text"}, "best_of": 1, "user": "u1",
+                            "some_new_field": 1}),
+                       (CHAT, {"messages": MSG, "tool_choice": "none", "store": False, "metadata": {"a": "b"}})]:  # fmt: skip
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert "ignoring the request field 'some_new_field'" in server.log.read_text()

@@ -3,6 +3,7 @@ and 405 as OpenAI JSON, and large inputs tokenised off the event loop. All again
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -145,3 +146,25 @@ def _timed(client: httpx.Client) -> float:
     started = time.monotonic()
     assert client.get("/health").status_code == 200
     return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def slow_prefill(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("slow-prefill"),
+                 {"block_size": 16, "num_blocks": 512, "max_batch_tokens": 16})  # a 1,500-token prompt: ~94 steps
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_a_stream_whose_client_leaves_during_prefill_is_aborted_before_its_first_token(slow_prefill):
+    body = json.dumps({"prompt": [7] * 1500, "max_tokens": 50, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", slow_prefill.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")  # the stream began; its prompt is being prefilled
+    # gone before any token: the request is aborted in its prefill (the handler's own watcher, and
+    # Starlette's under uvicorn's ASGI 2.3), not at the first write
+    m = slow_prefill.wait_for(lambda m: m.get("cbserve:request_success_total{finished_reason=abort}", 0) == 1)
+    assert m["cbserve:generation_tokens_total"] == 0, m
+    r = httpx.post(slow_prefill.url + "/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
+    assert r.status_code == 200

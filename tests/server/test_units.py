@@ -110,3 +110,18 @@ def test_a_cpu_isa_the_cpu_cannot_run_stops_start_up_with_one_line() -> None:
     with pytest.raises(SettingsError, match=f"CBSERVE_CPU_ISA={beyond}"):
         load_settings({}, environ={"CBSERVE_CPU_ISA": beyond})
     assert load_settings({}, environ={"CBSERVE_CPU_ISA": "avx2"}) is not None
+
+
+def test_docs_table_lists_every_request_field_the_server_knows() -> None:
+    """docs/server.md's field table and engine/server/protocol.py's HONOURED, REFUSED and IGNORED
+    name the same fields."""
+    import re
+    from pathlib import Path
+
+    from engine.server.protocol import HONOURED, IGNORED, REFUSED
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "server.md"
+    rows = [line for line in docs.read_text().splitlines() if line.startswith("| `")]
+    documented = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    known = {*HONOURED["both"], *HONOURED["completion"], *HONOURED["chat"], *REFUSED, *IGNORED}
+    assert documented == known, (sorted(documented - known), sorted(known - documented))

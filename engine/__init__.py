@@ -5,6 +5,7 @@ from engine.generate import generate_batch, use_cbserve
 from engine.llm_engine import LLMEngine
 from engine.manager import ContinuousBatchingManager
 from engine.request import GenerationOutput, QueueFullError, RequestStatus, SamplingParams
+from engine.structured import StructuredOutput
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -14,6 +15,7 @@ __all__ = [
     "QueueFullError",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutput",
     "generate_batch",
     "use_cbserve",
 ]

@@ -60,7 +60,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(settings.model, settings.dtype, settings.attn_implementation)
-    manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine)
+    manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine, tokenizer=loaded.tokenizer)
     name = settings.served_model_name or loaded.name
     state = build_state(manager, loaded.tokenizer, name, loaded.max_model_len or manager.engine.block_size)
     app = create_app(state, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,

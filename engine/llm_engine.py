@@ -25,6 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.structured import Grammar, GrammarCompiler, StructuredOutput
 from engine.step_dispatch import StepDispatcher
 from engine.swap import HostSwapPool
 from engine.memory import kv_bytes_per_block, plan_for_device, profile_activation_peak, read_device_memory
@@ -44,7 +45,8 @@ class LLMEngine:
         tokenizer=None,
     ):  # fmt: skip
         self.config = config = config or ContinuousBatchingConfig()
-        self.tokenizer = tokenizer  # needed only for stop strings
+        self.tokenizer = tokenizer  # needed only for stop strings and structured output
+        self._grammars: GrammarCompiler | None = None
         self.model = model.eval()
         self.generation_config = generation_config or getattr(model, "generation_config", None)
         text_config = model.config.get_text_config()
@@ -173,6 +175,7 @@ class LLMEngine:
         ignore_eos: bool = False,
         num_return_sequences: int = 1,
         stop_strings: list[str] | str | None = None,
+        structured_output: StructuredOutput | dict | Grammar | None = None,
         **sampling: Any,
     ) -> Request:
         """Validate one request; every problem is a ValueError that says what is wrong."""
@@ -231,7 +234,19 @@ class LLMEngine:
             from engine.detokenizer import TextStream
 
             req.text_stream = TextStream(self.tokenizer, list(stop_strings))
+        if structured_output is not None:
+            grammar = structured_output
+            if not isinstance(grammar, Grammar):
+                grammar = self.compile_grammar(structured_output)
+            req.matcher = grammar.matcher()
         return req
+
+    def compile_grammar(self, spec: StructuredOutput | dict) -> Grammar:
+        """A structured-output constraint compiled for this model's tokenizer (cached by its text);
+        a ValueError names what is wrong. Thread-safe: servers compile off their event loop."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self._eos_ids(None)))
+        return self._grammars.compile(spec)
 
     def _sampling_params(self, given: dict[str, Any]) -> SamplingParams:
         gc = self.generation_config
@@ -372,11 +387,17 @@ class LLMEngine:
             req.first_token_time = now
         if req.timestamps is not None:
             req.timestamps.append(now)
+        if req.matcher is not None and token not in req.eos_token_ids:
+            if not req.matcher.accept(token):
+                req.finish("error", f"structured output: {req.matcher.error or f'the grammar refused token {token}'}")
+                return
         if req.text_stream is not None:
             req.text_stream.add([token])
             if req.text_stream.stopped:
                 req.finish("stop")
                 return
+        if req.matcher is not None and req.matcher.finished:
+            req.finish("stop")
         if token in req.eos_token_ids and req.num_generated > req.sampling.min_new_tokens - 1:
             req.finish("stop")
         elif token in req.stop_token_ids:

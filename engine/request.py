@@ -159,6 +159,7 @@ class Request:
         self.num_streamed = 0  # generated tokens already handed out
         self.num_children = 0  # n - 1: sequences forked from this one after its prefill
         self.text_stream = None  # engine.detokenizer.TextStream when the request has stop strings
+        self.matcher = None  # engine.structured.Matcher when the request has structured output
 
         self.created_time = time.perf_counter()
         self.scheduled_time: float | None = None
@@ -186,6 +187,8 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         if self.text_stream is not None:
             child.text_stream = self.text_stream.fresh()
+        if self.matcher is not None:  # forked before the first token: the parser is at its start
+            child.matcher = self.matcher.fork()
         return child
 
     @property

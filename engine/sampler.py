@@ -6,6 +6,8 @@ place); otherwise they are converted to float32 first. Greedy rows take the argm
 temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with q ~ Exp(1):
 a request with a seed draws q from its own generator, so its tokens do not depend on what else
 is in the batch. Logprobs are those of the model's raw distribution (log_softmax of the logits).
+A request with structured output has the tokens its grammar forbids masked to -inf last, after
+bias and penalties (engine/structured.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.structured import allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -29,10 +32,14 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _needs_processing(req: Request) -> bool:
+def _needs_adjusting(req: Request) -> bool:
     sp = req.sampling
     ban_eos = req.num_generated < sp.min_new_tokens and req.eos_token_ids
     return bool(sp.logit_bias or ban_eos or sp.needs_penalties)
+
+
+def _needs_processing(req: Request) -> bool:
+    return req.matcher is not None or _needs_adjusting(req)
 
 
 class Sampler:
@@ -72,10 +79,13 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Logit bias, the EOS ban before min_new_tokens, and the penalties, for the rows that ask."""
+        """Logit bias, the EOS ban before min_new_tokens, the penalties, then the grammar's mask,
+        for the rows that ask."""
         cloned = False
+        constrained = [row for row, req in enumerate(reqs) if req.matcher is not None]
+        banned_ends: dict[int, torch.Tensor] = {}  # constrained rows whose EOS is banned: their EOS logits
         for row, req in enumerate(reqs):
-            if not _needs_processing(req):
+            if not _needs_adjusting(req):
                 continue
             sp = req.sampling
             ban_eos = req.num_generated < sp.min_new_tokens and req.eos_token_ids
@@ -94,7 +104,20 @@ class Sampler:
                 counts = counts[: x.shape[0]].to(x.dtype)
                 x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
             if ban_eos:
-                x[list(req.eos_token_ids)] = float("-inf")
+                ends = list(req.eos_token_ids)
+                if req.matcher is not None:
+                    banned_ends[row] = x[ends].clone()
+                x[ends] = float("-inf")
+        if constrained:
+            if not cloned:
+                logits = logits.clone()
+            bitmask = allocate_bitmask(len(constrained), logits.shape[1])
+            for i, row in enumerate(constrained):
+                reqs[row].matcher.fill_bitmask(bitmask, i)
+            apply_bitmask(logits, bitmask, constrained)
+            for row, saved in banned_ends.items():  # a grammar that may only end, with the end banned: it ends
+                if torch.isinf(logits[row]).all():
+                    logits[row, list(reqs[row].eos_token_ids)] = saved.clamp(min=torch.finfo(logits.dtype).min)
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:

@@ -123,6 +123,8 @@ class Handlers:
                 raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                     f"{state.model_name!r}", param="model", code="model_not_found")  # fmt: skip
             gen = Generation(state.manager, state.tokenizer, req, state.metrics, state.max_model_len)
+            if req.structured is not None:
+                await _off_loop(gen.compile_constraint)
             gen.submit()
         except APIError as exc:
             return _error(exc, request_id)
@@ -138,11 +140,14 @@ class Handlers:
         span = otel.request_span(gen)
         pieces: dict[int, list[str]] = {c.index: [] for c in gen.choices}
         logprobs: dict[int, list] = {c.index: [] for c in gen.choices}
+        calls: dict[int, list] = {}
 
         async def collect() -> None:
             async for delta in gen.events():
                 pieces[delta.index].append(delta.text)
                 logprobs[delta.index] += delta.logprobs
+                if delta.tool_calls:
+                    calls[delta.index] = delta.tool_calls
 
         collector = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -167,8 +172,10 @@ class Handlers:
                 text = await _off_loop(lambda p: state.tokenizer.decode(p, skip_special_tokens=True), c.prompt) + text
             lp = gen.logprobs_json(logprobs[c.index])
             if gen.req.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": c.finish_reason})  # fmt: skip
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if c.index in calls:
+                    message = {"role": "assistant", "content": text.strip() or None, "tool_calls": calls[c.index]}
+                choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         body = {
@@ -198,7 +205,9 @@ class Handlers:
         def chunk(delta: Delta) -> dict:
             lp = gen.logprobs_json(delta.logprobs) if delta.logprobs else None
             if chat:
-                body = {"content": delta.text} if delta.text else {}
+                body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+                if delta.tool_calls:
+                    body["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta.tool_calls)]
                 choice = {"index": delta.index, "delta": body, "logprobs": lp, "finish_reason": delta.finish_reason}
             else:
                 choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
@@ -308,6 +317,10 @@ def create_app(
         if not state.manager.is_running():
             await asyncio.to_thread(state.manager.warmup)
             state.manager.start()
+        try:  # the grammar engine's view of the tokenizer (~0.4 s for a 49k vocabulary), before the first request
+            await asyncio.to_thread(state.manager.engine.compile_grammar, {"json_object": True})
+        except (ValueError, ImportError) as exc:
+            logger.warning("structured output and forced tool calls are unavailable: %s", exc)
         freeze_startup_objects()
         state.ready = True
         logger.info("ready: serving %s", state.model_name)

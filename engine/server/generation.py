@@ -18,6 +18,7 @@ from engine import ContinuousBatchingManager, GenerationOutput, QueueFullError
 from engine.detokenizer import TextStream
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, GenerationRequest
+from engine.server.tools import ToolStream
 
 
 def _param_of(message: str) -> str | None:
@@ -38,6 +39,7 @@ class Choice:
     last: GenerationOutput | None = None
     finish_reason: str | None = None
     logprobs_sent: int = 0
+    tools: ToolStream | None = None  # with tools: holds a tool call's text back and parses it
 
     @property
     def completion_tokens(self) -> int:
@@ -54,6 +56,7 @@ class Delta:
     text: str
     logprobs: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Generation:
@@ -88,6 +91,17 @@ class Generation:
                                 f"{req.n}); the server queues at most {queue} (max_queue_size): send fewer at a time",
                            param="n" if req.n > 1 else words)  # fmt: skip
 
+    def compile_constraint(self) -> None:
+        """The request's structured output compiled for the model (slow for a large schema: call it
+        off the event loop); a constraint the grammar engine refuses is a 400 naming its field."""
+        req = self.req
+        if req.structured is None:
+            return
+        try:
+            req.engine_kwargs["structured_output"] = self.manager.engine.compile_grammar(req.structured)
+        except ValueError as exc:
+            raise APIError(400, f"'{req.structured_param}': {exc}", param=req.structured_param) from None
+
     def submit(self) -> None:
         """Add every choice's engine request; on refusal, withdraw the ones already added."""
         req = self.req
@@ -105,7 +119,8 @@ class Generation:
                     prompt, request_id=f"{self.id}-{i}", max_new_tokens=max_tokens, streaming=True,
                     record_timestamps=True, logprobs=req.logprobs, **kwargs,
                 )  # fmt: skip
-                choice = Choice(i, engine_id, prompt, TextStream(self.tokenizer, req.stop))
+                choice = Choice(i, engine_id, prompt, TextStream(self.tokenizer, req.stop),
+                                tools=ToolStream(req.tools) if req.tools is not None else None)  # fmt: skip
                 self.choices.append(choice)
                 self.manager.register_result_handler(engine_id, lambda out, i=i: self.queue.put_nowait((i, out)))
         except QueueFullError as exc:
@@ -164,7 +179,15 @@ class Generation:
             text += choice.text.finish()
         else:
             reason = None
-        delta = Delta(choice.index, text, self._new_logprobs(choice, out), reason)
+        calls = None
+        if choice.tools is not None:
+            text = choice.tools.feed(text)
+            if reason is not None:
+                text += choice.tools.finish()
+                calls = choice.tools.calls
+                if calls and reason == "stop" and choice.tools.tools.choice != "function":
+                    reason = "tool_calls"
+        delta = Delta(choice.index, text, self._new_logprobs(choice, out), reason, calls)
         if reason is not None:
             choice.finish_reason = reason
             self.metrics.finished(out, self._prompt_share(choice), choice.completion_tokens, reason)

@@ -9,6 +9,8 @@ from typing import Any
 
 import jinja2
 
+from engine.structured import StructuredOutput
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 INT64 = (-(2**63), 2**63 - 1)  # integers beyond these reach no engine knob: refused, not overflowed
@@ -20,22 +22,16 @@ logger = logging.getLogger("cbserve.server")
 HONOURED = {
     "both": ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
              "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "logit_bias", "stop_token_ids", "min_tokens", "ignore_eos"),
+             "logit_bias", "stop_token_ids", "min_tokens", "ignore_eos", "response_format", "guided_json",
+             "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
     "completion": ("prompt", "logprobs", "echo"),
-    "chat": ("messages", "logprobs", "top_logprobs"),
+    "chat": ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"),
 }
 # refused with 400 naming the field when set to anything but its no-op value
 REFUSED = {
-    "response_format": "structured output is not supported yet; only {'type': 'text'}",
-    "guided_json": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
-    "structured_outputs": "structured output is not supported yet",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet; only 'none' (or 'auto' without tools)",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the legacy 'functions' field is not supported; use 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
+    "guided_whitespace_pattern": "not supported: JSON is generated compact; structured_outputs.whitespace allows any",
     "best_of": "best_of above 1 is not supported (vLLM's V1 engine dropped it too); use n",
     "suffix": "suffix (fill-in-the-middle) is not supported",
     "prompt_logprobs": "prompt logprobs are not supported",
@@ -44,23 +40,21 @@ REFUSED = {
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "guided_decoding_backend": "structured output is not supported yet",
 }
-NO_OP = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "best_of": (1,),
-         "suffix": ("",), "modalities": (["text"],), "tools": ([],), "functions": ([],)}  # fmt: skip
+NO_OP = {"best_of": (1,), "suffix": ("",), "modalities": (["text"],), "functions": ([],)}  # fmt: skip
 # accepted and not acted on, each for a reason docs/server.md gives
 IGNORED = {
     "user": "an end-user id for the caller's own abuse tracking; cbserve keeps no per-user state",
     "metadata": "OpenAI stores it with stored completions; cbserve stores nothing",
     "store": "cbserve stores no completions",
     "service_tier": "one tier: every request is served alike",
-    "parallel_tool_calls": "no tool calling yet (tools are refused)",
     "reasoning_effort": "no reasoning-effort control for transformers models",
     "add_generation_prompt": "always true: the chat template's generation prompt is added",
     "skip_special_tokens": "special tokens are always skipped in the text",
     "spaces_between_special_tokens": "decided by the tokenizer",
     "request_id": "the x-request-id header names a request",
     "priority": "one queue, first come first served",
+    "guided_decoding_backend": "one structured-output backend: llguidance",
 }
 _warned: set[str] = set()
 
@@ -69,8 +63,6 @@ def _check_fields(body: dict, kind: str) -> None:
     for name, reason in REFUSED.items():
         value = body.get(name)
         if value is not None and value not in NO_OP.get(name, ()):
-            if name == "tool_choice" and value == "auto" and not body.get("tools"):
-                continue
             raise bad(name, f"'{name}': {reason}")
     known = {*HONOURED["both"], *HONOURED[kind], *REFUSED, *IGNORED}
     for name in body:
@@ -118,6 +110,9 @@ class GenerationRequest:
     logprobs: int | None = None  # top alternatives per token; None: no logprobs at all
     echo: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # sampling, passed to add_request
+    structured: StructuredOutput | None = None  # the constraint on every choice's output
+    structured_param: str | None = None  # the field it came from, for errors
+    tools: Any = None  # engine.server.tools.ToolRequest when tools are in play (chat)
 
     @property
     def num_choices(self) -> int:
@@ -260,6 +255,53 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+_STRUCTURED_KEYS = {"json", "json_object", "regex", "choice", "grammar", "whitespace"}
+
+
+def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:
+    """The output constraint, from OpenAI's `response_format` or vLLM's `guided_*` and
+    `structured_outputs`; at most one of them. Its contents are checked when it is compiled."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad("response_format", "'response_format' json_schema needs {'json_schema': {'name': ..., "
+                                             "'schema': {...}}}")  # fmt: skip
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad("response_format", "'response_format' type must be 'text', 'json_object' or 'json_schema'")
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):  # fmt: skip
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    given = body.get("structured_outputs")
+    if given is not None:
+        if not isinstance(given, dict) or set(given) - _STRUCTURED_KEYS:
+            raise bad("structured_outputs", f"'structured_outputs' takes the keys {', '.join(sorted(_STRUCTURED_KEYS))}")
+        found.append(("structured_outputs", {k: v for k, v in given.items() if v is not None and v is not False}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad(found[1][0], f"give one structured output constraint, not several ({names})")
+    name, spec = found[0]
+    if spec.get("choice") is not None and not isinstance(spec["choice"], list):
+        raise bad(name, f"'{name}' choice must be a list of strings")
+    whitespace = spec.get("whitespace", False)
+    if not isinstance(whitespace, bool):
+        raise bad(name, f"'{name}' whitespace must be a boolean")
+    try:
+        return StructuredOutput.of({**spec, "choice": tuple(spec["choice"])} if "choice" in spec else spec), name
+    except (TypeError, ValueError) as exc:
+        raise bad(name, f"'{name}': {exc}") from None
+
+
 def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
@@ -274,6 +316,7 @@ def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options", "'stream_options' must be an object")
     stream = _boolean(body, "stream")
+    structured, structured_param = _structured(body)
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -284,11 +327,16 @@ def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
         include_usage=bool(options and _boolean(options, "include_usage")),
         stop=_stop(body),
         engine_kwargs=_sampling(body, vocab_size),
+        structured=structured,
+        structured_param=structured_param,
     )
 
 
 def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
     req = _common(body, "completion", vocab_size)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise bad(name, f"'{name}' is a chat field: use /v1/chat/completions")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -318,7 +366,14 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest
 
 
 def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
+    from engine.server import tools as toolkit
+
     req = _common(body, "chat", vocab_size)
+    req.tools = toolkit.parse_tools(body)
+    if req.tools is not None and req.tools.forced:
+        if req.structured is not None:
+            raise bad(req.structured_param, f"'{req.structured_param}' cannot be combined with a forced 'tool_choice'")
+        req.structured, req.structured_param = req.tools.structured_output(), "tool_choice"
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -338,11 +393,22 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
             content = ""
         if not isinstance(content, str):
             raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
-        conversation.append({"role": text(message["role"], "messages"), "content": text(content, "messages")})
+        turn = {"role": text(message["role"], "messages"), "content": text(content, "messages")}
+        if message.get("tool_calls") is not None:
+            turn["tool_calls"] = toolkit.message_tool_calls(message["tool_calls"], i)
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                turn[key] = text(message[key], "messages")
+        conversation.append(turn)
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad("messages", "this model has no chat template: use /v1/completions")
+    extra: dict[str, Any] = {}
+    if req.tools is not None and toolkit.template_takes_tools(tokenizer):
+        extra["tools"] = req.tools.template_tools()
+    elif req.tools is not None or any("tool_calls" in m for m in conversation):
+        conversation = toolkit.without_template_tools(conversation, req.tools)
     try:
-        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **extra)
     except jinja2.TemplateError as exc:  # the template's own checks (roles must alternate, ...)
         raise bad("messages", f"the model's chat template refused these messages: {exc}") from None
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded

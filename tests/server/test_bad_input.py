@@ -77,15 +77,11 @@ def test_tokenize_and_detokenize_round_trip(server) -> None:
     assert text.endswith("The capital of France")
 
 
-REFUSALS = [
-    (C, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
-     "response_format"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+REFUSALS = [  # structured output and tools: tests/server/test_structured_output.py
+    (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"messages": MSG, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     (C, {"prompt": "x", "best_of": 2}, "best_of"),
     (C, {"prompt": "x", "suffix": "end"}, "suffix"),
-    (C, {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
     (C, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,6 +41,23 @@ def test_default_model_answers_a_chat_in_english(tmp_path) -> None:
         answer = r.json()["choices"][0]["message"]["content"]
         assert "Paris" in answer, answer
         assert r.json()["choices"][0]["finish_reason"] == "stop"
+        # structured output and a forced tool call on the real model
+        person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+                  "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Give me a person called Ann aged 31 as JSON."}], "max_tokens": 40,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}})
+        assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"name": "Ann", "age": 31}
+        weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                                  "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the weather like in Paris today?"}], "tools": [weather],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40, "temperature": 0})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -1,0 +1,195 @@
+"""Structured output: a grammar per request, applied as a mask on the logits before sampling.
+
+The grammar engine is llguidance (guidance-ai; also a backend of vLLM, SGLang and llama.cpp): a
+Rust parser that computes the allowed next tokens of a JSON schema, regular expression, choice
+list or Lark grammar in tens of microseconds per token, with no dependency of its own.
+
+A `StructuredOutput` says what to constrain to. `GrammarCompiler.compile` turns it into a
+`Grammar` (checked, and cached by its text: an evaluation or RL loop sends one schema thousands
+of times); every request then takes its own `Matcher` from it, a cheap copy of the parser state.
+The sampler asks each constrained row's matcher for its bitmask (`fill_bitmask`) and masks the
+logits with `apply_bitmask`; the engine hands the sampled token back (`Matcher.accept`), and a
+matcher that reaches the end of its grammar finishes the request with "stop".
+
+JSON is generated compact by default (no whitespace between tokens): with flexible whitespace a
+small model can emit blank lines until `max_tokens`. `StructuredOutput.whitespace` turns it on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CACHE_SIZE = 64  # compiled grammars kept per engine
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One constraint: exactly one of `json` (a JSON schema, as a dict or its text), `json_object`
+    (any JSON object), `regex`, `choice` (one of these strings) or `grammar` (Lark, or llama.cpp's
+    GBNF). These are vLLM's names (`StructuredOutputsParams`)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    whitespace: bool = False  # JSON: allow any whitespace between tokens
+
+    @classmethod
+    def of(cls, value: StructuredOutput | dict[str, Any]) -> StructuredOutput:
+        if isinstance(value, StructuredOutput):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_output must be a StructuredOutput or a dict, got {type(value).__name__}")
+        unknown = set(value) - {"json", "json_object", "regex", "choice", "grammar", "whitespace"}
+        if unknown:
+            raise ValueError(f"structured_output has unknown key(s): {', '.join(sorted(map(str, unknown)))}")
+        return cls(**value)
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar; a ValueError says what is wrong with the constraint itself."""
+        from llguidance import LLMatcher, grammar_from
+
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if self.json is not None or self.json_object:
+            schema = {"type": "object"} if self.json_object else self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+            options = {"whitespace_flexible": bool(self.whitespace)}
+            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if self.regex is not None:
+            if not isinstance(self.regex, str):
+                raise ValueError("regex must be a string")
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            choices = list(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            return grammar_from("choice", json.dumps(choices))
+        if not isinstance(self.grammar, str) or not self.grammar.strip():
+            raise ValueError("grammar must be a non-empty string (Lark or GBNF)")
+        return grammar_from("grammar", self.grammar)
+
+    def key(self) -> str:
+        return json.dumps(
+            [self.json, self.json_object, self.regex, list(self.choice or ()), self.grammar, self.whitespace],
+            sort_keys=True,
+            default=str,
+        )
+
+
+class Matcher:
+    """One request's parser state over its generated tokens."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def fork(self) -> Matcher:
+        return Matcher(self._m.deep_copy())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 [rows, ceil(vocab / 32)] bitmask."""
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def accept(self, token: int) -> bool:
+        """Advance over a sampled token; False if the grammar refused it (the matcher is then in error)."""
+        return self._m.consume_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and nothing may follow: the request ends here."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+class Grammar:
+    """A compiled constraint; `matcher()` gives each request its own state."""
+
+    def __init__(self, matcher) -> None:
+        self._template = matcher
+
+    def matcher(self) -> Matcher:
+        return Matcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary; thread-safe (the server compiles in
+    worker threads while the engine loop runs)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        if tokenizer is None:
+            raise ValueError("structured output needs a tokenizer: pass tokenizer= to the engine or manager")
+        import llguidance.hf
+
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+        except ValueError as exc:  # a slow (Python) tokenizer
+            raise ValueError(f"structured output needs a fast tokenizer: {exc}") from None
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput | dict[str, Any]) -> Grammar:
+        from llguidance import LLMatcher
+
+        spec = StructuredOutput.of(spec)
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        text = spec.grammar_text()
+        matcher = LLMatcher(self.tokenizer, text, log_level=0)  # builds the parser (drops the GIL)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output constraint: {matcher.get_error().strip()}")
+        grammar = Grammar(matcher)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+# the additive mask of each byte value: row b holds 0 where bit j of b is set, -inf where it is not
+_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of `rows` whose bit is 0 in the matching bitmask row.
+
+    The bitmask's bytes (little-endian: token 8k + j is bit j of byte k) look up an additive
+    0 / -inf row of eight in a 256-entry table: one gather and one add, 6x faster on the CPU than
+    unpacking the bits and a masked_fill (0.56 against 3.5 ms for 16 rows of SmolLM2's 49,152)."""
+    vocab = logits.shape[1]
+    table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
+    codes = bitmask.view(torch.uint8).to(device=logits.device, dtype=torch.long)
+    bias = torch.nn.functional.embedding(codes, table).reshape(bitmask.shape[0], -1)[:, :vocab]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        logits[rows[0] : rows[0] + len(rows)].add_(bias)
+    else:
+        logits.index_add_(0, torch.tensor(rows, dtype=torch.long, device=logits.device), bias)

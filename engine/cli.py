@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,38 +49,41 @@ def _generate_parser(sub) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Bind the port first, then load the model behind it (engine/server/startup.py): probes get
+    answers from the start, `/ready` turns 200 once the engine is warm."""
     import uvicorn
 
-    from engine import ContinuousBatchingManager
-    from engine.loader import load_model
-    from engine.server.app import build_state, create_app
     from engine.server.settings import DEFAULT_SERVER_QUEUE, load_settings
+    from engine.server.startup import DrainingServer, Startup
 
     settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_model(settings.model, settings.dtype, settings.attn_implementation)
-    manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine, tokenizer=loaded.tokenizer)
-    name = settings.served_model_name or loaded.name
-    state = build_state(manager, loaded.tokenizer, name, loaded.max_model_len or manager.engine.block_size)
-    app = create_app(state, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
-                     body_timeout=settings.body_timeout)  # fmt: skip
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who reaches the port can use it "
                        "(--api-key or CBSERVE_API_KEY)", settings.host)  # fmt: skip
 
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: refuse new work at once, then drain
-            state.draining = True
-            super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM:  # a drained SIGTERM is a clean exit (0): uvicorn would re-raise it
-                self._captured_signals.remove(sig)
+    def build():
+        from engine import ContinuousBatchingManager
+        from engine.loader import load_model
+        from engine.server.app import build_state, create_app
 
+        loaded = load_model(settings.model, settings.dtype, settings.attn_implementation)
+        manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine,
+                                            tokenizer=loaded.tokenizer)  # fmt: skip
+        name = settings.served_model_name or loaded.name
+        state = build_state(manager, loaded.tokenizer, name, loaded.max_model_len or manager.engine.block_size)
+        return create_app(state, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
+                          body_timeout=settings.body_timeout)  # fmt: skip
+
+    startup = Startup(build)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level,
+        startup, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level,
         timeout_keep_alive=75,  # above the usual 60 s idle timeout of load balancers
-        timeout_graceful_shutdown=settings.drain_timeout,
+        timeout_graceful_shutdown=5,  # after the drain (DrainingServer): what is left is cut
     )  # fmt: skip
-    DrainingServer(config).run()
+    DrainingServer(config, startup, settings.drain_timeout).run()
+    if startup.error is not None:
+        raise startup.error
     return 0
 
 

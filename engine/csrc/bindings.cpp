@@ -13,18 +13,23 @@ at::Tensor pack_linear_weight(at::Tensor weight);
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n);
 int64_t linear_panel_width();
 
+// Every kernel runs with the GIL released, as torch's own ops do: while the engine thread computes
+// a step, the server's event loop and other threads run Python.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // cascade_min_seqs defaults to engine/backends/cpu.py's CASCADE_MIN_SEQS, which the engine passes
   m.def("paged_attention", &paged_attention, "Attention over the paged KV cache for a whole step (CPU)", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("k_lens"),
-        py::arg("q_start"), py::arg("scale"), py::arg("window"), py::arg("cascade_min_seqs") = 4);
-  m.def("argmax_rows", &argmax_rows, "Index of each row's largest value, in the tensor's own dtype (CPU)");
-  m.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass over each row (CPU)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up in the model dtype, in one pass (CPU)");
-  m.def("rotary", &rotary, "transformers' rotary position embedding of q or k, in one pass (CPU)");
-  m.def("pack_linear_weight", &pack_linear_weight, "A linear weight [N, K] in panels for packed_linear (CPU)");
+        py::arg("q_start"), py::arg("scale"), py::arg("window"), py::arg("cascade_min_seqs") = 4, NoGil());
+  m.def("argmax_rows", &argmax_rows, "Index of each row's largest value, in the tensor's own dtype (CPU)", NoGil());
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass over each row (CPU)", NoGil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up in the model dtype, in one pass (CPU)", NoGil());
+  m.def("rotary", &rotary, "transformers' rotary position embedding of q or k, in one pass (CPU)", NoGil());
+  m.def("pack_linear_weight", &pack_linear_weight, "A linear weight [N, K] in panels for packed_linear (CPU)",
+        NoGil());
   m.def("packed_linear", &packed_linear, "x W^T + b on panels from pack_linear_weight, for few rows (CPU)",
-        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"));
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"), NoGil());
   m.def("linear_panel_width", &linear_panel_width, "Output columns per weight panel of this build");
   m.def("lanes", [] { return cbserve::kLanes; }, "Float lanes per vector of this build: 16 (AVX-512) or 8 (AVX2)");
 }

@@ -26,6 +26,7 @@ from engine.server import otel
 from engine.server.generation import Delta, Generation
 from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from engine.server.metrics import ServerMetrics
+from engine.server.tokenizing import ServerTokenizer
 from engine.server.protocol import APIError, check_prompt_size, max_token_chars, parse_chat, parse_completion
 
 logger = logging.getLogger("cbserve.server")
@@ -41,11 +42,26 @@ class ServerState:
     token_chars: int = 1  # the tokenizer's longest entry, in characters (protocol.max_token_chars)
     ready: bool = False
     draining: bool = False
-    in_flight: int = 0
+    in_flight: int = 0  # generation requests between their arrival and their last byte
+    _idle: asyncio.Event | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.manager.engine.vocab_size
+
+    def enter(self) -> None:
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Returns once no generation request is in flight (the drain waits on it)."""
+        while self.in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 def _json(data: Any, status: int = 200, headers: dict | None = None) -> JSONResponse:
@@ -60,6 +76,7 @@ def _error(exc: APIError, request_id: str | None = None) -> JSONResponse:
 
 
 LOOP_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop; larger ones in a thread
+LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all choices) are queued from the event loop
 
 
 def _loads(raw: bytes) -> Any:
@@ -94,6 +111,20 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+class _CountedStream(StreamingResponse):
+    """A stream that calls `on_end` once it is over, however it ends (sent, client gone, error)."""
+
+    def __init__(self, content, on_end, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -111,6 +142,18 @@ class Handlers:
 
     async def _generate(self, request: Request, parse) -> Response:
         state = self.state
+        state.enter()
+        try:
+            response = await self._admit(request, parse)
+        except BaseException:
+            state.leave()
+            raise
+        if not isinstance(response, _CountedStream):
+            state.leave()  # a stream leaves when it has been sent, or its client has gone
+        return response
+
+    async def _admit(self, request: Request, parse) -> Response:
+        state = self.state
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             if state.draining or not state.ready:
@@ -125,18 +168,22 @@ class Handlers:
             gen = Generation(state.manager, state.tokenizer, req, state.metrics, state.max_model_len)
             if req.structured is not None:
                 await _off_loop(gen.compile_constraint)
-            gen.submit()
+            if sum(map(len, req.prompts)) * req.n > LOOP_TOKENS:
+                await _off_loop(gen.submit)  # the engine checks every token id of a long prompt
+            else:
+                gen.submit()
+            gen.listen()
         except APIError as exc:
             return _error(exc, request_id)
         headers = {"x-request-id": request_id}
         if req.stream:
-            return StreamingResponse(self._stream(gen, request), media_type="text/event-stream", headers=headers)
+            return _CountedStream(self._stream(gen, request), on_end=state.leave, media_type="text/event-stream",
+                                  headers=headers)  # fmt: skip
         return await self._complete(request, gen, headers)
 
     async def _complete(self, request: Request, gen: Generation, headers: dict) -> Response:
         """Non-streaming: gather everything, unless the client leaves first (then cancel)."""
         state = self.state
-        state.in_flight += 1
         span = otel.request_span(gen)
         pieces: dict[int, list[str]] = {c.index: [] for c in gen.choices}
         logprobs: dict[int, list] = {c.index: [] for c in gen.choices}
@@ -163,7 +210,6 @@ class Handlers:
             return _error(exc, headers["x-request-id"])
         finally:
             watcher.cancel()
-            state.in_flight -= 1
             otel.end_span(span, gen)
         choices = []
         for c in gen.choices:
@@ -191,7 +237,6 @@ class Handlers:
 
     async def _stream(self, gen: Generation, request: Request) -> AsyncIterator[str]:
         state = self.state
-        state.in_flight += 1
         span = otel.request_span(gen)
         # a client that leaves is noticed at once, not at the next write. Starlette watches for it
         # itself only under ASGI < 2.4 (uvicorn 0.54 speaks 2.3); under 2.4 it relies on the next
@@ -231,7 +276,6 @@ class Handlers:
         finally:
             watcher.cancel()
             gen.cancel()  # no-op for finished choices; frees the rest when the client went away
-            state.in_flight -= 1
             otel.end_span(span, gen)
         yield "data: [DONE]\n\n"
 
@@ -317,6 +361,8 @@ def create_app(
         if not state.manager.is_running():
             await asyncio.to_thread(state.manager.warmup)
             state.manager.start()
+        if isinstance(state.tokenizer, ServerTokenizer):
+            await asyncio.to_thread(state.tokenizer.start)
         try:  # the grammar engine's view of the tokenizer (~0.4 s for a 49k vocabulary), before the first request
             await asyncio.to_thread(state.manager.engine.compile_grammar, {"json_object": True})
         except (ValueError, ImportError) as exc:
@@ -329,6 +375,8 @@ def create_app(
         finally:
             state.draining = True
             await asyncio.to_thread(state.manager.stop, True, 60.0)
+            if isinstance(state.tokenizer, ServerTokenizer):
+                state.tokenizer.close()
 
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
@@ -348,4 +396,5 @@ def create_app(
 
 def build_state(manager: ContinuousBatchingManager, tokenizer, model_name: str, max_model_len: int) -> ServerState:
     metrics = ServerMetrics(model_name, max_model_len, manager.stats)
-    return ServerState(manager, tokenizer, model_name, max_model_len, metrics, token_chars=max_token_chars(tokenizer))
+    return ServerState(manager, ServerTokenizer(tokenizer, max_model_len), model_name, max_model_len, metrics,
+                       token_chars=max_token_chars(tokenizer))  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 from engine import ContinuousBatchingManager, GenerationOutput, QueueFullError
 from engine.detokenizer import TextStream
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIError, GenerationRequest
+from engine.server.protocol import APIError, GenerationRequest, context_exceeded
 from engine.server.tools import ToolStream
 
 
@@ -77,9 +77,7 @@ class Generation:
         words = "messages" if req.kind == "chat" else "prompt"
         for prompt in req.prompts:
             if limit and len(prompt) >= limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
-                                    f"has {len(prompt)} input tokens. Please reduce the length of the input {words}.",
-                               param=words, code="context_length_exceeded")  # fmt: skip
+                raise context_exceeded(limit, len(prompt), words)
             if limit and req.max_tokens is not None and len(prompt) + req.max_tokens > limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                     f"{len(prompt) + req.max_tokens} tokens ({len(prompt)} in the {words}, "
@@ -103,7 +101,9 @@ class Generation:
             raise APIError(400, f"'{req.structured_param}': {exc}", param=req.structured_param) from None
 
     def submit(self) -> None:
-        """Add every choice's engine request; on refusal, withdraw the ones already added."""
+        """Add every choice's engine request; on refusal, withdraw the ones already added. May run
+        in a worker thread (a long prompt's validation takes a while); `listen()` then follows on
+        the event loop."""
         req = self.req
         self.check_fits()
         try:
@@ -122,7 +122,6 @@ class Generation:
                 choice = Choice(i, engine_id, prompt, TextStream(self.tokenizer, req.stop),
                                 tools=ToolStream(req.tools) if req.tools is not None else None)  # fmt: skip
                 self.choices.append(choice)
-                self.manager.register_result_handler(engine_id, lambda out, i=i: self.queue.put_nowait((i, out)))
         except QueueFullError as exc:
             self.cancel()
             self.metrics.rejected("queue_full")
@@ -134,6 +133,12 @@ class Generation:
         except RuntimeError as exc:  # the manager stopped
             self.cancel()
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
+
+    def listen(self) -> None:
+        """On the event loop: every choice's outputs go to `events()` (any that came already, too)."""
+        for choice in self.choices:
+            self.manager.register_result_handler(choice.engine_id,
+                                                 lambda out, i=choice.index: self.queue.put_nowait((i, out)))  # fmt: skip
 
     def cancel(self) -> None:
         """Withdraw every choice that has not ended (client gone, or an error): they end as "abort"."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import jinja2
 
+from engine.llm_engine import token_ids_ok
 from engine.structured import StructuredOutput
 
 MAX_N = 16
@@ -189,6 +190,13 @@ def _prompt_chars(body: Any) -> int:
     return total
 
 
+def context_exceeded(limit: int, tokens: int, words: str) -> APIError:
+    """vLLM's 400 for a prompt that alone fills the model's context."""
+    return APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
+                         f"{tokens} input tokens. Please reduce the length of the input {words}.",
+                     param=words, code="context_length_exceeded")  # fmt: skip
+
+
 def check_prompt_size(body: Any, max_model_len: int, token_chars: int) -> None:
     """Refuse, before tokenising it, text that cannot fit the model's context whatever its tokens:
     more characters than `max_model_len` tokens of the tokenizer's longest entry cover. Tokenising
@@ -354,9 +362,9 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest
     for ids in req.prompts:
         if not ids:
             raise bad("prompt", "'prompt' is empty")
-        for t in ids:
-            if not 0 <= t < vocab_size:
-                raise bad("prompt", f"'prompt' holds token id {t}, outside the vocabulary [0, {vocab_size})")
+        if not token_ids_ok(ids, vocab_size):
+            t = next(t for t in ids if not 0 <= t < vocab_size)
+            raise bad("prompt", f"'prompt' holds token id {t}, outside the vocabulary [0, {vocab_size})")
     logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
     req.logprobs = logprobs
     req.echo = _boolean(body, "echo")

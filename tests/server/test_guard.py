@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from engine.testing import save_test_model
 from tests.server.conftest import Server
 
 KEYS = ("first-key", "second-key")
@@ -168,3 +169,63 @@ def test_a_stream_whose_client_leaves_during_prefill_is_aborted_before_its_first
     assert m["cbserve:generation_tokens_total"] == 0, m
     r = httpx.post(slow_prefill.url + "/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
     assert r.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """A model whose context (2M positions) admits a 4 MB prompt past the length check: it is
+    tokenised (2.56M tokens of the test tokenizer), then refused for filling the context."""
+    tmp = tmp_path_factory.mktemp("long-context")
+    model = save_test_model(tmp / "long-llama", "llama", max_position_embeddings=1 << 21)
+    srv = Server(model, tmp, {"block_size": 16, "num_blocks": 512}, extra_args=["--max-body-bytes", str(16 << 20)])
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_a_4_mb_prompt_is_tokenised_while_a_stream_and_health_keep_their_pace(long_context):
+    """While a 4 MB prompt is tokenised (in the helper process, engine/server/tokenizing.py), a
+    concurrent stream's inter-token gaps and /health stay within 100 ms of their usual times."""
+    text = "cbserve tokenises large inputs in a helper process. " * 80000  # 4.2 MB
+    url = long_context.url
+
+    def stream_gaps(stop: threading.Event | None, max_tokens: int) -> list[float]:
+        gaps, last = [], None
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                now = time.monotonic()
+                if line.startswith("data: {"):
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                if stop is not None and stop.is_set():
+                    break
+        return gaps
+
+    usual_gap = max(stream_gaps(None, 200))
+    with httpx.Client(base_url=url, timeout=30) as probe:
+        usual_health = min(_timed(probe) for _ in range(20))
+        big: list[httpx.Response] = []
+        done = threading.Event()
+
+        def send() -> None:
+            with httpx.Client(timeout=300) as c:
+                big.append(c.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 1}))
+            done.set()
+
+        gaps_during: list[float] = []
+        streamer = threading.Thread(target=lambda: gaps_during.extend(stream_gaps(done, 8000)))
+        sender = threading.Thread(target=send)
+        streamer.start()
+        sender.start()
+        health = []
+        while not done.is_set():
+            health.append(_timed(probe))
+        sender.join()
+        streamer.join()
+    (r,) = big
+    error = assert_openai_error(r, 400, None)
+    assert "your request has 2560001 input tokens" in error["message"]  # tokenised (in the helper), then refused
+    assert len(health) >= 10 and len(gaps_during) >= 10
+    assert max(health) < usual_health + 0.1, (usual_health, sorted(health)[-5:])
+    assert max(gaps_during) < usual_gap + 0.1, (usual_gap, sorted(gaps_during)[-5:])

@@ -36,8 +36,31 @@ def apiserver_reachable(memo: kopf.Memo, **_: Any) -> str:
     return str(memo.kube.request("GET", "/version").get("gitVersion", "unknown"))
 
 
-def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """Apply every wanted child, delete unwanted optional ones; (the Deployment as applied, warnings)."""
+# Answers worth retrying: conflicts, throttling, timeouts and the server's own failures. Any other
+# 4xx (422 Invalid, 403 Forbidden, 400) says the same thing again until the spec changes.
+RETRYABLE = {408, 409, 429}
+MAX_RETRY_DELAY = 300
+
+
+class ChildRefused(Exception):
+    """The API server refused a child for good (a 4xx other than RETRYABLE)."""
+
+
+def _retry_delay(retry: int) -> int:
+    """5 s, doubling with each retry, at most 5 minutes."""
+    return min(MAX_RETRY_DELAY, 5 * 2 ** min(retry, 10))
+
+
+def _failed(what: str, e: ApiError, retry: int) -> Exception:
+    if 400 <= e.status < 500 and e.status not in RETRYABLE:
+        return ChildRefused(f"the API server refused {what}: {e.message}")
+    return kopf.TemporaryError(f"{what}: {e}", delay=_retry_delay(retry))
+
+
+def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str,
+                    retry: int = 0) -> tuple[dict[str, Any] | None, list[str]]:  # fmt: skip
+    """Apply every wanted child, delete unwanted optional ones; (the Deployment as applied, warnings).
+    A refusal for good raises ChildRefused; anything worth retrying, kopf.TemporaryError with backoff."""
     wanted, unwanted = render_children(spec, namespace)
     deployment = None
     warnings: list[str] = []
@@ -49,14 +72,14 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
             if e.status == 404 and obj["apiVersion"] in OPTIONAL_APIS:
                 warnings.append(f"{obj['kind']} skipped: the {obj['apiVersion']} API is not installed")
                 continue
-            raise kopf.TemporaryError(f"applying {obj['kind']} {obj['metadata']['name']}: {e}", delay=5) from e
+            raise _failed(f"the {obj['kind']} {obj['metadata']['name']}", e, retry) from e
         if obj["kind"] == "Deployment":
             deployment = applied
     for api_version, kind in unwanted:
         try:
             kube.delete(api_version, kind, namespace, spec.name)
         except ApiError as e:
-            raise kopf.TemporaryError(f"deleting {kind} {spec.name}: {e}", delay=5) from e
+            raise _failed(f"deleting the {kind} {spec.name}", e, retry) from e
     return deployment, warnings
 
 
@@ -64,13 +87,13 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
-              status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+              status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
     """Make the children match the spec. Idempotent: every child is server-side applied by name."""
-    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch)
+    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch, retry)
 
 
 def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
-               generation: int | None, status: dict[str, Any], patch: kopf.Patch) -> None:
+               generation: int | None, status: dict[str, Any], patch: kopf.Patch, retry: int = 0) -> None:
     old_conditions = list(status.get("conditions", []) or [])
     try:
         spec = parse_spec(name, raw_spec, default_image())
@@ -85,7 +108,18 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         ])
         return
 
-    deployment, warnings = _apply_children(kube, body, spec, namespace)
+    try:
+        deployment, warnings = _apply_children(kube, body, spec, namespace, retry)
+    except ChildRefused as e:
+        # Permanent until the spec changes: said once in status and an Event, not retried every 5 s.
+        kopf.warn(body, reason="ChildRefused", message=str(e))
+        patch.status["phase"] = "Failed"
+        patch.status["observedGeneration"] = generation
+        patch.status["conditions"] = merge_conditions(old_conditions, [
+            condition("ConfigValid", False, "ChildRefused", str(e), generation),
+            condition("Ready", False, "ChildRefused", "the API server refused a child; see ConfigValid", generation),
+        ])
+        return
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
     phase, counts, rollout = rollout_status(deployment, spec.replicas, generation)
@@ -172,7 +206,11 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
         return deployment
     what = "deleted" if deployment is None else "changed outside its CBDeployment"
     logger.info(f"the Deployment of {namespace}/{owner} was {what}; restoring it")
-    restored, _ = _apply_children(kube, cr, spec, namespace)
+    try:
+        restored, _ = _apply_children(kube, cr, spec, namespace)
+    except ChildRefused as e:  # the reconcile of this spec met the same refusal and says so in status
+        logger.warning(str(e))
+        return deployment
     reason = "DeploymentRecreated" if deployment is None else "DeploymentRestored"
     kopf.warn(cr, reason=reason, message=f"the Deployment was {what}; the operator restored it")
     return restored

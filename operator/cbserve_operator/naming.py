@@ -18,6 +18,7 @@ PORT = 8000
 CONFIG_DIR = "/etc/cbserve"
 CONFIG_FILE = "engine.yaml"
 CACHE_DIR = "/cache"
+PRE_STOP_SLEEP_SECONDS = 5  # the pod keeps serving this long after leaving endpoints, before SIGTERM
 
 
 def selector_labels(name: str) -> dict[str, str]:

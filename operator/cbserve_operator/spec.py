@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import naming
+
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -371,6 +373,7 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
                         ("podTemplate.volumeMounts", tpl.volume_mounts)):
         r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),
                 f"every item of {path} needs a name")
-    r.check(tpl.termination_grace_period_seconds >= 1,
-            f"podTemplate.terminationGracePeriodSeconds must be >= 1, got {tpl.termination_grace_period_seconds}")
+    r.check(tpl.termination_grace_period_seconds > naming.PRE_STOP_SLEEP_SECONDS,
+            f"podTemplate.terminationGracePeriodSeconds must be above the {naming.PRE_STOP_SLEEP_SECONDS} s preStop "
+            f"sleep (the kubelet would kill the pod before it drains), got {tpl.termination_grace_period_seconds}")
     return tpl

@@ -17,7 +17,16 @@ DEFAULT_PROBES: dict[str, dict[str, int]] = {
 PROBE_PATHS = {"startup": "/ready", "readiness": "/ready", "liveness": "/health"}
 RUN_AS_USER = 1000
 # Seconds the pod keeps serving after being removed from endpoints, before SIGTERM starts the drain.
-PRE_STOP_SLEEP_SECONDS = 5
+PRE_STOP_SLEEP_SECONDS = naming.PRE_STOP_SLEEP_SECONDS
+# Seconds of the grace period kept back after the drain: uvicorn's 5 s to cut what is left, the
+# engine stopping, the process exiting, before the kubelet's SIGKILL.
+DRAIN_MARGIN_SECONDS = 10
+
+
+def drain_timeout(spec: CBDeploymentSpec) -> int:
+    """The server's drain budget: the pod's grace period, less the preStop sleep and the margin."""
+    grace = spec.pod_template.termination_grace_period_seconds
+    return max(1, grace - PRE_STOP_SLEEP_SECONDS - DRAIN_MARGIN_SECONDS)
 
 
 def server_command(spec: CBDeploymentSpec) -> list[str]:
@@ -27,7 +36,8 @@ def server_command(spec: CBDeploymentSpec) -> list[str]:
         "--served-model-name", spec.served_name,
         "--port", str(naming.PORT),
         "--config", f"{naming.CONFIG_DIR}/{naming.CONFIG_FILE}",
-        *spec.engine.extra_args,
+        "--drain-timeout", str(drain_timeout(spec)),
+        *spec.engine.extra_args,  # last: a flag given here wins
     ]
 
 

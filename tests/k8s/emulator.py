@@ -57,6 +57,35 @@ def _error(status: int, reason: str, message: str) -> KubernetesError:
     return KubernetesError(status=status, reason=reason, message=message, details={})
 
 
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
+_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+# kinds whose names must be DNS-1035 labels (a Service's name is a DNS label of its own)
+_DNS1035_KINDS = {"Service"}
+
+
+def _admit_metadata(kind: str, meta: Obj) -> None:
+    """The API server's own checks of a new object's name and label values, in its words (422)."""
+    name = meta["name"]
+    if kind in _DNS1035_KINDS:
+        if len(name) > 63 or not _DNS1035_LABEL.fullmatch(name):
+            raise _error(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a '
+                         "DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
+                         "alphabetic character, and end with an alphanumeric character (e.g. 'my-name',  or "
+                         "'abc-123', regex used for validation is '[a-z]([-a-z0-9]*[a-z0-9])?')")
+    elif len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise _error(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a '
+                     "lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
+                     "and must start and end with an alphanumeric character")
+    for key, value in (meta.get("labels") or {}).items():
+        if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+            raise _error(422, "Invalid", f'{kind} "{name}" is invalid: metadata.labels: Invalid value: "{value}": '
+                         "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' "
+                         "or '.', and must start and end with an alphanumeric character, and be at most 63 "
+                         "characters")
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -211,6 +240,21 @@ class Emulator(KubernetesEmulator):
         except KubernetesError as e:
             return await self._render_error(e)
 
+    def _check_owner_permission(self, meta: Obj, namespace: str | None, agent: str) -> None:
+        """The OwnerReferencesPermissionEnforcement admission plugin (OpenShift enables it): setting
+        blockOwnerDeletion needs `update` on the owner's finalizers. The emulator has no RBAC, so it
+        records the check in the journal, where the chart's ClusterRole test finds it."""
+        for ref in meta.get("ownerReferences") or []:
+            if not ref.get("blockOwnerDeletion"):
+                continue
+            group, _, version = ref["apiVersion"].rpartition("/")
+            res = next((r for r, info in self.resources.items() if info.kind == ref["kind"] and r.group == group
+                        and r.version == version), None)  # fmt: skip
+            if res is not None and namespace is not None:
+                prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+                path = f"{prefix}/namespaces/{namespace}/{res.plural}/{ref['name']}/finalizers"
+                self.journal.append(("PUT", path, agent))
+
     def _next_rv(self) -> str:
         self._rv += 1
         return str(self._rv)
@@ -276,7 +320,7 @@ class Emulator(KubernetesEmulator):
                 return self._respond(raw, target, self._list(target, params))
             if method == "POST":
                 data = self._decode(raw, body)
-                obj = await self._create(target, data, info)
+                obj = await self._create(target, data, info, raw.headers.get("User-Agent", ""))
                 return json_(obj, status=201)
             raise _error(405, "MethodNotAllowed", f"{method} on a collection")
 
@@ -291,7 +335,7 @@ class Emulator(KubernetesEmulator):
         if method in ("PATCH", "PUT"):
             data = self._decode(raw, body)
             content_type = raw.headers.get("Content-Type", "application/json").split(";")[0]
-            obj = await self._write(target, info, method, content_type, data)
+            obj = await self._write(target, info, method, content_type, data, raw.headers.get("User-Agent", ""))
             return json_(obj)
         raise _error(405, "MethodNotAllowed", f"{method} on an object")
 
@@ -523,7 +567,7 @@ class Emulator(KubernetesEmulator):
         self.objects[res, namespace, meta["name"]] = obj
         return obj
 
-    async def _create(self, target: Target, data: Any, info: ResourceInfo) -> Obj:
+    async def _create(self, target: Target, data: Any, info: ResourceInfo, agent: str = "") -> Obj:
         if not isinstance(data, dict):
             raise _error(400, "BadRequest", "the body must be an object")
         meta = data.setdefault("metadata", {})
@@ -531,6 +575,8 @@ class Emulator(KubernetesEmulator):
             if not meta.get("generateName"):
                 raise _error(422, "Invalid", "metadata.name or metadata.generateName is required")
             meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+        _admit_metadata(info.kind, meta)
+        self._check_owner_permission(meta, target.namespace or meta.get("namespace"), agent)
         if info.namespaced and target.namespace is None and not meta.get("namespace"):
             raise _error(400, "BadRequest", "a namespaced object needs a namespace")
         namespace = (target.namespace or meta.get("namespace")) if info.namespaced else None
@@ -550,13 +596,14 @@ class Emulator(KubernetesEmulator):
         await self._emit(target.res, "ADDED", obj)
         return obj
 
-    async def _write(self, target: Target, info: ResourceInfo, method: str, content_type: str, data: Any) -> Obj:
+    async def _write(self, target: Target, info: ResourceInfo, method: str, content_type: str, data: Any,
+                     agent: str = "") -> Obj:
         assert target.name is not None
         old = self._live(target.res, target.namespace, target.name)
         if old is None:
             if content_type == "application/apply-patch+yaml" and target.subresource is None:
                 data.setdefault("metadata", {})["name"] = target.name
-                return await self._create(target, data, info)
+                return await self._create(target, data, info, agent)
             raise _error(404, "NotFound", f'{target.res.plural} "{target.name}" not found')
 
         if target.subresource == "scale":

@@ -79,7 +79,8 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     container = pod["spec"]["containers"][0]
     assert container["command"] == [
         "cbserve", "serve", "--model", "/models/models/SmolLM2-135M-Instruct",
-        "--served-model-name", "smollm2", "--port", "8000", "--config", "/etc/cbserve/engine.yaml"]
+        "--served-model-name", "smollm2", "--port", "8000", "--config", "/etc/cbserve/engine.yaml",
+        "--drain-timeout", "105"]  # the 120 s grace less the 5 s preStop sleep and a 10 s margin
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -213,6 +214,30 @@ def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunn
     fixed = reconciled(c, ns)
     assert conditions(fixed)["ConfigValid"]["status"] == "True"
     assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
+
+
+def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator: KopfRunner,
+                                                                        crd_cluster: Cluster) -> None:
+    """`llama-3.1-8b` is a valid CBDeployment and Deployment name but not a Service name (DNS-1035):
+    the API server's 422 is permanent, so it lands in status and an Event, with no retries."""
+    c, ns = crd_cluster, "refused"
+    manifest = example()
+    manifest["metadata"]["name"] = "llama-3.1-8b"
+    mark = c.server.mark()
+    apply(c, ns, manifest)
+    failed = reconciled(c, ns, "llama-3.1-8b")
+    assert failed["status"]["phase"] == "Failed"
+    valid = conditions(failed)["ConfigValid"]
+    assert valid["status"] == "False" and valid["reason"] == "ChildRefused"
+    assert "the API server refused the Service llama-3.1-8b" in valid["message"] and "DNS-1035 label" in valid["message"]
+    assert conditions(failed)["Ready"]["status"] == "False"
+    assert valid["observedGeneration"] == failed["metadata"]["generation"]
+    events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "ChildRefused"],
+                      what="a ChildRefused Event")
+    assert events[0]["type"] == "Warning"
+    progress = {k: v for k, v in failed["metadata"].get("annotations", {}).items() if k.startswith("kopf.zalando.org")}
+    assert not any("delayed" in str(v) for v in progress.values()), progress  # the handler finished: no retry
+    assert len(c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/llama-3\.1-8b")) == 1
 
 
 def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:

@@ -159,3 +159,22 @@ def test_an_api_key_secret_reaches_the_server_as_cbserve_api_key() -> None:
     with pytest.raises(SpecError) as err:
         parse_spec("m", spec(apiKeySecret={"name": "Bad_Name", "key": "a key"}))
     assert "apiKeySecret.name" in str(err.value) and "apiKeySecret.key" in str(err.value)
+
+
+def test_the_drain_budget_follows_the_grace_period() -> None:
+    """The server drains for the grace period less the 5 s preStop sleep and a 10 s margin; a flag in
+    extraArgs wins; a grace period the preStop sleep would use up is refused."""
+    def command(**tpl: Any) -> list[str]:
+        parsed = parse_spec("m", spec(podTemplate=tpl, **({"engine": {"extraArgs": ["--drain-timeout", "7"]}}
+                                                          if tpl.pop("override", False) else {})))  # fmt: skip
+        return render_children(parsed, "ns")[0][1]["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    def drain(cmd: list[str]) -> str:
+        return cmd[len(cmd) - 1 - cmd[::-1].index("--drain-timeout") + 1]  # the last one: argparse's pick
+
+    assert drain(command(terminationGracePeriodSeconds=600)) == "585"
+    assert drain(command()) == "105"
+    assert drain(command(terminationGracePeriodSeconds=12)) == "1"
+    assert drain(command(terminationGracePeriodSeconds=600, override=True)) == "7"
+    with pytest.raises(SpecError, match="must be above the 5 s preStop sleep"):
+        parse_spec("m", spec(podTemplate={"terminationGracePeriodSeconds": 5}))

@@ -95,31 +95,26 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta:
 def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
                generation: int | None, status: dict[str, Any], patch: kopf.Patch, retry: int = 0) -> None:
     old_conditions = list(status.get("conditions", []) or [])
+
+    def failed(reason: str, message: str, ready_message: str) -> None:
+        """Not a crash or retry loop: the old children keep serving until the spec changes; the
+        user sees why, once, in status and an Event."""
+        kopf.warn(body, reason=reason, message=message)
+        patch.status["phase"] = "Failed"
+        patch.status["observedGeneration"] = generation
+        patch.status["conditions"] = merge_conditions(old_conditions, [
+            condition("ConfigValid", False, reason, message, generation),
+            condition("Ready", False, reason, ready_message, generation),
+        ])
+
     try:
         spec = parse_spec(name, raw_spec, default_image())
     except SpecError as e:
-        # Not a crash loop: the old children keep serving; the user sees why in status and Events.
-        kopf.warn(body, reason="InvalidSpec", message=str(e))
-        patch.status["phase"] = "Failed"
-        patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = merge_conditions(old_conditions, [
-            condition("ConfigValid", False, "InvalidSpec", str(e), generation),
-            condition("Ready", False, "InvalidSpec", "the spec is invalid; see ConfigValid", generation),
-        ])
-        return
-
+        return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     try:
         deployment, warnings = _apply_children(kube, body, spec, namespace, retry)
     except ChildRefused as e:
-        # Permanent until the spec changes: said once in status and an Event, not retried every 5 s.
-        kopf.warn(body, reason="ChildRefused", message=str(e))
-        patch.status["phase"] = "Failed"
-        patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = merge_conditions(old_conditions, [
-            condition("ConfigValid", False, "ChildRefused", str(e), generation),
-            condition("Ready", False, "ChildRefused", "the API server refused a child; see ConfigValid", generation),
-        ])
-        return
+        return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
     phase, counts, rollout = rollout_status(deployment, spec.replicas, generation)

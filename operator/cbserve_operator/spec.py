@@ -342,12 +342,12 @@ def _parse_autoscaling(r: _Reader, a: dict[str, Any]) -> Autoscaling:
         scale_down_delay_seconds=r.get(a, "autoscaling.scaleDownDelaySeconds", (int,), 300),
         prometheus_address=r.get(a, "autoscaling.prometheusAddress", (str,), Autoscaling.prometheus_address),
     )
-    r.check(auto.min_replicas >= 0, f"autoscaling.minReplicas must be >= 0, got {auto.min_replicas}")
+    r.check(auto.min_replicas >= 1, f"autoscaling.minReplicas must be >= 1, got {auto.min_replicas}: scale to zero "
+            "is not offered (the metrics that would wake a pod come from the pods, so at zero pods nothing would "
+            "ever start one again)")
     r.check(auto.max_replicas >= 1, f"autoscaling.maxReplicas must be >= 1, got {auto.max_replicas}")
     r.check(auto.min_replicas <= auto.max_replicas,
             f"autoscaling.minReplicas ({auto.min_replicas}) must not exceed autoscaling.maxReplicas ({auto.max_replicas})")
-    r.check(not auto.enabled or auto.keda or auto.min_replicas >= 1,
-            "autoscaling.minReplicas 0 (scale to zero) needs keda true")
     r.check(auto.target > 0, f"autoscaling.target must be > 0, got {auto.target}")
     r.check(0 <= auto.scale_down_delay_seconds <= 3600,
             f"autoscaling.scaleDownDelaySeconds must be in [0, 3600], got {auto.scale_down_delay_seconds}")

@@ -304,12 +304,12 @@ def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cl
         c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=yaml.safe_dump(
             _minimal_crd(group, "v1alpha1" if group == "keda.sh" else "v1", kind, plural)))
     keda = copy.deepcopy(full)
-    keda["spec"]["autoscaling"].update(keda=True, minReplicas=0)
+    keda["spec"]["autoscaling"].update(keda=True, minReplicas=1)
     apply(c, ns, keda)
     obj = reconciled(c, ns, "llama-8b")
     assert conditions(obj)["ConfigValid"]["message"] == "the spec is valid"
     scaled = c.get("keda.sh/v1alpha1", "scaledobjects", ns, "llama-8b")
-    assert scaled is not None and scaled["spec"]["minReplicaCount"] == 0
+    assert scaled is not None and scaled["spec"]["minReplicaCount"] == 1
     assert scaled["spec"]["scaleTargetRef"]["kind"] == "CBDeployment"
     assert scaled["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
     monitor = c.get("monitoring.coreos.com/v1", "servicemonitors", ns, "llama-8b")

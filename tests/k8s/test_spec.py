@@ -54,10 +54,10 @@ def test_not_an_object() -> None:
         parse_spec("m", spec(engine=5))
 
 
-def test_scale_to_zero_needs_keda() -> None:
-    with pytest.raises(SpecError, match="needs keda true"):
-        parse_spec("m", spec(autoscaling={"enabled": True, "minReplicas": 0}))
-    assert parse_spec("m", spec(autoscaling={"enabled": True, "minReplicas": 0, "keda": True})).autoscaling.min_replicas == 0
+def test_scale_to_zero_is_refused_with_the_reason() -> None:
+    for keda in (False, True):
+        with pytest.raises(SpecError, match="minReplicas must be >= 1, got 0: scale to zero is not offered"):
+            parse_spec("m", spec(autoscaling={"enabled": True, "minReplicas": 0, "keda": keda}))
 
 
 def test_engine_yaml_uses_the_python_knob_names() -> None:
@@ -82,8 +82,7 @@ def test_extra_args_go_on_the_command_line_and_hf_models_may_download() -> None:
 
 def test_keda_scaled_object_queries_the_served_model() -> None:
     parsed = parse_spec("m", spec(model={"uri": "/m", "servedName": "chat"},
-                                  autoscaling={"enabled": True, "keda": True, "minReplicas": 0,
-                                               "metric": "kv-cache-usage"}))
+                                  autoscaling={"enabled": True, "keda": True, "metric": "kv-cache-usage"}))
     objs, removed = render_children(parsed, "prod")
     assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "ScaledObject"]
     assert ("autoscaling/v2", "HorizontalPodAutoscaler") in removed

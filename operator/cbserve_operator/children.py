@@ -13,11 +13,13 @@ METRIC_NAMES = {"queue-depth": "cbserve:num_requests_waiting", "kv-cache-usage":
 
 
 def render_config_map(spec: CBDeploymentSpec) -> dict[str, Any]:
+    text = render_engine_yaml(spec.engine)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": naming.config_map_name(spec.name), "labels": naming.common_labels(spec.name)},
-        "data": {naming.CONFIG_FILE: render_engine_yaml(spec.engine)},
+        "metadata": {"name": naming.config_map_name(spec.name, config_hash(text)), "labels": naming.config_labels(spec.name)},
+        "immutable": True,
+        "data": {naming.CONFIG_FILE: text},
     }
 
 

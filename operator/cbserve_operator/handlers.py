@@ -66,6 +66,9 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     warnings: list[str] = []
     for obj in wanted:
         kopf.adopt(obj, owner=body)
+        if obj["kind"] == "ConfigMap":  # which spec used it last: old configs are collected by this
+            obj["metadata"].setdefault("annotations", {})[naming.ANNOTATION_USED_AT] = str(
+                body.get("metadata", {}).get("generation", 0))
         try:
             applied = kube.apply(obj)
         except ApiError as e:
@@ -80,7 +83,27 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
             kube.delete(api_version, kind, namespace, spec.name)
         except ApiError as e:
             raise _failed(f"deleting the {kind} {spec.name}", e, retry) from e
+    current = next(o["metadata"]["name"] for o in wanted if o["kind"] == "ConfigMap")
+    try:
+        _collect_old_configs(kube, namespace, spec.name, current)
+    except ApiError as e:
+        raise _failed(f"cleaning up old ConfigMaps of {spec.name}", e, retry) from e
     return deployment, warnings
+
+
+def _collect_old_configs(kube: Kube, namespace: str, name: str, current: str) -> None:
+    """Delete the engine ConfigMaps beyond the REVISION_HISTORY most recently used old ones: those are
+    what the Deployment's old ReplicaSets (it keeps as many revisions) may still mount."""
+    selector = ",".join(f"{k}={v}" for k, v in naming.config_labels(name).items())
+    old = [cm for cm in kube.list("v1", "ConfigMap", namespace, selector) if cm["metadata"]["name"] != current]
+
+    def last_used(cm: dict[str, Any]) -> tuple[int, str]:
+        used = (cm["metadata"].get("annotations") or {}).get(naming.ANNOTATION_USED_AT, "0")
+        return int(used) if used.isdigit() else 0, cm["metadata"].get("creationTimestamp", "")
+
+    old.sort(key=last_used, reverse=True)
+    for cm in old[naming.REVISION_HISTORY :]:
+        kube.delete("v1", "ConfigMap", namespace, cm["metadata"]["name"])
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

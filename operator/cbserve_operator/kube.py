@@ -109,6 +109,10 @@ class Kube:
                 return None
             raise
 
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        path = object_path(api_version, kind, namespace)
+        return list(self.request("GET", path, query={"labelSelector": label_selector}).get("items") or [])
+
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply: creates or updates the object; the same call twice changes nothing."""
         meta = obj["metadata"]

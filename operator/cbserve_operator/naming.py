@@ -12,6 +12,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_OWNER = "cbserve.io/cbdeployment"  # the owning CBDeployment's name, for status mirroring
 
 ANNOTATION_CONFIG_HASH = "cbserve.io/config-hash"
+ANNOTATION_USED_AT = "cbserve.io/used-at-generation"  # on engine ConfigMaps: the owner's generation that last applied it
 
 CONTAINER_NAME = "server"
 PORT = 8000
@@ -19,6 +20,7 @@ CONFIG_DIR = "/etc/cbserve"
 CONFIG_FILE = "engine.yaml"
 CACHE_DIR = "/cache"
 PRE_STOP_SLEEP_SECONDS = 5  # the pod keeps serving this long after leaving endpoints, before SIGTERM
+REVISION_HISTORY = 5  # old ReplicaSets a Deployment keeps; as many old engine ConfigMaps are kept
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -39,8 +41,15 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
 
 
-def config_map_name(name: str) -> str:
-    return f"{name}-engine"
+def config_map_name(name: str, config_hash: str) -> str:
+    """Engine ConfigMaps are immutable and named by their content: a pod keeps the knobs it started
+    with, and a rollback finds the old ones in place."""
+    return f"{name}-engine-{config_hash[:10]}"
+
+
+def config_labels(name: str) -> dict[str, str]:
+    """An engine ConfigMap's labels: the owner's, with its own component (for garbage collection)."""
+    return {**common_labels(name), LABEL_COMPONENT: "engine-config"}
 
 
 def service_url(name: str, namespace: str, port: int) -> str:

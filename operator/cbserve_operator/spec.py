@@ -114,6 +114,15 @@ class PodTemplate:
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """How pods are replaced when the spec changes."""
+
+    strategy: str = "RollingUpdate"  # or "Recreate"
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+
+
+@dataclass(frozen=True)
 class Pdb:
     enabled: bool = False
     min_available: int | str | None = None
@@ -142,6 +151,7 @@ class CBDeploymentSpec:
     probes: dict[str, dict[str, int]] = field(default_factory=dict)
     pod_template: PodTemplate = field(default_factory=PodTemplate)
     pdb: Pdb = field(default_factory=Pdb)
+    rollout: Rollout = field(default_factory=Rollout)
     service_monitor: ServiceMonitor = field(default_factory=ServiceMonitor)
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key): the servers' CBSERVE_API_KEY
 
@@ -257,6 +267,8 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     r.check(pdb.min_available is None or pdb.max_unavailable is None,
             "set pdb.minAvailable or pdb.maxUnavailable, not both")
 
+    rollout = _parse_rollout(r, r.section(spec, "rollout"), gpu=resources.gpu > 0)
+
     sm = r.section(spec, "serviceMonitor")
     service_monitor = ServiceMonitor(
         enabled=r.get(sm, "serviceMonitor.enabled", (bool,), False),
@@ -283,7 +295,7 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     return CBDeploymentSpec(
         name=name, model=model, served_name=served_name, image=image, image_pull_policy=pull,
         replicas=replicas, resources=resources, engine=engine, autoscaling=autoscaling,
-        service=service, probes=probes, pod_template=pod_template, pdb=pdb,
+        service=service, probes=probes, pod_template=pod_template, pdb=pdb, rollout=rollout,
         service_monitor=service_monitor, api_key_secret=api_key_secret,
     )
 
@@ -352,6 +364,30 @@ def _parse_autoscaling(r: _Reader, a: dict[str, Any]) -> Autoscaling:
     r.check(0 <= auto.scale_down_delay_seconds <= 3600,
             f"autoscaling.scaleDownDelaySeconds must be in [0, 3600], got {auto.scale_down_delay_seconds}")
     return auto
+
+
+_PERCENT = re.compile(r"^(100|[1-9]?\d)%$")
+ROLLOUT_STRATEGIES = ("RollingUpdate", "Recreate")
+
+
+def _parse_rollout(r: _Reader, data: dict[str, Any], gpu: bool) -> Rollout:
+    """RollingUpdate by default: on GPUs one pod down at a time and none extra (a full GPU cluster has
+    no GPU for a surge pod, which would sit Pending until the progress deadline), elsewhere one extra
+    pod and none down (a new pod loads its model before an old one leaves)."""
+    strategy = r.get(data, "rollout.strategy", (str,), "RollingUpdate")
+    r.check(strategy in ROLLOUT_STRATEGIES, f"rollout.strategy must be one of {ROLLOUT_STRATEGIES}, got {strategy!r}")
+    surge = r.get(data, "rollout.maxSurge", (int, str), 0 if gpu else 1)
+    unavailable = r.get(data, "rollout.maxUnavailable", (int, str), 1 if gpu else 0)
+    for key, value in (("maxSurge", surge), ("maxUnavailable", unavailable)):
+        r.check((isinstance(value, int) and value >= 0) or (isinstance(value, str) and bool(_PERCENT.match(value))),
+                f"rollout.{key} must be an integer >= 0 or a percentage like 25%, got {value!r}")
+    if strategy == "Recreate":
+        r.check("maxSurge" not in data and "maxUnavailable" not in data,
+                "rollout.maxSurge and rollout.maxUnavailable apply to RollingUpdate only, not Recreate")
+    else:
+        r.check(surge not in (0, "0%") or unavailable not in (0, "0%"),
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: no pod could ever be replaced")
+    return Rollout(strategy, surge, unavailable)
 
 
 def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:

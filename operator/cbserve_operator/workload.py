@@ -69,9 +69,17 @@ def _resources(spec: CBDeploymentSpec) -> dict[str, Any]:
     return out
 
 
-def _volumes(spec: CBDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _strategy(spec: CBDeploymentSpec) -> dict[str, Any]:
+    rollout = spec.rollout
+    if rollout.strategy == "Recreate":
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}}
+
+
+def _volumes(spec: CBDeploymentSpec, config_hash: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": naming.config_map_name(spec.name)}},
+        {"name": "config", "configMap": {"name": naming.config_map_name(spec.name, config_hash)}},
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
     ]
@@ -113,7 +121,7 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str) -> dict[str, Any
     """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template."""
     tpl = spec.pod_template
     labels = naming.common_labels(spec.name)
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(spec, config_hash)
     container: dict[str, Any] = {
         "name": naming.CONTAINER_NAME,
         "image": spec.image,
@@ -162,10 +170,9 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str) -> dict[str, Any
         "metadata": {"name": spec.name, "labels": labels},
         "spec": {
             "replicas": spec.replicas,
-            "revisionHistoryLimit": 5,
+            "revisionHistoryLimit": naming.REVISION_HISTORY,
             "selector": {"matchLabels": naming.selector_labels(spec.name)},
-            # Never drop below the desired count while a new pod loads its model.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": _strategy(spec),
             "progressDeadlineSeconds": _progress_deadline(spec),
             "template": {
                 "metadata": {

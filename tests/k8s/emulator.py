@@ -646,6 +646,10 @@ class Emulator(KubernetesEmulator):
         new["metadata"] = {**new.get("metadata", {}), "resourceVersion": old["metadata"]["resourceVersion"],
                            "uid": old["metadata"]["uid"], "generation": old["metadata"]["generation"]}
         new["metadata"].pop("managedFields", None)
+        if old.get("immutable") and info.kind in ("ConfigMap", "Secret") and any(
+                new.get(k) != old.get(k) for k in ("data", "binaryData", "immutable")):  # fmt: skip
+            raise _error(422, "Invalid", f'{info.kind} "{target.name}" is invalid: data: Forbidden: field is '
+                         "immutable when `immutable` is set")
         if target.subresource is None:
             self._apply_defaults(target.res, new)
         if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):

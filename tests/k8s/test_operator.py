@@ -66,7 +66,8 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     apply(c, ns, EXAMPLE)
     owner = reconciled(c, ns)
 
-    cm = wait_for(lambda: c.get("v1", "configmaps", ns, "smollm2-engine"), what="the ConfigMap")
+    (cm,) = wait_for(lambda: c.items("v1", "configmaps", ns), what="the ConfigMap")
+    assert cm["immutable"] is True and cm["metadata"]["name"].startswith("smollm2-engine-")
     engine = yaml.safe_load(cm["data"]["engine.yaml"])
     assert engine["block_size"] == 256 and engine["max_memory_percent"] == 0.9
     assert engine["scheduler_type"] == "fifo" and engine["allow_block_sharing"] is True
@@ -93,8 +94,8 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
-    assert "emptyDir" in volumes["cache"] and volumes["config"]["configMap"]["name"] == "smollm2-engine"
     digest = hashlib.sha256(cm["data"]["engine.yaml"].encode()).hexdigest()[:16]
+    assert "emptyDir" in volumes["cache"] and volumes["config"]["configMap"]["name"] == f"smollm2-engine-{digest[:10]}"
     assert pod["metadata"]["annotations"]["cbserve.io/config-hash"] == digest
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["ports"][0]["port"] == 8000
@@ -126,11 +127,17 @@ def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_c
     apply(c, ns, example(engine__blockSize=128))  # an edit of the manifest, re-applied
     second = reconciled(c, ns)
     assert second["metadata"]["generation"] == first["metadata"]["generation"] + 1
-    cm = c.get("v1", "configmaps", ns, "smollm2-engine")
-    assert yaml.safe_load(cm["data"]["engine.yaml"])["block_size"] == 128  # type: ignore[index]
     dep = c.get("apps/v1", "deployments", ns, "smollm2")
     new_hash = dep["spec"]["template"]["metadata"]["annotations"]["cbserve.io/config-hash"]  # type: ignore[index]
     assert new_hash != old_hash and second["status"]["configHash"] == new_hash
+    # A new immutable ConfigMap; the old one stays for the old pods (a restart keeps its knobs)
+    new_cm = c.get("v1", "configmaps", ns, f"smollm2-engine-{new_hash[:10]}")
+    assert yaml.safe_load(new_cm["data"]["engine.yaml"])["block_size"] == 128  # type: ignore[index]
+    old_cm = c.get("v1", "configmaps", ns, f"smollm2-engine-{old_hash[:10]}")
+    assert yaml.safe_load(old_cm["data"]["engine.yaml"])["block_size"] == 256  # type: ignore[index]
+    edit = c.kubectl("patch", "configmap", f"smollm2-engine-{old_hash[:10]}", "-n", ns, "--type", "merge",
+                     "-p", '{"data": {"engine.yaml": "block_size: 64"}}', check=False)
+    assert edit.returncode != 0 and "field is immutable when `immutable` is set" in edit.stderr
 
     c.kubectl("patch", "cbd", "smollm2", "-n", ns, "--type", "merge", "-p", '{"spec": {"replicas": 3}}')
     third = reconciled(c, ns)
@@ -144,7 +151,37 @@ def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_c
     assert reconciled(c, ns)["status"]["observedGeneration"] == third["metadata"]["generation"] + 1
 
     found = children(c, ns)
-    assert [len(found[k]) for k in ("configmaps", "services", "deployments")] == [1, 1, 1]
+    assert [len(found[k]) for k in ("configmaps", "services", "deployments")] == [2, 1, 1]
+
+
+def test_a_rollback_finds_the_old_knobs_and_old_configs_are_collected(operator: KopfRunner,
+                                                                      crd_cluster: Cluster) -> None:
+    """Re-applying an earlier spec points the Deployment at its ConfigMap again, the same bytes; of
+    the configs the spec no longer uses, the 5 used most recently stay (as many revisions as the
+    Deployment keeps old ReplicaSets of) and the others are deleted."""
+    c, ns = crd_cluster, "rollback"
+
+    def mounted() -> str:
+        dep = c.get("apps/v1", "deployments", ns, "smollm2")
+        volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}  # type: ignore[index]
+        return volumes["config"]["configMap"]["name"]
+
+    apply(c, ns, EXAMPLE)
+    reconciled(c, ns)
+    first = mounted()
+    apply(c, ns, example(engine__blockSize=128))
+    reconciled(c, ns)
+    assert mounted() != first
+    apply(c, ns, EXAMPLE)  # roll back
+    reconciled(c, ns)
+    assert mounted() == first and len(c.items("v1", "configmaps", ns)) == 2
+    for size in (16, 32, 64, 512, 1024):
+        apply(c, ns, example(engine__blockSize=size))
+        reconciled(c, ns)
+    names = {cm["metadata"]["name"] for cm in c.items("v1", "configmaps", ns)}
+    assert len(names) == 6 and mounted() in names  # the current one and the newest 5 others
+    assert first in names  # used again by the rollback, after the 128 one, which went
+    assert all(cm["metadata"]["ownerReferences"][0]["name"] == "smollm2" for cm in c.items("v1", "configmaps", ns))
 
 
 def _patch_deployment_status(c: Cluster, ns: str, status: dict[str, Any]) -> None:
@@ -235,8 +272,9 @@ def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator
     events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "ChildRefused"],
                       what="a ChildRefused Event")
     assert events[0]["type"] == "Warning"
-    progress = {k: v for k, v in failed["metadata"].get("annotations", {}).items() if k.startswith("kopf.zalando.org")}
-    assert not any("delayed" in str(v) for v in progress.values()), progress  # the handler finished: no retry
+    # Kopf keeps a retried handler's progress ("delayed", "retries") in annotations under cbserve.io/
+    annotations = failed["metadata"].get("annotations", {})
+    assert not any('"delayed"' in v or '"retries"' in v for v in annotations.values()), annotations
     assert len(c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/llama-3\.1-8b")) == 1
 
 

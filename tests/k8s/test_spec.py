@@ -177,3 +177,20 @@ def test_the_drain_budget_follows_the_grace_period() -> None:
     assert drain(command(terminationGracePeriodSeconds=600, override=True)) == "7"
     with pytest.raises(SpecError, match="must be above the 5 s preStop sleep"):
         parse_spec("m", spec(podTemplate={"terminationGracePeriodSeconds": 5}))
+
+
+def test_rollout_strategy_defaults_to_no_spare_gpu_on_gpu_pods() -> None:
+    def strategy(**overrides: Any) -> dict[str, Any]:
+        return render_children(parse_spec("m", spec(**overrides)), "ns")[0][1]["spec"]["strategy"]
+
+    assert strategy() == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert strategy(resources={"gpu": 1}) == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert strategy(resources={"gpu": 1}, rollout={"strategy": "Recreate"}) == {"type": "Recreate"}
+    assert strategy(rollout={"maxSurge": "25%", "maxUnavailable": "25%"})["rollingUpdate"] == {
+        "maxSurge": "25%", "maxUnavailable": "25%"}
+    for bad, words in [({"strategy": "BlueGreen"}, "rollout.strategy must be one of"),
+                       ({"maxSurge": 0, "maxUnavailable": 0}, "cannot both be 0"),
+                       ({"maxSurge": "150%"}, "a percentage like 25%"),
+                       ({"strategy": "Recreate", "maxSurge": 1}, "RollingUpdate only")]:
+        with pytest.raises(SpecError, match=words):
+            parse_spec("m", spec(rollout=bad))

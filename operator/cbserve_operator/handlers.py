@@ -65,10 +65,7 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     deployment = None
     warnings: list[str] = []
     for obj in wanted:
-        kopf.adopt(obj, owner=body)
-        if obj["kind"] == "ConfigMap":  # which spec used it last: old configs are collected by this
-            obj["metadata"].setdefault("annotations", {})[naming.ANNOTATION_USED_AT] = str(
-                body.get("metadata", {}).get("generation", 0))
+        _stamp(obj, body)
         try:
             applied = kube.apply(obj)
         except ApiError as e:
@@ -89,6 +86,15 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     except ApiError as e:
         raise _failed(f"cleaning up old ConfigMaps of {spec.name}", e, retry) from e
     return deployment, warnings
+
+
+def _stamp(obj: dict[str, Any], owner: Mapping[str, Any]) -> None:
+    """What every child carries besides its rendering: the owner reference, and on engine
+    ConfigMaps the owner generation that last applied it (old configs are collected by it)."""
+    kopf.adopt(obj, owner=owner)
+    if obj["kind"] == "ConfigMap":
+        obj["metadata"].setdefault("annotations", {})[naming.ANNOTATION_USED_AT] = str(
+            owner.get("metadata", {}).get("generation", 0))
 
 
 def _collect_old_configs(kube: Kube, namespace: str, name: str, current: str) -> None:
@@ -201,6 +207,21 @@ def _mirror_status(kube: Kube, namespace: str, owner: str, deployment: dict[str,
     logger.warning(f"gave up mirroring {namespace}/{owner}: it kept changing")
 
 
+def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any], CBDeploymentSpec] | None:
+    """The owner and its parsed spec, when a repair makes sense: the owner exists and is not being
+    deleted, its current generation is reconciled (else that reconcile applies the spec anyway),
+    and its spec is valid (else there is nothing to put back; the status says why)."""
+    cr = kube.get(API_VERSION, KIND, namespace, owner)
+    if cr is None or cr["metadata"].get("deletionTimestamp"):
+        return None
+    if (cr.get("status", {}) or {}).get("observedGeneration") != cr["metadata"].get("generation"):
+        return None
+    try:
+        return cr, parse_spec(owner, cr.get("spec", {}), default_image())
+    except SpecError:
+        return None
+
+
 def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, Any] | None,
                   logger: kopf.Logger) -> dict[str, Any] | None:
     """Put back a deleted Deployment, or one whose replicas, image, command or config hash were edited.
@@ -209,15 +230,10 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
     Deployment's own events tell when it drifted from what the current spec renders.
     Returns the Deployment as it is afterwards.
     """
-    cr = kube.get(API_VERSION, KIND, namespace, owner)
-    if cr is None or cr["metadata"].get("deletionTimestamp"):
-        return deployment  # the owner is going away: garbage collection deletes its children
-    if (cr.get("status", {}) or {}).get("observedGeneration") != cr["metadata"].get("generation"):
-        return deployment  # a reconcile of the new spec is under way and will apply it anyway
-    try:
-        spec = parse_spec(owner, cr.get("spec", {}), default_image())
-    except SpecError:
-        return deployment  # nothing valid to put back; the status already says why
+    settled = _settled_spec(kube, namespace, owner)
+    if settled is None:
+        return deployment
+    cr, spec = settled
     wanted, _ = render_children(spec, namespace)
     desired = next(o for o in wanted if o["kind"] == "Deployment")
     if deployment is not None and _fingerprint(deployment) == _fingerprint(desired):
@@ -232,6 +248,41 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
     reason = "DeploymentRecreated" if deployment is None else "DeploymentRestored"
     kopf.warn(cr, reason=reason, message=f"the Deployment was {what}; the operator restored it")
     return restored
+
+
+MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
+
+
+@kopf.on.event("", "v1", "configmaps", labels=MANAGED)
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=MANAGED)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+def repair_child(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo,
+                 logger: kopf.Logger, **_: Any) -> None:
+    """A child deleted or edited by hand goes back to what the spec renders, on its own event.
+    Server-side apply of the rendered object: fields the operator owns are put back, a write that
+    changes nothing changes nothing (no new event, no loop), fields others set are left alone."""
+    owner = labels.get(naming.LABEL_OWNER)
+    if not owner or type not in ("MODIFIED", "DELETED"):
+        return
+    kube: Kube = memo.kube
+    settled = _settled_spec(kube, namespace, owner)
+    if settled is None:
+        return
+    cr, spec = settled
+    kind, name = body["kind"], body["metadata"]["name"]
+    wanted, _ = render_children(spec, namespace)
+    desired = next((o for o in wanted if o["kind"] == kind and o["metadata"]["name"] == name), None)
+    if desired is None:
+        return  # not wanted any more (an old ConfigMap, an autoscaler turned off): nothing to put back
+    _stamp(desired, cr)
+    try:
+        kube.apply(desired)
+    except ApiError as e:
+        logger.warning(f"restoring the {kind} {name}: {e}")
+        return
+    if type == "DELETED":
+        kopf.warn(cr, reason="ChildRecreated", message=f"the {kind} {name} was deleted; the operator recreated it")
 
 
 def _fingerprint(deployment: dict[str, Any]) -> tuple[Any, ...]:

@@ -300,6 +300,48 @@ def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Clus
              what="a DeploymentRestored Event")
 
 
+def test_every_other_child_deleted_or_edited_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """ConfigMap, Service, HPA and PDB: each deleted comes back (same spec, a ChildRecreated Event),
+    each edited in a field the operator sets goes back, on its own event, with no spec change."""
+    c, ns = crd_cluster, "drift-all"
+    apply(c, ns, example(autoscaling={"enabled": True, "maxReplicas": 3}, pdb={"enabled": True}))
+    reconciled(c, ns)
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    config = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")  # type: ignore[index]
+    cm_name = config["configMap"]["name"]
+    kinds = [("v1", "configmaps", "configmap", cm_name), ("v1", "services", "service", "smollm2"),
+             ("autoscaling/v2", "horizontalpodautoscalers", "hpa", "smollm2"),
+             ("policy/v1", "poddisruptionbudgets", "pdb", "smollm2")]
+    for api, plural, short, name in kinds:
+        old = c.get(api, plural, ns, name)
+        assert old is not None, plural
+        c.kubectl("delete", short, name, "-n", ns)
+        new = wait_for(lambda: (o := c.get(api, plural, ns, name)) and o["metadata"]["uid"] != old["metadata"]["uid"]
+                       and o, what=f"the {plural} to be recreated")  # fmt: skip
+        for key in ("spec", "data"):
+            assert new.get(key) == old.get(key), plural
+        assert new["metadata"]["ownerReferences"] == old["metadata"]["ownerReferences"]
+    recreated = wait_for(lambda: {e["message"].split()[1] for e in c.items("v1", "events", ns)
+                                  if e.get("reason") == "ChildRecreated"} >= {"ConfigMap", "Service",
+                                  "HorizontalPodAutoscaler", "PodDisruptionBudget"}, what="ChildRecreated Events")  # fmt: skip
+    assert recreated
+    for api, plural, short, patch, path, want in [
+        ("v1", "services", "service", {"spec": {"ports": [{"name": "http", "port": 9999, "targetPort": "http",
+                                                            "protocol": "TCP"}]}}, ("spec", "ports", 0, "port"), 8000),
+        ("autoscaling/v2", "horizontalpodautoscalers", "hpa", {"spec": {"maxReplicas": 9}}, ("spec", "maxReplicas"), 3),
+        ("policy/v1", "poddisruptionbudgets", "pdb", {"spec": {"maxUnavailable": 5}}, ("spec", "maxUnavailable"), 1),
+    ]:  # fmt: skip
+        c.kubectl("patch", short, "smollm2", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+
+        def value(api=api, plural=plural, path=path) -> Any:
+            node: Any = c.get(api, plural, ns, "smollm2")
+            for key in path:
+                node = node[key]
+            return node
+
+        wait_for(lambda want=want, value=value: value() == want, what=f"the {plural} edit to be undone")
+
+
 def test_deleting_the_cbdeployment_deletes_its_children(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "delete"
     apply(c, ns, EXAMPLE)

@@ -204,11 +204,24 @@ class _Reader:
             self.problems.append(message)
 
 
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+_COUNT_OR_PERCENT = "an integer >= 0 or a percentage like 50%"
+# the operator's own volumes and mount paths in the server pod (workload.py)
+RESERVED_VOLUMES = ("config", "cache", "tmp", "dshm", "model")
+RESERVED_MOUNTS = ("/dev/shm", "/etc/cbserve", "/cache", "/tmp")
+
+
 def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDeploymentSpec:
-    """Validate and type a CBDeployment's spec; raise SpecError listing every problem."""
+    """Validate and type a CBDeployment's spec; raise SpecError listing every problem. Besides the
+    CRD's rules (checked again: a cluster without CEL, or an object older than a rule), the ones the
+    API server would apply to the children, so that a spec is refused rather than its children."""
     r = _Reader()
     if not isinstance(spec, dict):
         raise SpecError(["spec must be an object"])
+    r.check(bool(_DNS1035.match(name)) and len(name) <= 63,
+            f"metadata.name {name!r} must be a DNS-1035 label of at most 63 characters (lower case letters, digits "
+            "and '-', starting with a letter): it names the Service and labels the pods")
 
     model_data = r.section(spec, "model")
     model: ModelSource | None = None
@@ -233,6 +246,9 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         memory=_quantity(r, res, "resources.memory"),
     )
     r.check(0 <= resources.gpu <= 16, f"resources.gpu must be in [0, 16], got {resources.gpu}")
+    r.check(bool(_RESOURCE_NAME.match(resources.gpu_resource_name)) and len(resources.gpu_resource_name) <= 253,
+            f"resources.gpuResourceName must be an extended resource name such as nvidia.com/gpu, "
+            f"got {resources.gpu_resource_name!r}")
 
     engine = _parse_engine(r, r.section(spec, "engine"))
     autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
@@ -255,6 +271,9 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
             r.check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                     f"probes.{kind}.{key} must be a non-negative integer, got {value!r}")
         probes[kind] = {k: v for k, v in overrides.items() if k in PROBE_FIELDS}
+        if kind in ("startup", "liveness"):
+            r.check(overrides.get("successThreshold", 1) == 1,
+                    f"probes.{kind}.successThreshold must be 1 (the API server allows no other)")
 
     pod_template = _parse_pod_template(r, r.section(spec, "podTemplate"))
 
@@ -266,6 +285,10 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     )
     r.check(pdb.min_available is None or pdb.max_unavailable is None,
             "set pdb.minAvailable or pdb.maxUnavailable, not both")
+    for key, value in (("minAvailable", pdb.min_available), ("maxUnavailable", pdb.max_unavailable)):
+        r.check(value is None or (isinstance(value, int) and value >= 0)
+                or (isinstance(value, str) and bool(_PERCENT.match(value))),
+                f"pdb.{key} must be {_COUNT_OR_PERCENT}, got {value!r}")
 
     rollout = _parse_rollout(r, r.section(spec, "rollout"), gpu=resources.gpu > 0)
 
@@ -409,6 +432,13 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
                         ("podTemplate.volumeMounts", tpl.volume_mounts)):
         r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),
                 f"every item of {path} needs a name")
+    taken = sorted({v["name"] for v in tpl.volumes if isinstance(v, dict)} & set(RESERVED_VOLUMES))
+    r.check(not taken, f"podTemplate.volumes: {', '.join(RESERVED_VOLUMES)} are the operator's own volume names "
+                       f"(got {', '.join(taken)})")
+    paths = [m.get("mountPath") for m in tpl.volume_mounts if isinstance(m, dict)]
+    clashes = [p for p in paths if isinstance(p, str) and (p in RESERVED_MOUNTS or p.startswith("/models/"))]
+    r.check(not clashes, f"podTemplate.volumeMounts: {', '.join(RESERVED_MOUNTS)} and /models/ are the operator's "
+                         f"own mount paths (got {', '.join(clashes)})")
     r.check(tpl.termination_grace_period_seconds > naming.PRE_STOP_SLEEP_SECONDS,
             f"podTemplate.terminationGracePeriodSeconds must be above the {naming.PRE_STOP_SLEEP_SECONDS} s preStop "
             f"sleep (the kubelet would kill the pod before it drains), got {tpl.termination_grace_period_seconds}")

@@ -60,6 +60,7 @@ def _error(status: int, reason: str, message: str) -> KubernetesError:
 _DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
 _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 # kinds whose names must be DNS-1035 labels (a Service's name is a DNS label of its own)
 _DNS1035_KINDS = {"Service"}
@@ -78,6 +79,14 @@ def _admit_metadata(kind: str, meta: Obj) -> None:
         raise _error(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a '
                      "lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
                      "and must start and end with an alphanumeric character")
+    for field in ("labels", "annotations"):
+        for key in meta.get(field) or {}:
+            prefix, _, part = key.rpartition("/")
+            if (len(part) > 63 or not _QUALIFIED_NAME.fullmatch(part)
+                    or (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix)))):  # fmt: skip
+                raise _error(422, "Invalid", f'{kind} "{name}" is invalid: metadata.{field}: Invalid value: "{key}": '
+                             "name part must consist of alphanumeric characters, '-', '_' or '.', and must start "
+                             "and end with an alphanumeric character")
     for key, value in (meta.get("labels") or {}).items():
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
             raise _error(422, "Invalid", f'{kind} "{name}" is invalid: metadata.labels: Invalid value: "{value}": '
@@ -148,6 +157,48 @@ def _default(schema: Obj, value: Any) -> Any:
     return value
 
 
+def _openapi_to_jsonschema(schema: Any) -> Any:
+    """An OpenAPI v3 CRD schema as JSON Schema: Kubernetes' extensions dropped, int-or-string kept."""
+    if isinstance(schema, dict):
+        out = {k: _openapi_to_jsonschema(v) for k, v in schema.items()
+               if not k.startswith("x-kubernetes-") and k not in ("default", "description", "nullable")}
+        for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            if out.get(exclusive) is True:  # OpenAPI 3.0's boolean form; JSON Schema takes the bound
+                out[exclusive] = out.pop(bound)
+            elif out.get(exclusive) is False:
+                del out[exclusive]
+        if schema.get("nullable") and "type" in out:
+            out["type"] = [out["type"], "null"]
+        return out
+    if isinstance(schema, list):
+        return [_openapi_to_jsonschema(v) for v in schema]
+    return schema
+
+
+def _cel_problems(schema: Obj, value: Any, path: str) -> list[str]:
+    """Evaluate every `x-kubernetes-validations` rule of a structural schema over `value`, as the API
+    server does (`self` is the value at the rule's node; absent optional fields are not checked)."""
+    import cel  # common-expression-language: CEL, as Kubernetes evaluates it (cel-go), from Rust
+
+    problems = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        try:
+            ok = cel.evaluate(rule["rule"], {"self": value})
+        except Exception as e:  # noqa: BLE001 - a rule that cannot evaluate is the rule's failure
+            problems.append(f"{path}: Invalid value: the rule {rule['rule']!r} failed to evaluate: {e}")
+            continue
+        if ok is not True:
+            problems.append(f"{path}: Invalid value: \"object\": {rule.get('message') or rule['rule']}")
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value:
+                problems += _cel_problems(sub, value[key], f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            problems += _cel_problems(schema["items"], item, f"{path}[{i}]")
+    return problems
+
+
 def _match_labels(labels: dict[str, str], selector: str) -> bool:
     for term in filter(None, (t.strip() for t in re.split(r",(?![^()]*\))", selector))):
         if m := re.match(r"^([^!=\s]+)\s*(==|=|!=)\s*(.*)$", term):
@@ -213,6 +264,7 @@ class Emulator(KubernetesEmulator):
     _closing: bool = attrs.field(default=False, init=False)
     # (method, path?query, User-Agent) of every request, for assertions
     journal: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    validate_custom_resources: bool = attrs.field(default=True, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -440,6 +492,29 @@ class Emulator(KubernetesEmulator):
             ],
         }
 
+    def _validate_custom(self, res: resource, obj: Obj) -> None:
+        """A custom resource against its CRD's schema and CEL rules: 422 with every problem, in the
+        API server's words. `validate_custom_resources = False` stands for a cluster without CEL
+        (before 1.25) or an object stored before a rule existed."""
+        crd = self._crds.get(res)
+        schema = (crd or {}).get("version", {}).get("schema", {}).get("openAPIV3Schema")
+        if not schema or not self.validate_custom_resources:
+            return
+        import jsonschema
+
+        validator = jsonschema.Draft7Validator(_openapi_to_jsonschema({
+            "type": "object", "properties": {k: v for k, v in (schema.get("properties") or {}).items()
+                                             if k not in ("metadata", "apiVersion", "kind", "status")}}))  # fmt: skip
+        problems = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
+        problems += _cel_problems({k: v for k, v in schema.items() if k != "properties"},
+                                  {"metadata": {"name": obj["metadata"]["name"]}, **obj}, "<root>")  # fmt: skip
+        for key in ("spec",):
+            if key in obj:
+                problems += _cel_problems((schema.get("properties") or {}).get(key, {}), obj[key], key)
+        if problems:
+            raise _error(422, "Invalid", f'{crd["names"]["kind"]}.{res.group} "{obj["metadata"]["name"]}" is '
+                                         f"invalid: [{', '.join(problems)}]")
+
     def _apply_defaults(self, res: resource, obj: Obj) -> None:
         crd = self._crds.get(res)
         schema = (crd or {}).get("version", {}).get("schema", {}).get("openAPIV3Schema")
@@ -590,6 +665,7 @@ class Emulator(KubernetesEmulator):
         if "status" in info.subresources:
             data.pop("status", None)
         self._apply_defaults(target.res, data)
+        self._validate_custom(target.res, data)
         if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
             self._register_crd(data)
         obj = self._store_new(target.res, namespace, data)
@@ -652,6 +728,8 @@ class Emulator(KubernetesEmulator):
                          "immutable when `immutable` is set")
         if target.subresource is None:
             self._apply_defaults(target.res, new)
+            if new.get("spec") != old.get("spec"):  # ratcheting (1.30+): an unchanged spec is not re-judged
+                self._validate_custom(target.res, new)
         if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
             self._register_crd(new)
         if new == old:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from kopf.testing import KopfRunner
+
+from cbserve_operator import spec as spec_module
 
 from .conftest import REPO, Cluster, wait_for
 
@@ -228,10 +232,22 @@ def test_ready_deployment_makes_the_cbdeployment_ready(operator: KopfRunner, crd
 
 def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "invalid"
-    # The emulator, like an API server without CEL, lets this through; the operator must not.
     bad = example(engine__blockSize=24, engine__maxMemoryPercent=1.5,
                   autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2})
-    apply(c, ns, bad)
+    # The API server refuses it by the CRD's schema and CEL rules...
+    refused = c.kubectl("apply", "--validate=false", "-n", ns, "-f", "-", input=yaml.safe_dump(bad), check=False)
+    assert refused.returncode != 0
+    for words in ("spec.engine.blockSize: 24 is not one of", "spec.engine.maxMemoryPercent: 1.5 is greater than",
+                  "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"):
+        assert words in refused.stderr, refused.stderr
+    # ...but one without CEL (before 1.25), or an object stored before a rule existed, lets it
+    # through; the operator must not.
+    assert c.server.emulator is not None
+    c.server.emulator.validate_custom_resources = False
+    try:
+        apply(c, ns, bad)
+    finally:
+        c.server.emulator.validate_custom_resources = True
     failed = reconciled(c, ns)
     assert failed["status"]["phase"] == "Failed"
     valid = conditions(failed)["ConfigValid"]
@@ -255,18 +271,18 @@ def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunn
 
 def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator: KopfRunner,
                                                                         crd_cluster: Cluster) -> None:
-    """`llama-3.1-8b` is a valid CBDeployment and Deployment name but not a Service name (DNS-1035):
-    the API server's 422 is permanent, so it lands in status and an Event, with no retries."""
+    """A Service annotation key the API server does not take (no rule of the CRD or the operator
+    knows of it): the 422 is permanent, so it lands in status and an Event, with no retries."""
     c, ns = crd_cluster, "refused"
-    manifest = example()
-    manifest["metadata"]["name"] = "llama-3.1-8b"
+    manifest = example(service={"annotations": {"bad key!": "x"}})
+    manifest["metadata"]["name"] = "llama-8b"
     mark = c.server.mark()
     apply(c, ns, manifest)
-    failed = reconciled(c, ns, "llama-3.1-8b")
+    failed = reconciled(c, ns, "llama-8b")
     assert failed["status"]["phase"] == "Failed"
     valid = conditions(failed)["ConfigValid"]
     assert valid["status"] == "False" and valid["reason"] == "ChildRefused"
-    assert "the API server refused the Service llama-3.1-8b" in valid["message"] and "DNS-1035 label" in valid["message"]
+    assert "the API server refused the Service llama-8b" in valid["message"] and '"bad key!"' in valid["message"]
     assert conditions(failed)["Ready"]["status"] == "False"
     assert valid["observedGeneration"] == failed["metadata"]["generation"]
     events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "ChildRefused"],
@@ -275,7 +291,7 @@ def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator
     # Kopf keeps a retried handler's progress ("delayed", "retries") in annotations under cbserve.io/
     annotations = failed["metadata"].get("annotations", {})
     assert not any('"delayed"' in v or '"retries"' in v for v in annotations.values()), annotations
-    assert len(c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/llama-3\.1-8b")) == 1
+    assert len(c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/llama-8b")) == 1
 
 
 def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
@@ -463,3 +479,38 @@ def test_cluster_role_covers_every_request_the_operator_made(crd_cluster: Cluste
     # Nothing granted that the operator never needs (KEDA and the Prometheus operator are absent here).
     unused = {item for item in allowed - made if item[0] not in ("keda.sh", "monitoring.coreos.com")}
     assert unused == set(), unused
+
+
+REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of the operator's message)
+    ("llama-3.1-8b", {}, "must be a DNS-1035 label", "must be a DNS-1035 label"),
+    ("a" * 64, {}, "must be a DNS-1035 label", "must be a DNS-1035 label"),
+    ("probes", {"probes": {"liveness": {"successThreshold": 2}}}, "probes.liveness.successThreshold must be 1",
+     "probes.liveness.successThreshold must be 1"),
+    ("grace", {"podTemplate": {"terminationGracePeriodSeconds": 5}}, "terminationGracePeriodSeconds",
+     "must be above the 5 s preStop sleep"),
+    ("pdb", {"pdb": {"enabled": True, "minAvailable": "lots"}}, "pdb.minAvailable must be an integer >= 0",
+     "pdb.minAvailable must be an integer >= 0"),
+    ("gpu", {"resources": {"gpuResourceName": "GPUs please"}}, "gpuResourceName", "extended resource name"),
+    ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
+     "the operator's own volume names"),
+    ("mounts", {"podTemplate": {"volumes": [{"name": "shm", "emptyDir": {}}],
+                                "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}},
+     "the operator's own mount paths", "the operator's own mount paths"),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "crd_words", "operator_words"), REFUSED_SPECS, ids=[r[0][:12] for r in REFUSED_SPECS])
+def test_the_crd_and_the_operator_refuse_what_the_children_would_be_refused_for(
+        crd_cluster: Cluster, name: str, changes: dict[str, Any], crd_words: str, operator_words: str) -> None:  # fmt: skip
+    """Each spec here is one the API server takes for a CBDeployment but would refuse for a child (a
+    Service name, a probe, a PDB, a resource name, a volume). The CRD's CEL rules and schema, as the
+    emulator evaluates them, refuse it at `kubectl apply`; the operator refuses it too (a cluster
+    without CEL, or an object older than the rule)."""
+    manifest = example()
+    manifest["metadata"]["name"] = name
+    manifest["spec"].update(changes)
+    refused = crd_cluster.kubectl("apply", "--validate=false", "-n", "refusals", "-f", "-",
+                                  input=yaml.safe_dump(manifest), check=False)  # fmt: skip
+    assert refused.returncode != 0 and crd_words in refused.stderr, refused.stderr
+    with pytest.raises(spec_module.SpecError, match=re.escape(operator_words)):
+        spec_module.parse_spec(name, manifest["spec"])

@@ -146,3 +146,13 @@ def test_schema_is_structural_and_defaults_are_valid() -> None:
             assert set(node["x-kubernetes-list-map-keys"]) <= set(node["items"]["required"]), path
         for rule in node.get("x-kubernetes-validations", []):
             assert rule["rule"] and rule["message"], path
+
+
+def test_the_docs_field_table_is_the_crds() -> None:
+    """docs/kubernetes.md's table of every field and its validation is generated from the CRD."""
+    import subprocess
+    import sys
+
+    check = subprocess.run([sys.executable, str(REPO / "scripts" / "crd_fields.py"), "--check"],
+                           capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stderr

@@ -493,6 +493,7 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("gpu", {"resources": {"gpuResourceName": "GPUs please"}}, "gpuResourceName", "extended resource name"),
     ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
      "the operator's own volume names"),
+    ("rollout", {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0", "cannot both be 0"),
     ("mounts", {"podTemplate": {"volumes": [{"name": "shm", "emptyDir": {}}],
                                 "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}},
      "the operator's own mount paths", "the operator's own mount paths"),

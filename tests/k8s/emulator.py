@@ -145,8 +145,14 @@ def _jsonpath(obj: Obj, path: str) -> Any:
 
 
 def _default(schema: Obj, value: Any) -> Any:
-    """Fill in a structural schema's defaults, as the API server does for custom resources."""
+    """Prune the fields a structural schema does not know (unless it preserves unknown fields) and
+    fill in its defaults, as the API server does for custom resources."""
     if isinstance(value, dict):
+        known = schema.get("properties")
+        if known is not None and not schema.get("x-kubernetes-preserve-unknown-fields") \
+                and "additionalProperties" not in schema:  # fmt: skip
+            for key in [k for k in value if k not in known]:
+                del value[key]
         for key, sub in (schema.get("properties") or {}).items():
             if key not in value and "default" in sub:
                 value[key] = copy.deepcopy(sub["default"])

@@ -16,6 +16,8 @@ from cbserve_operator.spec import parse_spec
 
 from .conftest import CHART, CRD_FILE, REPO, Cluster, Tools
 
+CBD = "cbserve.io/v1alpha1"
+
 KUBERNETES_VERSION = "1.34.0"
 VALIDATE = [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION]
 
@@ -48,16 +50,32 @@ def test_rendered_chart_is_valid_for_kubernetes_1_34(tools: Tools, tmp_path: Pat
     rendered = template(tools, "--set", "example.enabled=true")
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["CBDeployment", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "ServiceAccount"]
+    assert kinds == ["CBDeployment", "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
+                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
     builtin = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "CBDeployment")
     proc = validate(tmp_path, builtin)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("passed for resource") == 5
+    assert proc.stdout.count("passed for resource") == 7
     # The custom resource is checked against the CRD's own schema.
     (example,) = [d for d in docs if d["kind"] == "CBDeployment"]
     schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     jsonschema.Draft4Validator(schema).validate(example)
+
+
+def test_users_roles_aggregate_into_admin_edit_and_view(tools: Tools) -> None:
+    """Namespace editors manage CBDeployments through the built-in roles (aggregation); viewers read
+    them; `rbac.aggregate=false` leaves the built-in roles alone."""
+    roles = {d["metadata"]["name"]: d for d in yaml.safe_load_all(template(tools)) if d and d["kind"] == "ClusterRole"}
+    edit, view = roles["cbserve-operator-edit"], roles["cbserve-operator-view"]
+    assert {k: v for k, v in edit["metadata"]["labels"].items() if k.startswith("rbac.")} == {
+        "rbac.authorization.k8s.io/aggregate-to-admin": "true", "rbac.authorization.k8s.io/aggregate-to-edit": "true"}
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    edit_verbs = {(r, v) for rule in edit["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert {("cbdeployments", "create"), ("cbdeployments", "delete"), ("cbdeployments/scale", "update")} <= edit_verbs
+    view_verbs = {v for rule in view["rules"] for v in rule["verbs"]}
+    assert view_verbs == {"get", "list", "watch"}
+    plain = [d for d in yaml.safe_load_all(template(tools, "--set", "rbac.aggregate=false")) if d and d["kind"] == "ClusterRole"]
+    assert len(plain) == 1
 
 
 def test_operator_deployment_runs_the_wrapper_hardened(tools: Tools) -> None:
@@ -101,6 +119,8 @@ def test_helm_template_applies_to_the_cluster(tools: Tools, cluster: Cluster) ->
     for line in ("customresourcedefinition.apiextensions.k8s.io/cbdeployments.cbserve.io serverside-applied",
                  "serviceaccount/cbserve-operator serverside-applied",
                  "clusterrole.rbac.authorization.k8s.io/cbserve-operator serverside-applied",
+                 "clusterrole.rbac.authorization.k8s.io/cbserve-operator-edit serverside-applied",
+                 "clusterrole.rbac.authorization.k8s.io/cbserve-operator-view serverside-applied",
                  "clusterrolebinding.rbac.authorization.k8s.io/cbserve-operator serverside-applied",
                  "deployment.apps/cbserve-operator serverside-applied"):
         assert line in out
@@ -111,6 +131,24 @@ def test_helm_template_applies_to_the_cluster(tools: Tools, cluster: Cluster) ->
     assert "smollm2" in cluster.kubectl("get", "cbd", "-n", "cbserve-system").stdout
     # Applying the same output again changes nothing.
     again = cluster.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=rendered).stdout
-    assert again.count("serverside-applied") == 5
+    assert again.count("serverside-applied") == 7
     assert cluster.get("apps/v1", "deployments", "cbserve-system", "cbserve-operator")["metadata"]["resourceVersion"] \
         == dep["metadata"]["resourceVersion"]
+
+
+def test_a_crd_upgrade_keeps_the_new_fields_with_the_documented_step(cluster: Cluster) -> None:
+    """Helm installs crds/ once and never upgrades them. With last release's CRD (here: today's
+    without `spec.rollout`) the API server prunes the new field; after the documented step
+    (`kubectl apply --server-side --force-conflicts -f charts/cbserve/crds/`) it stays."""
+    old = yaml.safe_load(CRD_FILE.read_text())
+    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["rollout"]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--validate=false", "-f", "-", input=yaml.safe_dump(old))
+    manifest = yaml.safe_load((REPO / "examples" / "cbdeployment.yaml").read_text())
+    manifest["metadata"]["name"] = "upgrade"
+    manifest["spec"]["rollout"] = {"strategy": "Recreate"}
+    cluster.kubectl("apply", "--validate=false", "-n", "upgrade", "-f", "-", input=yaml.safe_dump(manifest))
+    assert "rollout" not in cluster.get(CBD, "cbdeployments", "upgrade", "upgrade")["spec"]  # type: ignore[index]
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--validate=false", "-f", str(CHART / "crds"))
+    cluster.kubectl("apply", "--validate=false", "-n", "upgrade", "-f", "-", input=yaml.safe_dump(manifest))
+    assert cluster.get(CBD, "cbdeployments", "upgrade", "upgrade")["spec"]["rollout"] == {"strategy": "Recreate"}  # type: ignore[index]

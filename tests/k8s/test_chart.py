@@ -51,11 +51,12 @@ def test_rendered_chart_is_valid_for_kubernetes_1_34(tools: Tools, tmp_path: Pat
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["CBDeployment", "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+                     "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition",
+                     "Deployment", "ServiceAccount"]
     builtin = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "CBDeployment")
     proc = validate(tmp_path, builtin)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("passed for resource") == 7
+    assert proc.stdout.count("passed for resource") == 9
     # The custom resource is checked against the CRD's own schema.
     (example,) = [d for d in docs if d["kind"] == "CBDeployment"]
     schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -131,7 +132,7 @@ def test_helm_template_applies_to_the_cluster(tools: Tools, cluster: Cluster) ->
     assert "smollm2" in cluster.kubectl("get", "cbd", "-n", "cbserve-system").stdout
     # Applying the same output again changes nothing.
     again = cluster.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=rendered).stdout
-    assert again.count("serverside-applied") == 7
+    assert again.count("serverside-applied") == 9
     assert cluster.get("apps/v1", "deployments", "cbserve-system", "cbserve-operator")["metadata"]["resourceVersion"] \
         == dep["metadata"]["resourceVersion"]
 

@@ -57,6 +57,8 @@ class Resources:
     gpu_resource_name: str = "nvidia.com/gpu"
     cpu: str | None = None
     memory: str | None = None
+    cache_size: str = "2Gi"  # the /cache emptyDir's limit, requested as ephemeral storage
+    shm_size: str = "1Gi"  # GPU pods' in-memory /dev/shm
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,8 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         gpu_resource_name=r.get(res, "resources.gpuResourceName", (str,), "nvidia.com/gpu"),
         cpu=_quantity(r, res, "resources.cpu"),
         memory=_quantity(r, res, "resources.memory"),
+        cache_size=_size(r, res, "resources.cacheSize") or ("50Gi" if model and model.scheme == "hf" else "2Gi"),
+        shm_size=_size(r, res, "resources.shmSize") or "1Gi",
     )
     r.check(0 <= resources.gpu <= 16, f"resources.gpu must be in [0, 16], got {resources.gpu}")
     r.check(bool(_RESOURCE_NAME.match(resources.gpu_resource_name)) and len(resources.gpu_resource_name) <= 253,
@@ -328,6 +332,18 @@ def _quantity(r: _Reader, data: dict[str, Any], path: str) -> str | None:
     if value is None:
         return None
     r.check(bool(_QUANTITY.match(str(value))), f"{path} {value!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+    return str(value)
+
+
+_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+
+
+def _size(r: _Reader, data: dict[str, Any], path: str) -> str | None:
+    """A storage size: a quantity in bytes with a binary or decimal suffix (e.g. 20Gi, 500M)."""
+    value = r.get(data, path, (int, str))
+    if value is None:
+        return None
+    r.check(bool(_SIZE.match(str(value))), f"{path} {value!r} is not a size such as 20Gi or 500M")
     return str(value)
 
 

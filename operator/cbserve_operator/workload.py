@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from . import naming
@@ -49,14 +51,18 @@ def _probe(kind: str, overrides: dict[str, int]) -> dict[str, Any]:
     }
 
 
+# Requested when the spec names none, so that a server pod is never BestEffort (the first evicted):
+# a CPU and enough memory to load a small model; nothing is limited by a guess.
+DEFAULT_CPU, DEFAULT_MEMORY = "1", "2Gi"
+TMP_SIZE = "1Gi"
+
+
 def _resources(spec: CBDeploymentSpec) -> dict[str, Any]:
     res = spec.resources
-    requests: dict[str, Any] = {}
+    requests: dict[str, Any] = {"cpu": res.cpu or DEFAULT_CPU, "memory": res.memory or DEFAULT_MEMORY,
+                                "ephemeral-storage": _sum_quantities(res.cache_size, TMP_SIZE)}  # fmt: skip
     limits: dict[str, Any] = {}
-    if res.cpu is not None:
-        requests["cpu"] = res.cpu
     if res.memory is not None:
-        requests["memory"] = res.memory
         limits["memory"] = res.memory
     if res.gpu:
         requests[res.gpu_resource_name] = str(res.gpu)
@@ -67,6 +73,19 @@ def _resources(spec: CBDeploymentSpec) -> dict[str, Any]:
     if limits:
         out["limits"] = limits
     return out
+
+
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+
+
+def _sum_quantities(*quantities: str) -> str:
+    """Two storage quantities added, in Mi (rounded up): what the pod's volumes may fill."""
+    total = 0.0
+    for q in quantities:
+        number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q)).groups()  # type: ignore[union-attr]
+        total += float(number) * _UNITS[unit]
+    return f"{math.ceil(total / 2**20)}Mi"
 
 
 def _strategy(spec: CBDeploymentSpec) -> dict[str, Any]:
@@ -80,8 +99,8 @@ def _strategy(spec: CBDeploymentSpec) -> dict[str, Any]:
 def _volumes(spec: CBDeploymentSpec, config_hash: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": naming.config_map_name(spec.name, config_hash)}},
-        {"name": "cache", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {"sizeLimit": spec.resources.cache_size}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
@@ -90,7 +109,7 @@ def _volumes(spec: CBDeploymentSpec, config_hash: str) -> tuple[list[dict[str, A
     ]
     if spec.resources.gpu:
         # NCCL and PyTorch use /dev/shm; the container default of 64 MiB is too small.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model.scheme == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim, "readOnly": True}})

@@ -194,3 +194,21 @@ def test_rollout_strategy_defaults_to_no_spare_gpu_on_gpu_pods() -> None:
                        ({"strategy": "Recreate", "maxSurge": 1}, "RollingUpdate only")]:
         with pytest.raises(SpecError, match=words):
             parse_spec("m", spec(rollout=bad))
+
+
+def test_pods_are_never_best_effort_and_their_volumes_are_sized() -> None:
+    """No requests in the spec still requests a CPU, memory and the ephemeral storage the volumes may
+    fill (cache + tmp), so the pod is Burstable, not BestEffort; the emptyDirs have size limits."""
+    def pod(**overrides: Any) -> dict[str, Any]:
+        return render_children(parse_spec("m", spec(**overrides)), "ns")[0][1]["spec"]["template"]["spec"]
+
+    plain = pod()
+    assert plain["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "2Gi", "ephemeral-storage": "3072Mi"}}
+    sizes = {v["name"]: v["emptyDir"].get("sizeLimit") for v in plain["volumes"] if "emptyDir" in v}
+    assert sizes == {"cache": "2Gi", "tmp": "1Gi"}
+    hf = pod(model={"uri": "hf://org/model"}, resources={"gpu": 1, "shmSize": "4Gi"})
+    sizes = {v["name"]: v["emptyDir"].get("sizeLimit") for v in hf["volumes"] if "emptyDir" in v}
+    assert sizes == {"cache": "50Gi", "tmp": "1Gi", "dshm": "4Gi"}  # downloads need room; shm sized
+    assert hf["containers"][0]["resources"]["requests"]["ephemeral-storage"] == f"{51 * 1024}Mi"
+    with pytest.raises(SpecError, match="resources.cacheSize '2e9' is not a size"):
+        parse_spec("m", spec(resources={"cacheSize": "2e9"}))

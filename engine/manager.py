@@ -45,6 +45,9 @@ class ContinuousBatchingManager:
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.engine = LLMEngine(model, self.config, generation_config, tokenizer=tokenizer)
         self.model = model
+        self._engine_args = (generation_config, tokenizer)
+        self._released = False  # the engine's KV cache was freed by a stop(): start() builds a new one
+        self._keep = False
         self._inbox: list[Request] = []
         self._cancels: list[str] = []
         self._lock = threading.Lock()
@@ -63,6 +66,10 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("the manager is already running")
             return
+        if self._released:  # stopped without keep_for_next_session: a fresh engine (and KV cache)
+            generation_config, tokenizer = self._engine_args
+            self.engine = LLMEngine(self.model, self.config, generation_config, tokenizer=tokenizer)
+            self._released = self.warmed_up = False
         self._stopping = self._hard_stop = False
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="cbserve-engine", daemon=True)
@@ -71,12 +78,16 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False, **_: Any) -> None:
-        """Stop accepting requests; finish the in-flight ones (or abort them with hard_stop), then exit."""
+    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False,
+             keep_for_next_session: bool = False, **_: Any) -> None:  # fmt: skip
+        """Stop accepting requests; finish the in-flight ones (or abort them with hard_stop), then exit.
+        The KV cache is freed once the loop has ended, unless `keep_for_next_session`; either way a
+        later start() serves again (after a free, on a newly built engine)."""
         with self._lock:
             self._accepting = False
             self._stopping = True
             self._hard_stop = self._hard_stop or hard_stop
+            self._keep = keep_for_next_session
         self._wake.set()
         if block:
             self.join(timeout)
@@ -84,8 +95,9 @@ class ContinuousBatchingManager:
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
-        if not self.is_running():
+        if not self.is_running() and self._stopping and not self._keep and not self._released:
             self.engine.close()
+            self._released = True
 
     def warmup(self) -> None:
         """Run one small step so the first real request does not pay for lazy initialisation."""

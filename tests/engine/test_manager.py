@@ -124,3 +124,58 @@ def test_hard_stop_aborts_in_flight_requests() -> None:
     mgr.stop(block=True, timeout=60, hard_stop=True)
     final = list(mgr.request_id_iter(rid))[-1]
     assert final.finish_reason == "abort"
+
+
+def test_a_stopped_manager_starts_again_with_or_without_its_cache() -> None:
+    """stop() then start() serves again: on a new engine after the cache was freed, on the same one
+    with keep_for_next_session (transformers' names); outputs equal model.generate both times."""
+    from engine import ContinuousBatchingConfig, ContinuousBatchingManager
+    from tests.engine.conftest import model_for, prompts_for, reference
+
+    prompt = list(prompts_for()[0])
+    m = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(
+        block_size=16, num_blocks=64))  # fmt: skip
+    engines = []
+    for keep in (False, True, False):
+        m.start()
+        rid = m.add_request(prompt, max_new_tokens=8, ignore_eos=True)
+        out = m.get_result(rid, timeout=60)
+        assert out is not None and tuple(out.generated_tokens) == reference("llama", tuple(prompt))[:8]
+        engines.append(m.engine)
+        m.stop(keep_for_next_session=keep)
+    assert engines[0] is not engines[1]  # the first stop freed the cache: a new engine
+    assert engines[1] is engines[2]  # kept for the next session
+
+
+def test_generate_batch_keeps_a_persistent_engine_and_takes_transformers_keywords() -> None:
+    import warnings
+
+    import pytest
+
+    from engine import ContinuousBatchingConfig, generate_batch
+    from engine.generate import CACHED, destroy_cached_engine
+    from tests.engine.conftest import model_for, prompts_for, reference
+
+    model = model_for("llama")
+    prompts = [list(p) for p in prompts_for()[:3]]
+    cfg = ContinuousBatchingConfig(block_size=16, num_blocks=128)
+    first = generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=6, ignore_eos=True,
+                           progress_bar=False, persistent_manager=True, warmup=False)  # fmt: skip
+    engine = getattr(model, CACHED)[0]
+    second = generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=6, ignore_eos=True,
+                            progress_bar=False, persistent_manager=True)  # fmt: skip
+    assert getattr(model, CACHED)[0] is engine  # the same engine: no second profiling, prefix cache kept
+    assert engine.block_manager.prefix_hits > 0
+    for p, a, b in zip(prompts, first.values(), second.values()):
+        assert tuple(a.generated_tokens) == tuple(b.generated_tokens) == reference("llama", tuple(p))[:6]
+    destroy_cached_engine(model)
+    assert not hasattr(model, CACHED)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = generate_batch(model, prompts[:1], num_blocks=48, max_batch_tokens=64, use_cuda_graph=False,
+                             max_new_tokens=4, ignore_eos=True, progress_bar=False)  # fmt: skip
+    assert [w.category for w in caught if "continuous_batching_config" in str(w.message)] == [FutureWarning]
+    assert tuple(out["req_0"].generated_tokens) == reference("llama", tuple(prompts[0]))[:4]
+    with pytest.raises(TypeError, match="unexpected keyword argument.*temprature"):
+        generate_batch(model, prompts, temprature=0.7, progress_bar=False)

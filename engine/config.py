@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
+
+logger = logging.getLogger("cbserve.engine")
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
@@ -26,11 +30,13 @@ class ContinuousBatchingConfig:
     num_blocks: int | None = None
     # Token budget of one step: decodes plus prompt chunks. None: derived at start-up.
     max_batch_tokens: int | None = None
-    # Share of the memory free after the model loads that the KV cache may take.
-    max_memory_percent: float = 0.9
+    # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
+    # transformers resolves it when no logits processor needs vocabulary-sized scratch space.
+    max_memory_percent: float | None = 0.9
     # Cap on requests running at once. None: derived at start-up.
     max_requests_per_batch: int | None = None
-    # Cap on blocks one request may hold (context = this x block_size). None: no cap beyond the cache.
+    # Cap on blocks one request may hold (context = this x block_size). None, or transformers' 0
+    # (which turns its fast decode path off): no cap beyond the cache.
     max_blocks_per_request: int | None = None
     # Prefix caching: requests sharing a prompt prefix share its full blocks.
     allow_block_sharing: bool = True
@@ -48,10 +54,22 @@ class ContinuousBatchingConfig:
     return_logprobs: bool = False
     # Host pool (GiB) for swapping preempted requests' KV blocks; 0 recomputes them instead.
     cpu_offload_space: float = 0.0
+    # The pool is clamped to this share of the host's total RAM (1.0: no clamp), as transformers does.
+    cpu_offload_space_safety_threshold: float = 0.8
     # Waiting requests accepted before `add_request` refuses with QueueFullError; 0 = unbounded.
     max_queue_size: int = 0
     # Accepted for transformers compatibility: per-request sampling parameters always work.
     per_request_processors: bool = False
+    # Accepted for transformers compatibility: cbserve applies no logits processors of a
+    # generation config that it could drop (its sampling parameters are per request).
+    drop_unsupported_processors: bool = True
+    # transformers' CUDA-graph padding granularities (0: its presets). cbserve pads graph steps to
+    # its own buckets (engine/cuda_graphs.py): accepted, and a value other than 0 is logged once.
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    # Deprecated in transformers (5.11, 5.13): accepted with a FutureWarning, no effect.
+    use_default_compile_configs: bool | None = None
+    max_cached_graphs: int | None = None
     # Seed of the sampler for requests that do not bring their own.
     seed: int | None = None
     # CPU only: linear layers on oneDNN-packed copies of their weights (engine/backends/cpu_linear.py;
@@ -79,8 +97,27 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         positive_int("block_size", self.block_size)
+        if self.max_blocks_per_request == 0 and not isinstance(self.max_blocks_per_request, bool):
+            self.max_blocks_per_request = None  # transformers' 0: no fast-path table; here: no cap
         for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_blocks_per_request"):
             positive_int(name, getattr(self, name))
+        if self.max_memory_percent is None:
+            self.max_memory_percent = 0.9
+        threshold = self.cpu_offload_space_safety_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+            raise ValueError(f"cpu_offload_space_safety_threshold must be in (0, 1], got {threshold!r}")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            if value:
+                logger.info("%s=%d is accepted for transformers compatibility; cbserve pads CUDA-graph steps "
+                            "to its own buckets", name, value)  # fmt: skip
+        for name in ("use_default_compile_configs", "max_cached_graphs"):
+            if getattr(self, name) is not None:
+                warnings.warn(f"{name} is deprecated in transformers and has no effect", FutureWarning, stacklevel=4)
+        if not isinstance(self.drop_unsupported_processors, bool):
+            raise ValueError(f"drop_unsupported_processors must be a bool, got {self.drop_unsupported_processors!r}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         pct = self.max_memory_percent

@@ -87,7 +87,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.sizes.num_blocks, self.block_size, config.allow_block_sharing)
         self.swap = None
         if config.cpu_offload_space > 0:
-            self.swap = HostSwapPool(self.cache, int(config.cpu_offload_space * (1 << 30)), self.sizes.bytes_per_block)
+            space = int(config.cpu_offload_space * (1 << 30))
+            cap = int(psutil.virtual_memory().total * config.cpu_offload_space_safety_threshold)
+            if space > cap:
+                logger.warning("cpu_offload_space %.1f GiB is clamped to %.1f GiB (%.0f%% of the host's RAM, "
+                               "cpu_offload_space_safety_threshold)", space / (1 << 30), cap / (1 << 30),
+                               100 * config.cpu_offload_space_safety_threshold)  # fmt: skip
+                space = cap
+            self.swap = HostSwapPool(self.cache, space, self.sizes.bytes_per_block)
         self.scheduler = Scheduler(
             self.block_manager,
             self.sizes.max_batch_tokens,

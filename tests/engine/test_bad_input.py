@@ -75,11 +75,35 @@ def test_generate_batch_fails_only_the_bad_prompt() -> None:
     "field,value",
     [("block_size", 24), ("block_size", 0), ("num_blocks", -1), ("max_batch_tokens", 0), ("max_memory_percent", 1.5),
      ("max_memory_percent", 0), ("scheduler_type", "lifo"), ("cpu_offload_space", -1), ("max_queue_size", -1),
-     ("use_cuda_graph", "yes"), ("allow_block_sharing", "no"), ("attn_backend", "tpu")],
+     ("use_cuda_graph", "yes"), ("allow_block_sharing", "no"), ("attn_backend", "tpu"),
+     ("cpu_offload_space_safety_threshold", 1.5), ("q_padding_interval_size", -1), ("drop_unsupported_processors", 1)],
 )
 def test_config_errors_name_the_field(field, value) -> None:
     with pytest.raises(ValueError, match=field):
         ContinuousBatchingConfig(**{field: value})
+
+
+def test_every_field_of_transformers_config_is_accepted_with_its_meaning() -> None:
+    """The fields transformers' ContinuousBatchingConfig has and cbserve's lacked (each raised
+    TypeError): accepted; their meanings where cbserve has one, a warning where they are gone."""
+    import warnings
+
+    import psutil
+
+    from engine import LLMEngine
+
+    cfg = ContinuousBatchingConfig(max_blocks_per_request=0, max_memory_percent=None, q_padding_interval_size=64,
+                                   kv_padding_interval_size=256, drop_unsupported_processors=False)  # fmt: skip
+    assert cfg.max_blocks_per_request is None and cfg.max_memory_percent == 0.9  # 0: no cap; None: 0.9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ContinuousBatchingConfig(max_cached_graphs=8, use_default_compile_configs=True)
+    assert [w.category for w in caught] == [FutureWarning, FutureWarning]
+    total_gib = psutil.virtual_memory().total / (1 << 30)
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=32,
+                       cpu_offload_space=total_gib, cpu_offload_space_safety_threshold=0.01))  # fmt: skip
+    assert engine.swap is not None
+    assert engine.swap.capacity_blocks * engine.sizes.bytes_per_block <= 0.01 * total_gib * (1 << 30)
 
 
 def test_config_from_dict_rejects_unknown_keys() -> None:

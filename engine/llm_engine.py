@@ -417,9 +417,9 @@ class LLMEngine:
             if req.text_stream.stopped:
                 req.finish("stop")
                 return
-        if req.matcher is not None and req.matcher.finished:
+        if req.matcher is not None and req.matcher.finished:  # the grammar is complete: nothing may follow
             req.finish("stop")
-        if token in req.eos_token_ids and req.num_generated > req.sampling.min_new_tokens - 1:
+        elif token in req.eos_token_ids and req.num_generated > req.sampling.min_new_tokens - 1:
             req.finish("stop")
         elif token in req.stop_token_ids:
             req.finish("stop")

@@ -17,6 +17,7 @@ small model can emit blank lines until `max_tokens`. `StructuredOutput.whitespac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -47,7 +48,7 @@ class StructuredOutput:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"structured_output must be a StructuredOutput or a dict, got {type(value).__name__}")
-        unknown = set(value) - {"json", "json_object", "regex", "choice", "grammar", "whitespace"}
+        unknown = set(value) - STRUCTURED_KEYS
         if unknown:
             raise ValueError(f"structured_output has unknown key(s): {', '.join(sorted(map(str, unknown)))}")
         return cls(**value)
@@ -93,6 +94,9 @@ class StructuredOutput:
             sort_keys=True,
             default=str,
         )
+
+
+STRUCTURED_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutput))
 
 
 class Matcher:

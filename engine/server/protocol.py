@@ -10,7 +10,7 @@ from typing import Any
 import jinja2
 
 from engine.llm_engine import token_ids_ok
-from engine.structured import StructuredOutput
+from engine.structured import STRUCTURED_KEYS, StructuredOutput
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -263,9 +263,6 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-_STRUCTURED_KEYS = {"json", "json_object", "regex", "choice", "grammar", "whitespace"}
-
-
 def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:
     """The output constraint, from OpenAI's `response_format` or vLLM's `guided_*` and
     `structured_outputs`; at most one of them. Its contents are checked when it is compiled."""
@@ -290,8 +287,8 @@ def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:
             found.append((name, {key: body[name]}))
     given = body.get("structured_outputs")
     if given is not None:
-        if not isinstance(given, dict) or set(given) - _STRUCTURED_KEYS:
-            raise bad("structured_outputs", f"'structured_outputs' takes the keys {', '.join(sorted(_STRUCTURED_KEYS))}")
+        if not isinstance(given, dict) or set(given) - STRUCTURED_KEYS:
+            raise bad("structured_outputs", f"'structured_outputs' takes the keys {', '.join(sorted(STRUCTURED_KEYS))}")
         found.append(("structured_outputs", {k: v for k, v in given.items() if v is not None and v is not False}))
     if not found:
         return None, None

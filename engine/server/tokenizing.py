@@ -1,8 +1,8 @@
 """The server's tokenizer: the model's own, with very large texts tokenised in a helper process.
 
 The server tokenises in worker threads, but HF tokenizers hold the GIL at the end of a call while
-they hand over (and free) the encoding: about 0.1 s per million tokens, a stall of every stream
-and probe on the event loop, and of the engine thread. Texts of `LARGE_TEXT` characters or more
+they hand over (and free) the encoding: with millions of tokens, a stall of every stream and
+probe on the event loop, and of the engine thread (tests/server/test_guard.py measures the pace). Texts of `LARGE_TEXT` characters or more
 therefore go to a helper process: a small Python program that imports only `tokenizers`, holds
 the same Rust tokenizer (serialised from the model's) and answers with packed int32 ids over a
 pipe. It starts with the server, a probe checks that it tokenises exactly as the model's
@@ -74,8 +74,12 @@ class Helper:
         head = self.proc.stdout.read(8)  # file reads release the GIL while they wait
         if len(head) < 8:
             raise RuntimeError(f"the tokenizer helper exited ({self.proc.poll()})")
+        size = struct.unpack("<Q", head)[0]
+        body = self.proc.stdout.read(size)
+        if len(body) != size:  # it died while answering: never hand back a cut-off prompt
+            raise RuntimeError(f"the tokenizer helper exited mid-answer ({self.proc.poll()})")
         ids = array.array("i")
-        ids.frombytes(self.proc.stdout.read(struct.unpack("<Q", head)[0]))
+        ids.frombytes(body)
         return ids
 
     def close(self) -> None:

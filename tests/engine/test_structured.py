@@ -163,6 +163,15 @@ def test_ignore_eos_still_ends_where_the_grammar_ends() -> None:
     assert text(r) in CHOICES and r.finish_reason == "stop"
 
 
+def test_a_grammar_completed_by_the_last_allowed_token_ends_with_stop() -> None:
+    """The token that completes the grammar is also the max_new_tokens-th: the request ends because
+    its grammar did ("stop"), not because of the budget ("length")."""
+    request = dict(input_ids=list(prompts_for()[2]), ignore_eos=True, structured_output={"regex": REGEX})
+    (free,) = run(engine_for(), [dict(request, max_new_tokens=64)])
+    (exact,) = run(engine_for(), [dict(request, max_new_tokens=free.num_generated)])
+    assert exact.generated_ids == free.generated_ids and exact.finish_reason == "stop"
+
+
 def test_compiled_grammars_are_cached_by_their_text() -> None:
     engine = engine_for()
     assert engine.compile_grammar({"json": SCHEMA}) is engine.compile_grammar(StructuredOutput(json=SCHEMA))

@@ -85,3 +85,15 @@ def test_a_helper_that_tokenises_differently_is_not_used(small_large, caplog) ->
         tok.start()
     assert "tokenises differently" in caplog.text and tok._helper is None
     assert tok(TEXTS[0]).input_ids[0] == 1  # the model's own tokenizer, in-process
+
+
+def test_an_answer_cut_off_midway_is_never_used(server_tokenizer, caplog) -> None:
+    """A helper that dies while writing its answer: the text is tokenised in-process, not cut short."""
+    import io
+    import struct
+
+    helper = server_tokenizer._helper
+    helper.proc.stdout = io.BufferedReader(io.BytesIO(struct.pack("<Q", 12) + b"\0" * 8))  # 12 bytes promised, 8 sent
+    with caplog.at_level(logging.WARNING, "cbserve.server"):
+        assert server_tokenizer(TEXTS[0]).input_ids == build_test_tokenizer()(TEXTS[0]).input_ids
+    assert "mid-answer" in caplog.text and server_tokenizer._helper is None

@@ -198,11 +198,9 @@ class ContinuousBatchingManager:
             if out is not None:
                 yield out
 
-    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any],
-                                loop: asyncio.AbstractEventLoop | None = None) -> None:  # fmt: skip
-        """Deliver this request's outputs to `callback`, run on `loop` (by default the calling one;
-        give it to register from another thread)."""
-        loop = loop or asyncio.get_running_loop()
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
+        """Deliver this request's outputs to `callback`, run on the calling asyncio loop."""
+        loop = asyncio.get_running_loop()
         with self._lock:
             route = self._routes.get(request_id)
             if route is None:
@@ -214,7 +212,7 @@ class ContinuousBatchingManager:
             if route.finished:
                 self._routes.pop(request_id, None)
         for out in pending:
-            loop.call_soon_threadsafe(callback, out)
+            loop.call_soon(callback, out)
 
     def stats(self) -> dict[str, float]:
         stats = self.engine.stats()

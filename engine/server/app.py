@@ -172,6 +172,7 @@ class Handlers:
                 await _off_loop(gen.submit)  # the engine checks every token id of a long prompt
             else:
                 gen.submit()
+            gen.listen()
         except APIError as exc:
             return _error(exc, request_id)
         headers = {"x-request-id": request_id}

@@ -68,7 +68,6 @@ class Generation:
         self.created = int(time.time())
         self.choices: list[Choice] = []
         self.queue: asyncio.Queue[tuple[int, GenerationOutput] | None] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()  # outputs are handed to it, whatever thread submits
 
     def check_fits(self) -> None:
         """A request that could never be served, refused with 400 before any of it is queued: a
@@ -102,8 +101,9 @@ class Generation:
             raise APIError(400, f"'{req.structured_param}': {exc}", param=req.structured_param) from None
 
     def submit(self) -> None:
-        """Add every choice's engine request, its outputs routed to `events()`; on refusal, withdraw
-        the ones already added. May run in a worker thread (a long prompt's validation takes a while)."""
+        """Add every choice's engine request; on refusal, withdraw the ones already added. May run
+        in a worker thread (a long prompt's validation takes a while); `listen()` then follows on
+        the event loop."""
         req = self.req
         self.check_fits()
         try:
@@ -122,8 +122,6 @@ class Generation:
                 choice = Choice(i, engine_id, prompt, TextStream(self.tokenizer, req.stop),
                                 tools=ToolStream(req.tools) if req.tools is not None else None)  # fmt: skip
                 self.choices.append(choice)
-                self.manager.register_result_handler(engine_id, lambda out, i=i: self.queue.put_nowait((i, out)),
-                                                     self.loop)  # fmt: skip
         except QueueFullError as exc:
             self.cancel()
             self.metrics.rejected("queue_full")
@@ -135,6 +133,12 @@ class Generation:
         except RuntimeError as exc:  # the manager stopped
             self.cancel()
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
+
+    def listen(self) -> None:
+        """On the event loop: every choice's outputs go to `events()` (any that came already, too)."""
+        for choice in self.choices:
+            self.manager.register_result_handler(choice.engine_id,
+                                                 lambda out, i=choice.index: self.queue.put_nowait((i, out)))  # fmt: skip
 
     def cancel(self) -> None:
         """Withdraw every choice that has not ended (client gone, or an error): they end as "abort"."""

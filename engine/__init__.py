@@ -1,7 +1,8 @@
 """cbserve's continuous-batching engine for HuggingFace transformers causal LMs."""
 
 from engine.config import ContinuousBatchingConfig
-from engine.generate import generate_batch, use_cbserve
+from engine.compat import use_cbserve
+from engine.generate import generate_batch
 from engine.llm_engine import LLMEngine
 from engine.manager import ContinuousBatchingManager
 from engine.request import GenerationOutput, QueueFullError, RequestStatus, SamplingParams

@@ -11,6 +11,17 @@ from typing import Any
 logger = logging.getLogger("cbserve.engine")
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
+# default_compile_level -> the CompileConfig fields transformers gives that level
+COMPILE_LEVELS = {1: {"mode": "default", "dynamic": True}, 2: {"mode": "max-autotune-no-cudagraphs", "dynamic": True},
+                  3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False}}  # fmt: skip
+# transformers fields that mean nothing in cbserve: (default, why)
+NO_EFFECT = {
+    "auto_switch_to_flash": (True, "cbserve always runs its own paged attention (flash-attn on CUDA)"),
+    "disable_nccl_graph_mixing": (True, "cbserve has no tensor parallelism yet, so no NCCL"),
+    "cpu_group_timeout": (300.0, "cbserve has no tensor parallelism yet, so no CPU process group"),
+}
+_warned: set[str] = set()
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
 
 
@@ -48,10 +59,20 @@ class ContinuousBatchingConfig:
     # CompileConfig or a dict of its fields); None runs eagerly. See docs/gpu.md.
     varlen_compile_config: Any = None
     decode_compile_config: Any = None
+    # transformers' shorthand for those two: 0 eager; 1 mode "default", dynamic; 2 "max-autotune-no-cudagraphs",
+    # dynamic; 3 the same, static shapes. Fills only a path whose compile config is None.
+    default_compile_level: int = 0
     # "fifo": running decodes first, then prompt chunks; "prefill_first": prompt chunks first.
     scheduler_type: str = "fifo"
+    # Share of the KV blocks kept free for running requests: while fewer are free, no new request is
+    # admitted (one always is when nothing runs). None: 0, cbserve preempts instead (transformers' FIFO: 0.15).
+    safety_margin: float | None = None
     # Return the sampled token's logprob for every request by default.
     return_logprobs: bool = False
+    # Which distribution logprobs describe (vLLM's names): "raw_logprobs", the model's own (log_softmax of
+    # its logits); "processed_logprobs", the one each token was drawn from (after bias, penalties, grammar,
+    # temperature, top-k, top-p and min-p), which is what transformers returns.
+    logprobs_mode: str = "raw_logprobs"
     # Host pool (GiB) for swapping preempted requests' KV blocks; 0 recomputes them instead.
     cpu_offload_space: float = 0.0
     # The pool is clamped to this share of the host's total RAM (1.0: no clamp), as transformers does.
@@ -67,9 +88,15 @@ class ContinuousBatchingConfig:
     # its own buckets (engine/cuda_graphs.py): accepted, and a value other than 0 is logged once.
     q_padding_interval_size: int = 0
     kv_padding_interval_size: int = 0
-    # Deprecated in transformers (5.11, 5.13): accepted with a FutureWarning, no effect.
+    # Deprecated in transformers (5.11, 5.13), accepted with a FutureWarning: True sets default_compile_level 3
+    # as there; max_cached_graphs has no effect.
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
+    # transformers-only switches, accepted so its configs load; a value other than the default logs once
+    # why it has no effect here (NO_EFFECT below).
+    auto_switch_to_flash: bool = True
+    disable_nccl_graph_mixing: bool = True
+    cpu_group_timeout: float | None = 300.0
     # Seed of the sampler for requests that do not bring their own.
     seed: int | None = None
     # CPU only: linear layers on oneDNN-packed copies of their weights (engine/backends/cpu_linear.py;
@@ -113,9 +140,25 @@ class ContinuousBatchingConfig:
             if value:
                 logger.info("%s=%d is accepted for transformers compatibility; cbserve pads CUDA-graph steps "
                             "to its own buckets", name, value)  # fmt: skip
-        for name in ("use_default_compile_configs", "max_cached_graphs"):
-            if getattr(self, name) is not None:
-                warnings.warn(f"{name} is deprecated in transformers and has no effect", FutureWarning, stacklevel=4)
+        if self.use_default_compile_configs is not None:  # transformers 5.11: True means level 3
+            warnings.warn("use_default_compile_configs is deprecated in transformers: use default_compile_level "
+                          "(True is level 3, False level 0)", FutureWarning, stacklevel=4)  # fmt: skip
+            self.default_compile_level = 3 if self.use_default_compile_configs else 0
+        if self.max_cached_graphs is not None:
+            warnings.warn("max_cached_graphs is deprecated in transformers and has no effect", FutureWarning, stacklevel=4)
+        level = self.default_compile_level
+        if isinstance(level, bool) or level not in (0, *COMPILE_LEVELS):
+            raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {level!r}")
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            if level and getattr(self, name) is None:
+                setattr(self, name, dict(COMPILE_LEVELS[level]))
+        margin = self.safety_margin
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
+            raise ValueError(f"safety_margin must be in [0, 1), got {margin!r}")
+        for name, (default, why) in NO_EFFECT.items():
+            if getattr(self, name) != default and name not in _warned:
+                _warned.add(name)
+                logger.warning("%s=%r has no effect: %s", name, getattr(self, name), why)
         if not isinstance(self.drop_unsupported_processors, bool):
             raise ValueError(f"drop_unsupported_processors must be a bool, got {self.drop_unsupported_processors!r}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
@@ -123,6 +166,8 @@ class ContinuousBatchingConfig:
         pct = self.max_memory_percent
         if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct <= 1:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {pct!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.scheduler_type not in SCHEDULER_TYPES:
             raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
         space = self.cpu_offload_space

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 import warnings
 from typing import Any
 
@@ -13,6 +12,7 @@ from tqdm.auto import tqdm
 
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import SAMPLING_KEYS, LLMEngine
+from engine.manager import CACHED, ContinuousBatchingManager
 from engine.request import GenerationOutput, Request, child_id
 
 # per-request keywords generate_batch passes on to every prompt
@@ -20,7 +20,6 @@ REQUEST_KEYS = {p for p in inspect.signature(LLMEngine.make_request).parameters 
                 "request_id", "sampling")} | SAMPLING_KEYS  # fmt: skip
 # config fields older transformers releases took as generate_batch keywords
 CONFIG_KEYS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-CACHED = "_cbserve_engine"  # the model attribute holding a persistent engine
 
 
 @torch.inference_mode()
@@ -29,7 +28,7 @@ def generate_batch(
     inputs: list[list[int]],
     generation_config=None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
-    progress_bar: bool = True,
+    progress_bar: bool = False,
     record_timestamps: bool = False,
     max_new_tokens: int | None = None,
     tokenizer=None,
@@ -45,9 +44,9 @@ def generate_batch(
     before the stop string. A prompt that fails validation gets a FAILED output carrying the error;
     the others still run.
 
-    As in transformers: `persistent_manager=True` keeps the engine (its KV cache, packed weights,
-    prefix cache) on the model for the next call with the same config, as an RL loop wants
-    (`destroy_cached_engine(model)` frees it); `warmup` captures what the device captures ahead of
+    As in transformers: `persistent_manager=True` keeps a manager, and with it the engine (KV cache,
+    packed weights, prefix cache), on the model for the next call with the same config, as an RL loop
+    wants (`destroy_cached_engine(model)` frees it); `warmup` captures what the device captures ahead of
     time (nothing on the CPU). Config fields passed as keywords (`num_blocks=`, `max_batch_tokens=`,
     `use_cuda_graph=`, ...) still work, with a FutureWarning.
     """
@@ -57,13 +56,11 @@ def generate_batch(
     unknown = set(kwargs) - REQUEST_KEYS
     if unknown:
         raise TypeError(f"generate_batch() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-    if "num_return_sequences" not in kwargs and getattr(generation_config, "num_return_sequences", None):
-        kwargs["num_return_sequences"] = generation_config.num_return_sequences
     engine = _engine(model, continuous_batching_config, generation_config, tokenizer, persistent_manager)
     if warmup:
         engine.warmup()
     try:
-        outputs: dict[str, GenerationOutput] = {}
+        outputs: dict[str, GenerationOutput | int] = {}  # a failed prompt's output, or its number of sequences
         reqs = []
         for i, ids in enumerate(inputs):
             rid = f"req_{i}"
@@ -74,9 +71,9 @@ def generate_batch(
             except ValueError as exc:
                 outputs[rid] = _failed(rid, ids, str(exc))
                 continue
+            outputs[rid] = 1 + req.num_children  # keeps input order
             engine.add_request(req)
             reqs.append(req)
-            outputs[rid] = None  # keeps input order
         total = sum(1 + r.num_children for r in reqs)
         finished: dict[str, Request] = {}
         with tqdm(total=total, disable=not progress_bar, desc=f"Generating {total} sequences", unit="seq") as bar:
@@ -86,10 +83,10 @@ def generate_batch(
                 bar.update(len(done))
         result: dict[str, GenerationOutput] = {}
         for rid, out in outputs.items():  # input order, each request's siblings right after it
-            if out is not None:
+            if isinstance(out, GenerationOutput):
                 result[rid] = out
                 continue
-            family = [rid] + [child_id(rid, i) for i in range(kwargs.get("num_return_sequences", 1) - 1)]
+            family = [rid] + [child_id(rid, i) for i in range(out - 1)]
             for member in family:
                 result[member] = finished[member].to_output()
         return result
@@ -110,27 +107,32 @@ def _config_from_keywords(config: ContinuousBatchingConfig | None, kwargs: dict[
 
 
 def _engine(model, config, generation_config, tokenizer, persistent: bool) -> LLMEngine:
-    """A new engine, or with `persistent` the one kept on the model if it was built the same way."""
-    cached = getattr(model, CACHED, None)
-    key = (config or ContinuousBatchingConfig(), id(generation_config), id(tokenizer))
-    if persistent and cached is not None:
-        engine, cached_key = cached
-        if cached_key == key:
-            return engine
-        destroy_cached_engine(model)  # another config: built again
-    engine = LLMEngine(model, config, generation_config, tokenizer=tokenizer)
-    if persistent:
-        setattr(model, CACHED, (engine, key))
+    """A new engine, or with `persistent` the one of the manager kept on the model, if built the same way."""
+    if not persistent:
+        return LLMEngine(model, config, generation_config, tokenizer=tokenizer)
+    manager = getattr(model, CACHED, None)
+    if manager is not None and not manager.built_like(config or ContinuousBatchingConfig()):
+        destroy_cached_engine(model)  # built another way: built again
+        manager = None
+    if manager is None:
+        manager = ContinuousBatchingManager(model, generation_config, config, tokenizer=tokenizer)
+        setattr(model, CACHED, manager)
+    if manager.is_running():
+        raise RuntimeError("the manager kept on this model is running: stop it before generate_batch(..., "
+                           "persistent_manager=True), or call destroy_cached_engine(model)")  # fmt: skip
+    engine = manager.ready_engine()
+    engine.use_generation_config(generation_config, tokenizer)  # this call's, as transformers reads it per call
     return engine
 
 
 def destroy_cached_engine(model: torch.nn.Module) -> None:
-    """Free the engine `generate_batch(..., persistent_manager=True)` kept on `model` (transformers'
-    `destroy_cached_continuous_batching_manager`)."""
-    cached = getattr(model, CACHED, None)
-    if cached is not None:
-        cached[0].close()
-        delattr(model, CACHED)
+    """Free the manager and engine kept on `model` by `generate_batch(..., persistent_manager=True)` or
+    `stop(keep_for_next_session=True)` (transformers' `destroy_cached_continuous_batching_manager`)."""
+    manager = getattr(model, CACHED, None)
+    if manager is not None:
+        manager.destroy()
+        if hasattr(model, CACHED):
+            delattr(model, CACHED)
 
 
 def _failed(request_id: str, ids: Any, error: str) -> GenerationOutput:
@@ -138,10 +140,3 @@ def _failed(request_id: str, ids: Any, error: str) -> GenerationOutput:
 
     prompt = list(ids) if isinstance(ids, (list, tuple)) else []
     return GenerationOutput(request_id, prompt_ids=prompt, error=error, status=RequestStatus.FAILED, finish_reason="error")
-
-
-def use_cbserve(model: torch.nn.Module) -> torch.nn.Module:
-    """One-line opt-in: `model.generate_batch(...)` then runs on cbserve's engine."""
-    model.generate_batch = types.MethodType(generate_batch, model)
-    model.destroy_cached_continuous_batching_manager = types.MethodType(destroy_cached_engine, model)
-    return model

@@ -20,6 +20,7 @@ from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
+from engine.generation_defaults import resolve as resolve_generation_defaults
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
@@ -53,6 +54,12 @@ def token_ids_ok(ids: list | tuple, vocab_size: int) -> bool:
     return True
 
 
+def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
+    """Put each module back in the train/eval mode it had (modes from `model.modules()`, in order)."""
+    for module, training in zip(model.modules(), modes):
+        module.training = training
+
+
 class LLMEngine:
     def __init__(
         self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None,
@@ -61,8 +68,10 @@ class LLMEngine:
         self.config = config = config or ContinuousBatchingConfig()
         self.tokenizer = tokenizer  # needed only for stop strings and structured output
         self._grammars: GrammarCompiler | None = None
-        self.model = model.eval()
-        self.generation_config = generation_config or getattr(model, "generation_config", None)
+        self.model = model
+        modes = [m.training for m in model.modules()]
+        model.eval()  # the engine's forwards run in eval mode; the caller's modes come back below and after each step
+        self.use_generation_config(generation_config)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_context = getattr(text_config, "max_position_embeddings", None)
@@ -101,6 +110,7 @@ class LLMEngine:
             self.sizes.max_requests,
             prefill_first=config.scheduler_type == "prefill_first",
             swap=self.swap,
+            reserve_blocks=int((config.safety_margin or 0.0) * self.sizes.num_blocks),
         )
         self.fused_modules = self._fused_modules(model)
         self.runner = ModelRunner(model, self.cache, self.backend, [self.packed_linears, self.fused_modules])
@@ -109,7 +119,7 @@ class LLMEngine:
             num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
             max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
         )  # fmt: skip
-        self.sampler = Sampler(config.seed, argmax=getattr(self.backend, "argmax", None))
+        self.sampler = Sampler(config.seed, argmax=getattr(self.backend, "argmax", None), logprobs_mode=config.logprobs_mode)
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
         self._params = list(model.parameters())
         self._weights_seen = self._weights_version()
@@ -118,6 +128,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
         self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+        restore_modes(model, modes)
 
     def _packed_linears(self, model: torch.nn.Module, device: torch.device) -> PackedLinears | None:
         choice = self.config.cpu_packed_weights
@@ -194,7 +205,7 @@ class LLMEngine:
         record_timestamps: bool = False,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
-        num_return_sequences: int = 1,
+        num_return_sequences: int | None = None,
         stop_strings: list[str] | str | None = None,
         structured_output: StructuredOutput | dict | Grammar | None = None,
         **sampling: Any,
@@ -214,7 +225,7 @@ class LLMEngine:
             t = next(t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size)
             raise ValueError(f"input_ids holds {t!r}, which is not a token id in [0, {self.vocab_size})")
         if max_new_tokens is None:
-            max_new_tokens = getattr(self.generation_config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
+            max_new_tokens = self.defaults.max_new_for(len(input_ids)) or DEFAULT_MAX_NEW_TOKENS
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         total = len(input_ids) + max_new_tokens
@@ -231,7 +242,7 @@ class LLMEngine:
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-        params = self._sampling_params(sampling)
+        params = self._sampling_params(sampling, len(input_ids))
         params.validate(self.vocab_size)
         if params.logprobs is None and self.config.return_logprobs:
             params.logprobs = 0
@@ -240,11 +251,13 @@ class LLMEngine:
         for t in stops:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids holds {t!r}, which is not a token id")
-        n = num_return_sequences
+        n = self.defaults.num_return_sequences if num_return_sequences is None else num_return_sequences
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
         req = Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
         req.num_children = n - 1
+        if stop_strings is None:
+            stop_strings = self.defaults.stop_strings
         if stop_strings:
             if isinstance(stop_strings, str):
                 stop_strings = [stop_strings]
@@ -262,6 +275,16 @@ class LLMEngine:
             req.matcher = grammar.matcher()
         return req
 
+    def use_generation_config(self, generation_config=None, tokenizer=None) -> None:
+        """The generation config new requests take their defaults from (None: the model's), read as
+        model.generate reads it; and the tokenizer, when one is given. A kept engine takes a new one
+        per generate_batch call without being built again."""
+        model_config = getattr(self.model, "generation_config", None)
+        self.generation_config = generation_config or model_config
+        self.defaults = resolve_generation_defaults(generation_config, model_config, self.config.drop_unsupported_processors)
+        if tokenizer is not None and tokenizer is not self.tokenizer:
+            self.tokenizer, self._grammars = tokenizer, None
+
     def compile_grammar(self, spec: StructuredOutput | dict) -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer (cached by its text);
         a ValueError names what is wrong. Thread-safe: servers compile off their event loop."""
@@ -269,19 +292,23 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self._eos_ids(None)))
         return self._grammars.compile(spec)
 
-    def _sampling_params(self, given: dict[str, Any]) -> SamplingParams:
-        gc = self.generation_config
-        params = SamplingParams()
+    def _sampling_params(self, given: dict[str, Any], prompt_len: int) -> SamplingParams:
+        """The request's keywords over the generation config's fields, field by field. Sampling is on
+        when the request says do_sample=True, or gives a temperature > 0 without do_sample, or the
+        config says do_sample; do_sample=False is greedy whatever the temperature (as generate)."""
+        d = self.defaults
         do_sample = given.pop("do_sample", None)
         if do_sample is None:
-            do_sample = bool(getattr(gc, "do_sample", False)) and "temperature" not in given
+            temperature = given.get("temperature")
+            do_sample = d.do_sample if temperature is None else temperature != 0
+        params = SamplingParams(repetition_penalty=d.repetition_penalty, min_new_tokens=d.min_new_for(prompt_len))
         if do_sample:
-            params.temperature = float(getattr(gc, "temperature", None) or 1.0)
-            params.top_k = int(getattr(gc, "top_k", None) or 0)
-            params.top_p = float(getattr(gc, "top_p", None) or 1.0)
+            params.temperature, params.top_k, params.top_p, params.min_p = d.temperature, d.top_k, d.top_p, d.min_p
         for key, value in given.items():
             if value is not None:
                 setattr(params, key, value)
+        if not do_sample:
+            params.temperature = 0.0
         return params
 
     def _eos_ids(self, eos_token_id) -> frozenset[int]:
@@ -352,7 +379,15 @@ class LLMEngine:
         if batch.copies:
             self.cache.copy_blocks(batch.copies)
         t1 = time.perf_counter()
-        logits = self.runner.run(batch, sample_rows)
+        modes = None
+        if self.model.training:  # an RL trainer switches train() on between generations
+            modes = [m.training for m in self.model.modules()]
+            self.model.eval()
+        try:
+            logits = self.runner.run(batch, sample_rows)
+        finally:
+            if modes is not None:
+                restore_modes(self.model, modes)
         t2 = time.perf_counter()
         for req, n in batch.items:
             req.num_computed += n

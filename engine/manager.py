@@ -8,9 +8,11 @@ handler, never through a shared queue that has to be re-queued.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,8 @@ from engine.llm_engine import LLMEngine
 from engine.request import GenerationOutput, QueueFullError, Request, child_id
 
 logger = logging.getLogger("cbserve.manager")
+
+CACHED = "_cached_continuous_batching_manager"  # transformers' model attribute for a kept manager
 
 
 class _Route:
@@ -41,37 +45,67 @@ class ContinuousBatchingManager:
         generation_config=None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         tokenizer=None,
+        workload_hints: Any = None,
     ) -> None:
+        """`workload_hints` (transformers' WorkloadHints) is accepted and unused: cbserve sizes the
+        cache and the batch from a measured forward, not from hints."""
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.engine = LLMEngine(model, self.config, generation_config, tokenizer=tokenizer)
         self.model = model
         self._engine_args = (generation_config, tokenizer)
         self._released = False  # the engine's KV cache was freed by a stop(): start() builds a new one
+        self._destroyed = False
         self._keep = False
         self._inbox: list[Request] = []
         self._cancels: list[str] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._pause = threading.Condition()
+        self._pausers = 0  # threads inside pause()
+        self._paused = False  # the loop is parked between steps
         self._routes: dict[str, _Route] = {}
-        self._any: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids in delivery order
+        self._any: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # request ids in delivery order
         self._thread: threading.Thread | None = None
+        self._loop_ended = True
         self._stopping = False
         self._hard_stop = False
         self._accepting = True
         self._fatal: BaseException | None = None
         self.warmed_up = False
 
+    def built_like(self, continuous_batching_config: ContinuousBatchingConfig | None = None) -> bool:
+        """Whether this manager's engine was sized as this config asks (None: whatever it was)."""
+        return continuous_batching_config is None or continuous_batching_config == self.config
+
+    def use_generation_config(self, generation_config=None, tokenizer=None) -> None:
+        """Defaults for the requests added from now on (see LLMEngine.use_generation_config)."""
+        if generation_config is None and tokenizer is None:
+            return
+        old_gen, old_tok = self._engine_args
+        self._engine_args = (generation_config or old_gen, tokenizer or old_tok)
+        if not self._released:
+            with self._lock:
+                self.engine.use_generation_config(*self._engine_args)
+
+    def ready_engine(self) -> LLMEngine:
+        """The engine, built again if a stop() freed its cache."""
+        if self._destroyed:
+            raise RuntimeError("the manager was destroyed: build a new one")
+        if self._released:
+            generation_config, tokenizer = self._engine_args
+            self.engine = LLMEngine(self.model, self.config, generation_config, tokenizer=tokenizer)
+            self._released = self.warmed_up = False
+        return self.engine
+
     # -- control --------------------------------------------------------------------------------
     def start(self) -> None:
         if self.is_running():
             logger.warning("the manager is already running")
             return
-        if self._released:  # stopped without keep_for_next_session: a fresh engine (and KV cache)
-            generation_config, tokenizer = self._engine_args
-            self.engine = LLMEngine(self.model, self.config, generation_config, tokenizer=tokenizer)
-            self._released = self.warmed_up = False
+        self.ready_engine()  # stopped without keep_for_next_session: a fresh engine (and KV cache)
         self._stopping = self._hard_stop = False
         self._accepting = True
+        self._loop_ended = False
         self._thread = threading.Thread(target=self._loop, name="cbserve-engine", daemon=True)
         self._thread.start()
 
@@ -81,8 +115,11 @@ class ContinuousBatchingManager:
     def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False,
              keep_for_next_session: bool = False, **_: Any) -> None:  # fmt: skip
         """Stop accepting requests; finish the in-flight ones (or abort them with hard_stop), then exit.
-        The KV cache is freed once the loop has ended, unless `keep_for_next_session`; either way a
-        later start() serves again (after a free, on a newly built engine)."""
+        The KV cache is freed once the loop has ended, unless `keep_for_next_session`, which also keeps
+        the manager on the model for the next `init_continuous_batching` (as transformers does); either
+        way a later start() serves again (after a free, on a newly built engine)."""
+        if keep_for_next_session:
+            setattr(self.model, CACHED, self)
         with self._lock:
             self._accepting = False
             self._stopping = True
@@ -90,14 +127,58 @@ class ContinuousBatchingManager:
             self._keep = keep_for_next_session
         self._wake.set()
         if block:
-            self.join(timeout)
+            self.join(timeout=timeout)
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        """Wait for the loop to end (at most `timeout` s); `stop_trigger_time` (transformers' first
+        argument, a perf_counter() reading taken at stop) only dates the log line."""
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine loop did not end within %s s", timeout)
+            elif stop_trigger_time is not None:
+                logger.info("the engine loop stopped %.2f s after stop()", time.perf_counter() - stop_trigger_time)
         if not self.is_running() and self._stopping and not self._keep and not self._released:
             self.engine.close()
             self._released = True
+
+    def destroy(self) -> None:
+        """Stop (finishing in-flight requests) and free everything; the manager cannot start again."""
+        if self.is_running():
+            self.stop(block=True)
+        if not self._released:
+            self.engine.close()
+            self._released = True
+        self._destroyed = True
+        if getattr(self.model, CACHED, None) is self:
+            delattr(self.model, CACHED)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Park the loop between two steps while the caller uses the model (an in-place weight update,
+        an evaluation); requests and cache stay, and the loop resumes when the last pauser leaves.
+        Weights changed in place are noticed at the next step, which drops the stale prefix cache."""
+        if not self.is_running():
+            raise RuntimeError("pause() needs a running manager")
+        with self._pause:
+            self._pausers += 1
+            self._wake.set()
+            self._pause.wait_for(lambda: self._paused or self._loop_ended)
+        try:
+            yield
+        finally:
+            with self._pause:
+                self._pausers -= 1
+                self._pause.notify_all()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (and pack CPU weights again): call after replacing the model's weight
+        tensors. Safe while running: the loop is paused around it."""
+        if self.is_running():
+            with self.pause():
+                self.engine.reset_prefix_cache()
+        else:
+            self.engine.reset_prefix_cache()
 
     def warmup(self) -> None:
         """Run one small step so the first real request does not pay for lazy initialisation."""
@@ -178,6 +259,10 @@ class ContinuousBatchingManager:
                 rid = self._any.get(timeout=timeout)
             except queue.Empty:
                 return None
+            if rid is None:  # the loop ended: wakes iterators
+                if self._loop_ended and self._any.empty():
+                    return None
+                continue
             out = self.get_result(rid, timeout=0)
             if out is not None:
                 return out  # else: already taken by a get_result(rid) caller; look further
@@ -193,10 +278,15 @@ class ContinuousBatchingManager:
                 return
 
     def __iter__(self) -> Iterator[GenerationOutput]:
-        while self.is_running() or not self._any.empty():
-            out = self._get_any(timeout=0.5)
+        """Outputs of every request as they come. Ends once each request added so far has handed out
+        its final output, or the manager stopped and every output was taken (transformers' iterator
+        runs until the manager stops)."""
+        while self._routes or not self._any.empty():
+            out = self._get_any(timeout=None)
             if out is not None:
                 yield out
+            elif self._loop_ended:
+                return
 
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
         """Deliver this request's outputs to `callback`, run on the calling asyncio loop."""
@@ -254,11 +344,20 @@ class ContinuousBatchingManager:
             if req is not None:
                 self._deliver(req.to_output())
 
+    def _park_if_paused(self) -> None:
+        with self._pause:
+            if self._pausers:
+                self._paused = True
+                self._pause.notify_all()
+                self._pause.wait_for(lambda: not self._pausers)
+                self._paused = False
+
     def _loop(self) -> None:
         engine = self.engine
         try:
             while True:
                 self._wake.clear()
+                self._park_if_paused()
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     if self._stopping:
@@ -282,3 +381,8 @@ class ContinuousBatchingManager:
             for req in engine.fail_all(f"engine loop died: {exc}"):
                 self._deliver(req.to_output())
             raise
+        finally:
+            self._loop_ended = True
+            self._any.put(None)  # wakes an iterator waiting for outputs that will not come
+            with self._pause:
+                self._pause.notify_all()

@@ -5,7 +5,9 @@ processing, the argmax is taken on them as they are (the CPU backend's kernel re
 place); otherwise they are converted to float32 first. Greedy rows take the argmax. Sampled rows go through
 temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with q ~ Exp(1):
 a request with a seed draws q from its own generator, so its tokens do not depend on what else
-is in the batch. Logprobs are those of the model's raw distribution (log_softmax of the logits).
+is in the batch. Logprobs are those of the model's raw distribution (log_softmax of the logits), or
+with logprobs_mode "processed_logprobs" those of the distribution the token was drawn from (after
+bias, penalties, grammar, temperature, top-k, top-p and min-p; greedy rows at temperature 1).
 A request with structured output has the tokens its grammar forbids masked to -inf last, after
 bias and penalties (engine/structured.py).
 """
@@ -43,8 +45,10 @@ def _needs_processing(req: Request) -> bool:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, seed: int | None = None, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:  # fmt: skip
         self.argmax = argmax or _argmax  # [rows, vocab] -> int64 [rows]: the backend's, when it has one
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -56,13 +60,18 @@ class Sampler:
         if not want_logprobs and all(r.sampling.greedy and not _needs_processing(r) for r in reqs):
             return SampleResult(self.argmax(logits).tolist(), None, None)
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs and not self.processed_logprobs else None
         logits = self._process(logits, reqs)
         greedy = [r.sampling.greedy for r in reqs]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
+            if want_logprobs and self.processed_logprobs:
+                raw_logprobs = torch.log_softmax(logits, dim=-1)
         else:
-            tokens = self._sample(logits, reqs, greedy)
+            tokens, probs = self._sample(logits, reqs, greedy)
+            if want_logprobs and self.processed_logprobs:
+                drawn_from = torch.where(torch.tensor(greedy)[:, None], torch.softmax(logits, dim=-1), probs)
+                raw_logprobs = torch.log(drawn_from / drawn_from.sum(dim=-1, keepdim=True))
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SampleResult(token_list, None, None)
@@ -120,7 +129,8 @@ class Sampler:
                     logits[row, list(reqs[row].eos_token_ids)] = saved.clamp(min=torch.finfo(logits.dtype).min)
         return logits
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens, and the (unnormalised after min-p) probabilities the sampled rows drew from."""
         num_rows, vocab = logits.shape
         temperature = torch.tensor([r.sampling.temperature if not g else 1.0 for r, g in zip(reqs, greedy)])
         scaled = logits / temperature[:, None]
@@ -149,4 +159,4 @@ class Sampler:
             if req.generator is not None and not greedy[row]:
                 noise[row] = torch.empty(vocab).exponential_(generator=req.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled), probs

@@ -41,12 +41,14 @@ class Scheduler:
         max_running: int,
         prefill_first: bool = False,
         swap: HostSwapPool | None = None,
+        reserve_blocks: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.prefill_first = prefill_first
         self.swap = swap
+        self.reserve_blocks = reserve_blocks  # safety_margin: fewer free blocks admit no one while others run
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -105,6 +107,8 @@ class Scheduler:
 
     def _admit_waiting(self, chosen: dict[Request, int], budget: list[int]) -> None:
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_running:
+            if self.running and self.bm.num_free < self.reserve_blocks:
+                break
             req = self.waiting[0]
             swapped = self.swap is not None and self.swap.holds(req)
             if swapped:

@@ -233,8 +233,8 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
         "min_new_tokens": _integer(body, "min_tokens", 0),
     }
     top_k = _integer(body, "top_k", -1)
-    if top_k is not None:
-        kwargs["top_k"] = 0 if top_k == -1 else top_k  # vLLM's -1 and OpenAI's absence both mean off
+    # vLLM's -1 and OpenAI's absence both mean off (not transformers' default of 50)
+    kwargs["top_k"] = 0 if top_k in (None, -1) else top_k
     if kwargs["temperature"] is None:
         kwargs["temperature"] = 1.0  # OpenAI's default: sampling
     bias = body.get("logit_bias")

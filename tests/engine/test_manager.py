@@ -161,10 +161,10 @@ def test_generate_batch_keeps_a_persistent_engine_and_takes_transformers_keyword
     cfg = ContinuousBatchingConfig(block_size=16, num_blocks=128)
     first = generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=6, ignore_eos=True,
                            progress_bar=False, persistent_manager=True, warmup=False)  # fmt: skip
-    engine = getattr(model, CACHED)[0]
+    engine = getattr(model, CACHED).engine
     second = generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=6, ignore_eos=True,
                             progress_bar=False, persistent_manager=True)  # fmt: skip
-    assert getattr(model, CACHED)[0] is engine  # the same engine: no second profiling, prefix cache kept
+    assert getattr(model, CACHED).engine is engine  # the same engine: no second profiling, prefix cache kept
     assert engine.block_manager.prefix_hits > 0
     for p, a, b in zip(prompts, first.values(), second.values()):
         assert tuple(a.generated_tokens) == tuple(b.generated_tokens) == reference("llama", tuple(p))[:6]

@@ -20,6 +20,8 @@ NO_EFFECT = {
     "auto_switch_to_flash": (True, "cbserve always runs its own paged attention (flash-attn on CUDA)"),
     "disable_nccl_graph_mixing": (True, "cbserve has no tensor parallelism yet, so no NCCL"),
     "cpu_group_timeout": (300.0, "cbserve has no tensor parallelism yet, so no CPU process group"),
+    "q_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/cuda_graphs.py)"),
+    "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/cuda_graphs.py)"),
 }
 _warned: set[str] = set()
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
@@ -85,7 +87,7 @@ class ContinuousBatchingConfig:
     # generation config that it could drop (its sampling parameters are per request).
     drop_unsupported_processors: bool = True
     # transformers' CUDA-graph padding granularities (0: its presets). cbserve pads graph steps to
-    # its own buckets (engine/cuda_graphs.py): accepted, and a value other than 0 is logged once.
+    # its own buckets (engine/cuda_graphs.py): accepted, and a value other than 0 is logged once (NO_EFFECT).
     q_padding_interval_size: int = 0
     kv_padding_interval_size: int = 0
     # Deprecated in transformers (5.11, 5.13), accepted with a FutureWarning: True sets default_compile_level 3
@@ -137,9 +139,6 @@ class ContinuousBatchingConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-            if value:
-                logger.info("%s=%d is accepted for transformers compatibility; cbserve pads CUDA-graph steps "
-                            "to its own buckets", name, value)  # fmt: skip
         if self.use_default_compile_configs is not None:  # transformers 5.11: True means level 3
             warnings.warn("use_default_compile_configs is deprecated in transformers: use default_compile_level "
                           "(True is level 3, False level 0)", FutureWarning, stacklevel=4)  # fmt: skip

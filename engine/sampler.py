@@ -14,6 +14,7 @@ bias and penalties (engine/structured.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,16 @@ class SampleResult:
     tokens: list[int]
     logprobs: list[float] | None  # of the sampled token, per row; None when no row asked
     top_logprobs: list[dict[int, float] | None] | None
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device`: on CUDA through pinned memory, without blocking."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -54,6 +65,21 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator | None] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        """The unseeded rows' generator on `device`, seeded from the host one; None (torch's default)
+        on a device that has no generators of its own."""
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            try:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(int(torch.randint(0, 2**62, (), generator=self.generator)))
+            except RuntimeError:
+                gen = None
+            self._device_generators[device] = gen
+        return self._device_generators[device]
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], default_logprobs: bool = False) -> SampleResult:
         want_logprobs = default_logprobs or any(r.sampling.logprobs is not None for r in reqs)
@@ -70,7 +96,7 @@ class Sampler:
         else:
             tokens, probs = self._sample(logits, reqs, greedy)
             if want_logprobs and self.processed_logprobs:
-                drawn_from = torch.where(torch.tensor(greedy)[:, None], torch.softmax(logits, dim=-1), probs)
+                drawn_from = torch.where(_on(logits.device, greedy, torch.bool)[:, None], torch.softmax(logits, dim=-1), probs)
                 raw_logprobs = torch.log(drawn_from / drawn_from.sum(dim=-1, keepdim=True))
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -102,16 +128,16 @@ class Sampler:
                 logits, cloned = logits.clone(), True
             x = logits[row]
             if sp.logit_bias:
-                ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
-                x.index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()), dtype=x.dtype))
+                ids = _on(x.device, list(sp.logit_bias), torch.long)
+                x.index_add_(0, ids, _on(x.device, list(sp.logit_bias.values()), x.dtype))
             if sp.repetition_penalty != 1.0:
-                seen = torch.tensor(req.token_ids, dtype=torch.long).unique()
+                seen = _on(x.device, sorted(set(req.token_ids)), torch.long)
                 vals = x[seen]
                 x[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
             if sp.presence_penalty or sp.frequency_penalty:
-                counts = torch.bincount(torch.tensor(req.generated_ids, dtype=torch.long), minlength=x.shape[0])
-                counts = counts[: x.shape[0]].to(x.dtype)
-                x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+                counts = Counter(req.generated_ids)  # each generated token once, with how often it came
+                n = _on(x.device, list(counts.values()), x.dtype)
+                x.index_add_(0, _on(x.device, list(counts), torch.long), -(sp.frequency_penalty * n + sp.presence_penalty))
             if ban_eos:
                 ends = list(req.eos_token_ids)
                 if req.matcher is not None:
@@ -132,7 +158,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens, and the (unnormalised after min-p) probabilities the sampled rows drew from."""
         num_rows, vocab = logits.shape
-        temperature = torch.tensor([r.sampling.temperature if not g else 1.0 for r, g in zip(reqs, greedy)])
+        device = logits.device
+        temperature = _on(device, [r.sampling.temperature if not g else 1.0 for r, g in zip(reqs, greedy)], torch.float32)
         scaled = logits / temperature[:, None]
         top_k = [r.sampling.top_k for r in reqs]
         top_p = [r.sampling.top_p for r in reqs]
@@ -140,23 +167,24 @@ class Sampler:
         if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
             remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-            remove |= torch.arange(vocab)[None, :] >= k[:, None]
-            p = torch.tensor(top_p)
+            k = _on(device, [k if 0 < k < vocab else vocab for k in top_k], torch.long)
+            remove |= torch.arange(vocab, device=device)[None, :] >= k[:, None]
+            p = _on(device, top_p, torch.float32)
             probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
             remove |= (torch.cumsum(probs, dim=-1) - probs) >= p[:, None]
             remove[:, 0] = False
             scaled = scaled.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
         probs = torch.softmax(scaled, dim=-1)
         if any(m > 0 for m in min_p):
-            threshold = torch.tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = _on(device, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs)
         unseeded = [row for row, r in enumerate(reqs) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self._generator(device))
         for row, req in enumerate(reqs):
             if req.generator is not None and not greedy[row]:
-                noise[row] = torch.empty(vocab).exponential_(generator=req.generator)
+                # drawn on the host from the request's own generator: the same tokens on any device
+                noise[row] = torch.empty(vocab).exponential_(generator=req.generator).to(device, non_blocking=True)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled), probs
+        return torch.where(_on(device, greedy, torch.bool), logits.argmax(dim=-1), sampled), probs

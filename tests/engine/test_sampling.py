@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, generate_batch
@@ -174,3 +175,25 @@ def test_bf16_decode_path_matches_float32_attention() -> None:
     low = _grouped_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25).float()
     assert (low - ref).abs().max() < 0.05
     assert torch.allclose(_grouped_decode_attention(q, k, v, mask, 0.25), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_every_sampling_tensor_is_made_on_the_logits_device(mode) -> None:
+    """Logits on torch's meta device: any tensor the sampler builds on the host and mixes with them
+    raises a device mismatch, so reaching the final copy-out (which meta cannot do) shows that every
+    step (bias, penalties, EOS ban, temperature, top-k/p, min-p, noise, logprobs) stayed on the
+    logits' device, as it must for CUDA logits."""
+    from engine import ContinuousBatchingConfig, LLMEngine
+    from engine.sampler import Sampler
+    from tests.engine.conftest import VOCAB, model_for
+
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=32))
+    asks = [dict(temperature=0.0), dict(temperature=0.8, top_k=5, seed=3), dict(temperature=1.2, top_p=0.5, min_p=0.1),
+            dict(temperature=0.7, logit_bias={4: 2.0}, repetition_penalty=1.3, presence_penalty=0.5,
+                 frequency_penalty=0.5, min_new_tokens=3, eos_token_id=2, logprobs=3)]  # fmt: skip
+    reqs = [engine.make_request([5, 6, 7, 5], max_new_tokens=8, **ask) for ask in asks]
+    for req in reqs:
+        req.token_ids.append(9)  # one generated token: the penalties have something to count
+    logits = torch.empty(len(reqs), VOCAB, device="meta")
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        Sampler(seed=0, logprobs_mode=mode)(logits, reqs, default_logprobs=True)

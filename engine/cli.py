@@ -103,26 +103,67 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return items
 
 
-def generate(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
+def _done_ids(path: Path) -> set[str]:
+    """The ids already in the output file. A cut last line (not JSON, no newline after it: a run stopped
+    mid-write) is dropped from the file with a warning, so its prompt runs again; any other bad line is an error."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    lines = data.split(b"\n")  # the last one: what follows the last newline (b"" when the file ends with one)
+    done, start = set(), 0
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for a cut character
+                if n < len(lines):
+                    raise ValueError(f"{path}:{n}: not JSON ({exc})") from None
+                print(f"cbserve: warning: {path}:{n}: dropped a cut last line (an interrupted run); its prompt "
+                      "runs again", file=sys.stderr)  # fmt: skip
+                with path.open("r+b") as f:
+                    f.truncate(start)
+                return done
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError(f"{path}:{n}: a result line needs an 'id'")
+            done.add(str(record["id"]))
+        start += len(line) + 1
+    if data and not data.endswith(b"\n"):  # a whole last record, stopped before its newline
+        with path.open("ab") as f:
+            f.write(b"\n")
+    return done
 
-    from engine import generate_batch
-    from engine.detokenizer import TextStream
+
+def generate(args: argparse.Namespace) -> int:
+    from engine.generate import destroy_cached_engine
     from engine.loader import load_model
-    from engine.server.protocol import parse_chat
     from engine.server.settings import load_settings
 
     settings = load_settings({"config": args.config, "dtype": args.dtype})
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     items = _read_jsonl(Path(args.input))
     out_path = Path(args.output)
-    done = set()
-    if out_path.exists():
-        done = {json.loads(line)["id"] for line in out_path.read_text().splitlines() if line.strip()}
+    done = _done_ids(out_path)
     todo = [it for it in items if str(it["id"]) not in done]
     if not todo:
         print(f"nothing to do: all {len(items)} ids are in {out_path}")
         return 0
     loaded = load_model(args.model, settings.dtype)
+    try:
+        _generate_chunks(args, loaded, settings, todo, out_path)
+    finally:
+        destroy_cached_engine(loaded.model)
+    return 0
+
+
+def _generate_chunks(args: argparse.Namespace, loaded: Any, settings: Any, todo: list[dict], out_path: Path) -> None:
+    """Each chunk through one engine kept across chunks (its KV cache, packed weights and prefix cache stay),
+    its results appended and flushed before the next chunk starts."""
+    from tqdm.auto import tqdm
+
+    from engine import generate_batch
+    from engine.detokenizer import TextStream
+    from engine.server.protocol import parse_chat
+
     tok = loaded.tokenizer
     vocab = loaded.model.config.get_text_config().vocab_size
     sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
@@ -133,7 +174,8 @@ def generate(args: argparse.Namespace) -> int:
             prompts = [parse_chat({"messages": it["messages"]}, tok, vocab).prompts[0] if "messages" in it
                        else tok(it["prompt"]).input_ids for it in chunk]  # fmt: skip
             results = generate_batch(loaded.model, prompts, continuous_batching_config=settings.engine,
-                                     max_new_tokens=args.max_new_tokens, progress_bar=False, **sampling)  # fmt: skip
+                                     max_new_tokens=args.max_new_tokens, progress_bar=False, persistent_manager=True,
+                                     **sampling)  # fmt: skip
             for item, prompt, res in zip(chunk, prompts, results.values()):
                 text = TextStream(tok, args.stop)
                 body = text.add(res.generated_tokens) + text.finish()
@@ -148,7 +190,6 @@ def generate(args: argparse.Namespace) -> int:
                 out.write(json.dumps(record) + "\n")
             out.flush()
             bar.update(len(chunk))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

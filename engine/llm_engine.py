@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
@@ -52,6 +53,51 @@ def token_ids_ok(ids: list | tuple, vocab_size: int) -> bool:
         if set(map(type, part)) != {int} or min(part) < 0 or max(part) >= vocab_size:
             return False
     return True
+
+
+ONE_PROMPT = "one request takes one prompt; for several, use add_requests or generate_batch with a list of prompts"
+
+
+def as_token_ids(input_ids: Any, vocab_size: int) -> list[int] | tuple[int, ...]:
+    """One prompt's ids as Python ints in [0, vocab_size), from a list or tuple of ints (or of numpy integers), or
+    a 1-D or [1, T] integer tensor or numpy array; anything else is a ValueError that says what is wrong."""
+    if isinstance(input_ids, (str, bytes)):
+        raise ValueError("input_ids must be token ids, not text: tokenize the prompt first (e.g. tokenizer.encode(text))")
+    if isinstance(input_ids, (torch.Tensor, np.ndarray)):
+        input_ids = _array_ids(input_ids)
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}")
+    if len(input_ids) == 0:
+        raise ValueError("input_ids must be a non-empty list of token ids (the prompt is empty)")
+    if token_ids_ok(input_ids, vocab_size):  # the fast path: plain ints
+        return input_ids
+    if any(isinstance(t, np.integer) for t in input_ids):
+        input_ids = [int(t) if isinstance(t, np.integer) else t for t in input_ids]
+        if token_ids_ok(input_ids, vocab_size):
+            return input_ids
+    t = next(t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size)
+    if isinstance(t, (float, np.floating)):
+        raise ValueError(f"input_ids holds {t!r}, which is not a token id: token ids are integers, not floats")
+    if isinstance(t, (list, tuple, torch.Tensor, np.ndarray)):
+        raise ValueError(f"input_ids holds a {type(t).__name__}: {ONE_PROMPT}")
+    raise ValueError(f"input_ids holds {t!r}, which is not a token id in [0, {vocab_size})")
+
+
+def _array_ids(ids: torch.Tensor | np.ndarray) -> list:
+    """A tensor's or numpy array's ids as a list of Python ints: integer dtype, shape [T] or [1, T]."""
+    if isinstance(ids, torch.Tensor):
+        integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+    else:
+        integer = ids.dtype.kind in "iu"
+    if not integer:
+        raise ValueError(f"input_ids must hold integer token ids, got a {type(ids).__name__} of dtype {ids.dtype}")
+    if ids.ndim == 0:
+        raise ValueError("input_ids is a single number (0-d): pass a list of token ids, e.g. [id]")
+    if ids.ndim == 2 and ids.shape[0] == 1:  # a batch of one, as transformers' input_ids
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ValueError(f"input_ids has shape {list(ids.shape)}, not [T] or [1, T]: {ONE_PROMPT}")
+    return ids.tolist()
 
 
 def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
@@ -217,13 +263,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.flatten().tolist()
-        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
-            raise ValueError("input_ids must be a non-empty list of token ids (the prompt is empty)")
-        if not token_ids_ok(input_ids, self.vocab_size):
-            t = next(t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size)
-            raise ValueError(f"input_ids holds {t!r}, which is not a token id in [0, {self.vocab_size})")
+        input_ids = as_token_ids(input_ids, self.vocab_size)
         if max_new_tokens is None:
             max_new_tokens = self.defaults.max_new_for(len(input_ids)) or DEFAULT_MAX_NEW_TOKENS
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -312,15 +352,25 @@ class LLMEngine:
         return params
 
     def _eos_ids(self, eos_token_id) -> frozenset[int]:
+        """The request's EOS ids, else the generation config's, else the model config's, each a token id
+        in [0, vocab); the configs' negative ids (transformers' -1: none) and None are left out."""
+        name = "eos_token_id"
         if eos_token_id is None:
-            eos_token_id = getattr(self.generation_config, "eos_token_id", None)
+            name, eos_token_id = "generation_config.eos_token_id", getattr(self.generation_config, "eos_token_id", None)
         if eos_token_id is None:
-            eos_token_id = getattr(self.model.config, "eos_token_id", None)
+            name, eos_token_id = "model.config.eos_token_id", getattr(self.model.config, "eos_token_id", None)
         if eos_token_id is None:
             return frozenset()
-        if isinstance(eos_token_id, int):
-            eos_token_id = [eos_token_id]
-        return frozenset(int(t) for t in eos_token_id if t is not None and t >= 0)
+        if isinstance(eos_token_id, (torch.Tensor, np.ndarray)):
+            eos_token_id = eos_token_id.tolist()
+        ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
+        ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
+        if name != "eos_token_id":
+            ids = [t for t in ids if t is not None and not (isinstance(t, (int, float)) and t < 0)]
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{name} {t!r} is not a token id in [0, {self.vocab_size})")
+        return frozenset(ids)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:

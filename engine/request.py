@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -56,7 +57,13 @@ class SamplingParams:
         def number(name: str, value: Any) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-            return float(value)
+            try:
+                x = float(value)
+            except OverflowError:  # an int beyond any float
+                x = math.inf
+            if not math.isfinite(x):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return x
 
         if number("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -83,7 +90,7 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                     raise ValueError(f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
-                number("logit_bias value", bias)
+                number(f"logit_bias value for token {token}", bias)
 
 
 @dataclass

@@ -38,3 +38,13 @@ def test_generate_bad_input_line_is_one_clear_error(model_dir, tmp_path) -> None
     r = run("--model", str(model_dir), "--input", str(src), "--output", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2
     assert r.stderr.strip() == f"cbserve: error: {src}:2: each line needs 'prompt' or 'messages'"
+
+
+def test_generate_keeps_one_engine_across_chunks(model_dir, tmp_path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "prompt": f"Number {i} is"}) + "\n" for i in range(3)))
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(out), "--max-new-tokens", "3",
+            "--chunk", "1")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "1", "2"]
+    assert r.stderr.count("cbserve engine:") == 1  # the KV cache is sized (and the engine built) once, not per chunk

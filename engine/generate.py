@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from engine import telemetry
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import SAMPLING_KEYS, LLMEngine
 from engine.manager import CACHED, ContinuousBatchingManager
@@ -22,6 +23,7 @@ REQUEST_KEYS = {p for p in inspect.signature(LLMEngine.make_request).parameters 
 CONFIG_KEYS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
 
 
+@telemetry.traced_batch
 @torch.inference_mode()
 def generate_batch(
     model: torch.nn.Module,

@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import torch
 
+from engine import telemetry
 from engine.backends import cpu_malloc, get_backend
 from engine.backends.cpu_fused import FusedModules
 from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan, packed_bytes, packing_available
@@ -296,6 +297,7 @@ class LLMEngine:
             raise ValueError(f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
         req = Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
         req.num_children = n - 1
+        req.otel_context = telemetry.current_context()
         if stop_strings is None:
             stop_strings = self.defaults.stop_strings
         if stop_strings:
@@ -385,6 +387,7 @@ class LLMEngine:
             return None
         self.scheduler.remove(req)
         req.finish(reason, error)
+        telemetry.request_finished(req)
         return req
 
     def fail_all(self, error: str) -> list[Request]:
@@ -459,6 +462,7 @@ class LLMEngine:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
                 self.scheduler.remove(req)
+                telemetry.request_finished(req)
         t4 = time.perf_counter()
         times = self.step_times
         times["schedule"] += t1 - t0

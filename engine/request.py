@@ -167,6 +167,7 @@ class Request:
         self.num_children = 0  # n - 1: sequences forked from this one after its prefill
         self.text_stream = None  # engine.detokenizer.TextStream when the request has stop strings
         self.matcher = None  # engine.structured.Matcher when the request has structured output
+        self.otel_context = None  # OpenTelemetry context its span records under (engine/telemetry.py); None: none
 
         self.created_time = time.perf_counter()
         self.scheduled_time: float | None = None
@@ -192,6 +193,7 @@ class Request:
         child.status = RequestStatus.DECODING
         child.created_time, child.scheduled_time = self.created_time, self.scheduled_time
         child.num_cached_tokens = self.num_cached_tokens
+        child.otel_context = self.otel_context
         if self.text_stream is not None:
             child.text_stream = self.text_stream.fresh()
         if self.matcher is not None:  # forked before the first token: the parser is at its start

@@ -166,25 +166,30 @@ class Handlers:
                 raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                     f"{state.model_name!r}", param="model", code="model_not_found")  # fmt: skip
             gen = Generation(state.manager, state.tokenizer, req, state.metrics, state.max_model_len)
-            if req.structured is not None:
-                await _off_loop(gen.compile_constraint)
-            if sum(map(len, req.prompts)) * req.n > LOOP_TOKENS:
-                await _off_loop(gen.submit)  # the engine checks every token id of a long prompt
-            else:
-                gen.submit()
+        except APIError as exc:
+            return _error(exc, request_id)
+        span = otel.request_span(gen)
+        try:
+            with otel.current(span):  # the engine's request spans become this span's children
+                if req.structured is not None:
+                    await _off_loop(gen.compile_constraint)
+                if sum(map(len, req.prompts)) * req.n > LOOP_TOKENS:
+                    await _off_loop(gen.submit)  # the engine checks every token id of a long prompt
+                else:
+                    gen.submit()
             gen.listen()
         except APIError as exc:
+            otel.end_span(span, gen, exc.message)
             return _error(exc, request_id)
         headers = {"x-request-id": request_id}
         if req.stream:
-            return _CountedStream(self._stream(gen, request), on_end=state.leave, media_type="text/event-stream",
-                                  headers=headers)  # fmt: skip
-        return await self._complete(request, gen, headers)
+            return _CountedStream(self._stream(gen, request, span), on_end=state.leave,
+                                  media_type="text/event-stream", headers=headers)  # fmt: skip
+        return await self._complete(request, gen, headers, span)
 
-    async def _complete(self, request: Request, gen: Generation, headers: dict) -> Response:
+    async def _complete(self, request: Request, gen: Generation, headers: dict, span: Any) -> Response:
         """Non-streaming: gather everything, unless the client leaves first (then cancel)."""
         state = self.state
-        span = otel.request_span(gen)
         pieces: dict[int, list[str]] = {c.index: [] for c in gen.choices}
         logprobs: dict[int, list] = {c.index: [] for c in gen.choices}
         calls: dict[int, list] = {}
@@ -235,9 +240,8 @@ class Handlers:
         }
         return await _json_off_loop(body, headers)
 
-    async def _stream(self, gen: Generation, request: Request) -> AsyncIterator[str]:
+    async def _stream(self, gen: Generation, request: Request, span: Any) -> AsyncIterator[str]:
         state = self.state
-        span = otel.request_span(gen)
         # a client that leaves is noticed at once, not at the next write. Starlette watches for it
         # itself only under ASGI < 2.4 (uvicorn 0.54 speaks 2.3); under 2.4 it relies on the next
         # send failing, which during a long prefill comes seconds of wasted steps later

@@ -21,7 +21,7 @@ from engine.backends.cpu_fused import FusedModules
 from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan, packed_bytes, packing_available
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
-from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
+from engine.backends.cuda.graphs import normalize_cuda_graph_flag, reserved_blocks
 from engine.generation_defaults import resolve as resolve_generation_defaults
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner
@@ -29,9 +29,9 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.structured import Grammar, GrammarCompiler, StructuredOutput
-from engine.step_dispatch import StepDispatcher
+from engine.backends.step_dispatch import StepDispatcher
 from engine.swap import HostSwapPool
-from engine.memory import kv_bytes_per_block, plan_for_device, profile_activation_peak, read_device_memory
+from engine.backends.memory import kv_bytes_per_block, plan_for_device, profile_activation_peak, read_device_memory
 
 logger = logging.getLogger("cbserve.engine")
 

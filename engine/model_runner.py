@@ -42,7 +42,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
-        self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/step_dispatch.py)
+        self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/backends/step_dispatch.py)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         reqs = [r for r, _ in batch.items]

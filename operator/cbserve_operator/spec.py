@@ -356,7 +356,7 @@ def _parse_engine(r: _Reader, e: dict[str, Any]) -> Engine:
         cuda_graphs=r.get(e, "engine.cudaGraphs", (bool,)),
         cuda_graphs_varlen=r.get(e, "engine.cudaGraphsVarlen", (bool,)),
         cuda_graphs_decode=r.get(e, "engine.cudaGraphsDecode", (bool,)),
-        compile=r.get(e, "engine.compile", (bool,), False),
+        compile=r.get(e, "engine.backends.compile", (bool,), False),
         scheduler_type=r.get(e, "engine.schedulerType", (str,), "fifo"),
         prefix_caching=r.get(e, "engine.prefixCaching", (bool,), True),
         cpu_offload_gib=float(r.get(e, "engine.cpuOffloadGiB", (int, float), 0.0)),

@@ -14,7 +14,7 @@ import torch
 
 from engine.backends.cpu import SDPABackend
 from engine.backends.cuda import SDPACudaBackend
-from engine.cuda_graphs import (
+from engine.backends.cuda.graphs import (
     PAD_BLOCKS,
     DecodeBuffers,
     DecodeGraphRunner,

@@ -13,10 +13,10 @@ import torch
 
 from engine.backends.cuda import FlashAttnBackend, SDPACudaBackend
 from engine.config import ContinuousBatchingConfig
-from engine.cuda_graphs import graph_table_width
+from engine.backends.cuda.graphs import graph_table_width
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.llm_engine import LLMEngine
-from engine.step_dispatch import StepDispatcher
+from engine.backends.step_dispatch import StepDispatcher
 from engine.testing import build_test_model, random_prompts
 from tests.gpu.helpers import EagerCapturer, FlashReference, hf_forward
 

@@ -11,7 +11,7 @@ block is the engine's reserved padding block (never handed to a request), so its
 and its attention touch nothing a real request owns. The cache must therefore be allocated with
 `PAD_BLOCKS` extra block(s) beyond the ones the block manager hands out (`pad_block = num_blocks`).
 
-Prefill and mixed steps run eagerly unless varlen graphs are asked for (engine/varlen_graphs.py).
+Prefill and mixed steps run eagerly unless varlen graphs are asked for (engine/backends/cuda/varlen_graphs.py).
 The pure logic here runs anywhere; capture itself needs CUDA, except through an injected capturer
 (tests replay eagerly on the CPU).
 """

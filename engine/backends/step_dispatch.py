@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
-from engine.compile import compile_step
-from engine.cuda_graphs import (
+from engine.backends.compile import compile_step
+from engine.backends.cuda.graphs import (
     CudaGraphCapturer,
     DecodeGraphRunner,
     GraphCapturer,
@@ -32,7 +32,7 @@ from engine.cuda_graphs import (
     normalize_cuda_graph_flag,
     reserved_blocks,
 )
-from engine.varlen_graphs import VarlenGraphRunner
+from engine.backends.cuda.varlen_graphs import VarlenGraphRunner
 
 
 class StepDispatcher:

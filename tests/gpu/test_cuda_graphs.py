@@ -22,8 +22,8 @@ from engine.backends.cuda.graphs import (
     choose_decode_graph,
     fill_decode_buffers,
     graph_batch_sizes,
-    normalize_cuda_graph_flag,
 )
+from engine.backends.step_dispatch import normalize_cuda_graph_flag
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.testing import build_test_model
 from tests.gpu.helpers import EagerCapturer, hf_forward, meta_for

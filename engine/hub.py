@@ -106,6 +106,7 @@ def download(model: HubModel, root: Path | None = None) -> Path:
         raise DownloadError(f"downloading {model.uri} failed: {type(exc).__name__}: {first_line}") from exc
     record = {"uri": model.uri, "repo": model.repo, "revision": model.revision or DEFAULT_REVISION,
               "commit": info.sha}  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)  # a repo with no files has no folder yet
     partial = folder / (MARKER + ".partial")
     partial.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(partial, folder / MARKER)

@@ -198,7 +198,7 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
             phase = "Failed" if cache.failed else "Pending"
             rollout = [condition("Ready", False, "ModelNotCached", "waiting for the model cache; see ModelCached",
                                  generation) if c["type"] == "Ready" else c for c in rollout]  # fmt: skip
-        before = next((c for c in old_conditions if c.get("type") == "ModelCached"), {})
+        before: dict[str, Any] = next((c for c in old_conditions if c.get("type") == "ModelCached"), {})
         if cache.failed and before.get("reason") != "DownloadFailed":
             kopf.warn(body, reason="ModelDownloadFailed", message=cache.message)
     patch.status.update({

@@ -1,21 +1,35 @@
-"""The attention function cbserve registers with transformers' AttentionInterface.
+"""The attention function cbserve registers with transformers' AttentionInterface, once.
 
 Every model that goes through the attention interface calls it once per layer with the layer's
-query, key and value ([1, heads, T, head_dim] for the step's packed tokens). It hands them to the
-step's backend, which writes K/V into the paged cache and attends over each sequence's own blocks.
+query, key and value ([1, heads, T, head_dim] for the step's packed tokens). Inside an engine step
+(the model forward gets the `cb_step` kwarg) it hands them to the step's backend, which writes K/V
+into the paged cache and attends over each sequence's own blocks. Anywhere else (a `model.generate`
+on the same model, on any thread, while the engine runs) it is the model's own implementation.
+
+`install(model)` sets the model's implementation to `cbserve_paged+<its own>` ("+sdpa", "+eager",
+...), registered with the attention and mask interfaces on first use: the mask is the model's own
+outside engine steps and none inside them (the engine's attention needs no mask).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
 from engine.kv_cache import PagedKVCache
 
-ATTN_IMPLEMENTATION = "cbserve_paged"
+ATTN_IMPLEMENTATION = "cbserve_paged"  # engine steps only: raises without `cb_step`
+_IN_STEP = contextvars.ContextVar("cbserve_in_engine_step", default=False)  # per thread
+_registered: set[str] = set()
 
 
 @dataclass
@@ -27,24 +41,9 @@ class StepContext:
     meta: AttentionMetadata
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    cb_step: StepContext | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    if cb_step is None:
-        raise RuntimeError(
-            f"attn_implementation {ATTN_IMPLEMENTATION!r} runs only inside cbserve's engine "
-            "(the model forward must receive the `cb_step` kwarg)"
-        )
+def _paged(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           cb_step: StepContext, scaling: float | None = None, sliding_window: int | None = None,
+           softcap: float | None = None) -> tuple[torch.Tensor, None]:  # fmt: skip
     layer = module.layer_idx
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -60,6 +59,70 @@ def paged_attention_forward(
         softcap=softcap,
     )
     return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            cb_step: StepContext | None = None, sliding_window=None, softcap=None, **kwargs):  # fmt: skip
+    if cb_step is None:
+        raise RuntimeError(
+            f"attn_implementation {ATTN_IMPLEMENTATION!r} runs only inside cbserve's engine "
+            "(the model forward must receive the `cb_step` kwarg)"
+        )
+    return _paged(module, query, key, value, cb_step, scaling, sliding_window, softcap)
+
+
+def _own_attention(module: torch.nn.Module, name: str) -> Callable:
+    if name == "eager":  # each modeling file has its own eager function
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _register(name: str, own: str) -> None:
+    def attention(module, query, key, value, attention_mask, cb_step: StepContext | None = None, **kwargs):
+        if cb_step is None:
+            return _own_attention(module, own)(module, query, key, value, attention_mask, **kwargs)
+        return _paged(module, query, key, value, cb_step, kwargs.get("scaling"), kwargs.get("sliding_window"),
+                      kwargs.get("softcap"))  # fmt: skip
+
+    AttentionInterface.register(name, attention)
+    own_mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(own)
+    if own_mask is not None:  # else no mask anywhere, as for the model's own implementation
+
+        def mask(*args, **kwargs):
+            return None if _IN_STEP.get() else own_mask(*args, **kwargs)
+
+        AttentionMaskInterface.register(name, mask)
+    _registered.add(name)
+
+
+def implementation_for(own: str | None) -> str:
+    """The registered name of cbserve's attention over the model's own implementation `own`."""
+    own = own or "eager"
+    if own.startswith(ATTN_IMPLEMENTATION + "+"):
+        return own
+    name = f"{ATTN_IMPLEMENTATION}+{own}"
+    if name not in _registered:
+        _register(name, own)
+    return name
+
+
+def install(model: torch.nn.Module) -> None:
+    """The model's attention goes through cbserve's function from now on (cheap when it already does:
+    the runner calls it every step, so a `set_attn_implementation` made meanwhile is wrapped again)."""
+    config = model.config
+    current = config._attn_implementation
+    if not (current and current.startswith(ATTN_IMPLEMENTATION + "+")):
+        config._attn_implementation = implementation_for(current)
+
+
+@contextlib.contextmanager
+def engine_step() -> Iterator[None]:
+    """Marks this thread's forward as an engine step: masks are skipped (the paged attention needs none)."""
+    token = _IN_STEP.set(True)
+    try:
+        yield
+    finally:
+        _IN_STEP.reset(token)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import ATTN_IMPLEMENTATION, StepContext
+from engine import attention
+from engine.attention import StepContext
 from engine.backends import AttentionBackend, AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
@@ -106,23 +107,17 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The eager model call of one step: logits [len(logits_rows), vocab] in the model's dtype."""
         self.backend.prepare(meta)
-        config = self.model.config
-        previous = config._attn_implementation
-        # cbserve's attention only for this forward: the model stays usable by model.generate
-        config._attn_implementation = ATTN_IMPLEMENTATION
-        try:
-            with contextlib.ExitStack() as swaps:
-                for swap in self.module_swaps:
-                    swaps.enter_context(swap.active())
-                out = self.model(
-                    input_ids=input_ids[None],
-                    position_ids=positions[None],
-                    use_cache=False,
-                    logits_to_keep=logits_rows,
-                    cb_step=StepContext(self.backend, self.cache, meta),
-                )
-        finally:
-            config._attn_implementation = previous
+        attention.install(self.model)  # once; again only if the model's implementation was changed since
+        with attention.engine_step(), contextlib.ExitStack() as swaps:
+            for swap in self.module_swaps:
+                swaps.enter_context(swap.active())
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_rows,
+                cb_step=StepContext(self.backend, self.cache, meta),
+            )
         return out.logits[0]
 
     @torch.inference_mode()

@@ -136,7 +136,8 @@ class LLMEngine:
         extra_blocks = reserved_blocks(graph_flags)  # the padding block of CUDA graphs, never handed out
         self.packed_linears = self._packed_linears(model, param.device)  # before sizing: it takes memory
         self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param, extra_blocks)
-        logger.info("cbserve engine: %s", self.sizes.summary())
+        self.device, self.dtype = param.device, param.dtype
+        logger.info("cbserve engine: %s", self.placement_line())
         self.cache = PagedKVCache(
             num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads, head_dim, param.dtype, param.device
         )
@@ -176,6 +177,18 @@ class LLMEngine:
         # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
         self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
         restore_modes(model, modes)
+
+    def placement(self) -> dict[str, Any]:
+        """Where the engine runs and how big its KV cache is (the server's /v1/models shows it)."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "attn_backend": self.backend.name, "block_size": self.block_size,
+                "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
+                "kv_cache_bytes": self.sizes.cache_bytes}  # fmt: skip
+
+    def placement_line(self) -> str:
+        """The start-up log line: device, dtype, attention backend, then the sizes chosen."""
+        p = self.placement()
+        return f"device {p['device']}, dtype {p['dtype']}, attention {p['attn_backend']}; {self.sizes.summary()}"
 
     def _packed_linears(self, model: torch.nn.Module, device: torch.device) -> PackedLinears | None:
         choice = self.config.cpu_packed_weights

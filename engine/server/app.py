@@ -286,7 +286,8 @@ class Handlers:
     # -- the rest ------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         model = {"id": self.state.model_name, "object": "model", "created": int(time.time()),
-                 "owned_by": "cbserve", "max_model_len": self.state.max_model_len}  # fmt: skip
+                 "owned_by": "cbserve", "max_model_len": self.state.max_model_len,
+                 "engine": self.state.manager.engine.placement()}  # fmt: skip
         return _json({"object": "list", "data": [model]})
 
     async def tokenize(self, request: Request) -> Response:

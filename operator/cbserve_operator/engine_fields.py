@@ -30,6 +30,8 @@ def describe(rule: dict[str, Any]) -> str:
     if rule.get("accepts"):
         return rule["accepts"]
     kind = rule["kind"]
+    if rule.get("choices") and rule.get("power_of_two"):
+        return f"a power of two from {min(rule['choices'])} to {max(rule['choices'])}"
     if rule.get("choices"):
         return "one of " + ", ".join(str(c) for c in rule["choices"])
     if kind == "bool":

@@ -36,13 +36,14 @@ _FLAG_TYPES = {"int": int, "float": float, "str": str}
 def add_setting_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
     """One flag per table setting that has one (or the `names` given), defaulting to None (not given)."""
     for item in SETTINGS if names is None else [BY_NAME[n] for n in names]:
-        if not item.flag:
+        flag = item.cli_flag
+        if flag is None:
             continue
         help = f"{item.doc} (env {item.env})"
         if item.kind == "bool":
-            parser.add_argument(item.cli_flag, dest=item.name, action=argparse.BooleanOptionalAction, help=help)
+            parser.add_argument(flag, dest=item.name, action=argparse.BooleanOptionalAction, help=help)
         else:
-            parser.add_argument(item.cli_flag, dest=item.name, type=_FLAG_TYPES[item.kind], help=help,
+            parser.add_argument(flag, dest=item.name, type=_FLAG_TYPES[item.kind], help=help,
                                 choices=list(item.choices) or None)  # fmt: skip
 
 

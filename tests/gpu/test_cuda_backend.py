@@ -117,7 +117,7 @@ def test_sdpa_fallback_equals_the_cpu_backend(seqs, kw):
 
 
 GPU_MODULES = ["engine/backends/cuda.py", "engine/cuda_graphs.py", "engine/varlen_graphs.py", "engine/step_dispatch.py",
-               "engine/async_batching.py", "engine/memory.py", "engine/compile.py"]  # fmt: skip
+               "engine/async_batching.py", "engine/memory.py", "engine/compile.py", "engine/device.py"]  # fmt: skip
 
 
 def test_gpu_modules_type_check_without_flash_attn_or_cuda(tmp_path):

@@ -268,6 +268,20 @@ def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunn
     assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
 
 
+def test_an_older_spelling_still_works_and_an_event_names_the_new_one(operator: KopfRunner,
+                                                                      crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "deprecated"
+    apply(c, ns, example(engine__prefixCaching=False))
+    obj = reconciled(c, ns)
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+    (cm,) = wait_for(lambda: c.items("v1", "configmaps", ns), what="the ConfigMap")
+    assert yaml.safe_load(cm["data"]["engine.yaml"])["allow_block_sharing"] is False
+    events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeprecatedField"],
+                      what="a DeprecatedField Event")
+    assert events[0]["type"] == "Warning"
+    assert events[0]["message"] == "engine.prefixCaching is deprecated: use engine.allowBlockSharing"
+
+
 def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator: KopfRunner,
                                                                         crd_cluster: Cluster) -> None:
     """A Service annotation key the API server does not take (no rule of the CRD or the operator

@@ -21,10 +21,10 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, allow_block_sharing: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.allow_block_sharing = allow_block_sharing
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -52,7 +52,7 @@ class BlockManager:
         The last token is never taken from the cache: its logits are needed, so it is recomputed.
         """
         assert not req.block_ids
-        if not self.enable_prefix_caching:
+        if not self.allow_block_sharing:
             return 0
         bs = self.block_size
         parent = 0
@@ -81,7 +81,7 @@ class BlockManager:
         shared by a request admitted in the same step, because every layer writes the step's new
         K/V into the cache before any sequence attends.
         """
-        if not self.enable_prefix_caching:
+        if not self.allow_block_sharing:
             return
         bs = self.block_size
         for i in range(len(req.block_hashes), num_tokens // bs):

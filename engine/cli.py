@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.server.settings import add_setting_flags
+
 logger = logging.getLogger("cbserve")
 
 
@@ -20,18 +22,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--config", help="YAML file of engine settings (ContinuousBatchingConfig fields)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attn-implementation", dest="attn_implementation")
+    p.add_argument("--config", help="YAML file of settings (engine/settings_table.py; docs/engine.md)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for in-flight requests (default 30)")
     p.add_argument("--api-key", action="append", dest="api_key",
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
                         "(repeatable; or CBSERVE_API_KEY, comma-separated)")  # fmt: skip
-    p.add_argument("--max-body-bytes", type=int, dest="max_body_bytes",
-                   help="larger request bodies get 413 before they are read (default 4 MiB)")  # fmt: skip
     p.add_argument("--body-timeout", type=float, dest="body_timeout",
                    help="seconds a request body may pause before the request gets 408 (default 30)")  # fmt: skip
+    add_setting_flags(p)  # every setting with a flag in engine/settings_table.py
 
 
 def _generate_parser(sub) -> None:
@@ -40,8 +39,8 @@ def _generate_parser(sub) -> None:
                                     "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     p.add_argument("--input", required=True, help='JSONL: {"id", "prompt"} or {"id", "messages"} per line')
     p.add_argument("--output", required=True, help="JSONL results, in input order; existing ids are skipped")
-    p.add_argument("--config", help="YAML file of engine settings")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--config", help="YAML file of settings (engine/settings_table.py; docs/engine.md)")
+    add_setting_flags(p, ["device", "dtype"])
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float)
@@ -72,6 +71,16 @@ def download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _placement(settings: Any) -> tuple[str, str]:
+    """The device and dtype the settings resolve to on this machine (engine/device.py); a device that
+    is not there is a ValueError, which `main` turns into one line and exit status 2."""
+    from engine.device import probe, resolve_device, resolve_dtype
+
+    acc = probe()
+    device = resolve_device(settings.device, acc)
+    return device, resolve_dtype(settings.dtype, device, acc)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Bind the port first, then load the model behind it (engine/server/startup.py): probes get
     answers from the start, `/ready` turns 200 once the engine is warm."""
@@ -81,6 +90,7 @@ def serve(args: argparse.Namespace) -> int:
     from engine.server.startup import DrainingServer, Startup
 
     settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
+    device, dtype = _placement(settings)  # a device that is not there stops here, before the port is bound
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who reaches the port can use it "
@@ -91,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         from engine.loader import load_model
         from engine.server.app import build_state, create_app
 
-        loaded = load_model(settings.model, settings.dtype, settings.attn_implementation)
+        loaded = load_model(settings.model, dtype, settings.attn_implementation, device=device)
         manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine,
                                             tokenizer=loaded.tokenizer)  # fmt: skip
         name = settings.served_model_name or loaded.name
@@ -162,7 +172,8 @@ def generate(args: argparse.Namespace) -> int:
     from engine.loader import load_model
     from engine.server.settings import load_settings
 
-    settings = load_settings({"config": args.config, "dtype": args.dtype})
+    settings = load_settings({"config": args.config, "device": args.device, "dtype": args.dtype})
+    device, dtype = _placement(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     items = _read_jsonl(Path(args.input))
     out_path = Path(args.output)
@@ -171,7 +182,7 @@ def generate(args: argparse.Namespace) -> int:
     if not todo:
         print(f"nothing to do: all {len(items)} ids are in {out_path}")
         return 0
-    loaded = load_model(args.model, settings.dtype)
+    loaded = load_model(args.model, dtype, settings.attn_implementation, device=device)
     try:
         _generate_chunks(args, loaded, settings, todo, out_path)
     finally:
@@ -216,16 +227,19 @@ def _generate_chunks(args: argparse.Namespace, loaded: Any, settings: Any, todo:
             bar.update(len(chunk))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbserve", description="continuous-batching serving of HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
     _download_parser(sub)
-    args = parser.parse_args(argv)
-    from engine.server.settings import SettingsError
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from engine.hub import DownloadError
+    from engine.server.settings import SettingsError
 
     commands = {"serve": serve, "generate": generate, "download": download}
     try:

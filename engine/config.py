@@ -8,10 +8,10 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.settings_table import engine_settings
+
 logger = logging.getLogger("cbserve.engine")
 
-SCHEDULER_TYPES = ("fifo", "prefill_first")
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
 # default_compile_level -> the CompileConfig fields transformers gives that level
 COMPILE_LEVELS = {1: {"mode": "default", "dynamic": True}, 2: {"mode": "max-autotune-no-cudagraphs", "dynamic": True},
                   3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False}}  # fmt: skip
@@ -120,61 +120,26 @@ class ContinuousBatchingConfig:
         self._validate()
 
     def _validate(self) -> None:
-        def positive_int(name: str, value: Any, allow_none: bool = True) -> None:
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        positive_int("block_size", self.block_size)
+        """Each field against its rule in engine/settings_table.py; then what no single rule says."""
         if self.max_blocks_per_request == 0 and not isinstance(self.max_blocks_per_request, bool):
             self.max_blocks_per_request = None  # transformers' 0: no fast-path table; here: no cap
-        for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_blocks_per_request"):
-            positive_int(name, getattr(self, name))
         if self.max_memory_percent is None:
             self.max_memory_percent = 0.9
-        threshold = self.cpu_offload_space_safety_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
-            raise ValueError(f"cpu_offload_space_safety_threshold must be in (0, 1], got {threshold!r}")
-        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for item in engine_settings():
+            setattr(self, item.name, item.check(getattr(self, item.name)))
         if self.use_default_compile_configs is not None:  # transformers 5.11: True means level 3
             warnings.warn("use_default_compile_configs is deprecated in transformers: use default_compile_level "
                           "(True is level 3, False level 0)", FutureWarning, stacklevel=4)  # fmt: skip
             self.default_compile_level = 3 if self.use_default_compile_configs else 0
         if self.max_cached_graphs is not None:
             warnings.warn("max_cached_graphs is deprecated in transformers and has no effect", FutureWarning, stacklevel=4)
-        level = self.default_compile_level
-        if isinstance(level, bool) or level not in (0, *COMPILE_LEVELS):
-            raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {level!r}")
         for name in ("varlen_compile_config", "decode_compile_config"):
-            if level and getattr(self, name) is None:
-                setattr(self, name, dict(COMPILE_LEVELS[level]))
-        margin = self.safety_margin
-        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
-            raise ValueError(f"safety_margin must be in [0, 1), got {margin!r}")
+            if self.default_compile_level and getattr(self, name) is None:
+                setattr(self, name, dict(COMPILE_LEVELS[self.default_compile_level]))
         for name, (default, why) in NO_EFFECT.items():
             if getattr(self, name) != default and name not in _warned:
                 _warned.add(name)
                 logger.warning("%s=%r has no effect: %s", name, getattr(self, name), why)
-        if not isinstance(self.drop_unsupported_processors, bool):
-            raise ValueError(f"drop_unsupported_processors must be a bool, got {self.drop_unsupported_processors!r}")
-        if self.block_size is not None and self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        pct = self.max_memory_percent
-        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct <= 1:
-            raise ValueError(f"max_memory_percent must be in (0, 1], got {pct!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
-        space = self.cpu_offload_space
-        if isinstance(space, bool) or not isinstance(space, (int, float)) or space < 0:
-            raise ValueError(f"cpu_offload_space must be a number of GiB >= 0, got {space!r}")
-        if isinstance(self.max_queue_size, bool) or not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
-            raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
         graph = self.use_cuda_graph
         if isinstance(graph, list):
             self.use_cuda_graph = graph = tuple(graph)
@@ -182,14 +147,6 @@ class ContinuousBatchingConfig:
             isinstance(graph, tuple) and len(graph) == 2 and all(isinstance(g, bool) for g in graph)
         ):
             raise ValueError(f"use_cuda_graph must be a bool or a (varlen, decode) pair of bools, got {graph!r}")
-        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("use_async_batching", "cpu_packed_weights"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool or null, got {getattr(self, name)!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("varlen_compile_config", "decode_compile_config"):
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -199,8 +156,6 @@ class ContinuousBatchingConfig:
                     setattr(self, name, CompileConfig(**value))
                 except TypeError as exc:
                     raise ValueError(f"{name}: {exc}") from None
-        if self.attn_backend not in (None, "cpu", "cuda"):
-            raise ValueError(f"attn_backend must be 'cpu', 'cuda' or null, got {self.attn_backend!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -150,6 +150,10 @@ class LLMEngine:
     packed_linears = property(lambda self: getattr(self.executor, "packed_linears", None))
     fused_modules = property(lambda self: getattr(self.executor, "fused_modules", None))
 
+    def placement(self) -> dict[str, Any]:
+        """Where the engine runs and how big its KV cache is (the server's /v1/models shows it)."""
+        return self.executor.placement()
+
     def warmup(self) -> None:
         """Capture what the device captures ahead of time (decode graphs); nothing on the CPU."""
         self.executor.warmup()

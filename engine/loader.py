@@ -28,10 +28,11 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """"auto": bfloat16 on a GPU, float32 on the CPU."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+def resolve_torch_dtype(name: str, device: str) -> torch.dtype:
+    """The torch dtype for a dtype setting on `device` ("auto" by engine/device.py's rules)."""
+    from engine.device import probe, resolve_dtype
+
+    name = resolve_dtype(name, device, probe())
     if name not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
@@ -105,15 +106,17 @@ def embedded_folder() -> Path:
     return folder
 
 
-def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None) -> LoadedModel:
+def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
+               device: str = "cpu") -> LoadedModel:  # fmt: skip
     """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
     first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
-    (path None) the embedded SmolLM2 model."""
+    (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
+    weights load straight onto it, never whole into host memory first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine import hub
 
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_torch_dtype(dtype, device)
     if path is None:
         folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
@@ -131,7 +134,9 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
                 raise FileNotFoundError(f"--model {path!r} has no config.json: not a transformers checkpoint folder")
         name = path if looks_like_hub_id else folder.name
         folder = path if looks_like_hub_id else folder
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    extra: dict[str, object] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if device != "cpu":
+        extra["device_map"] = device  # accelerate places each tensor on the device as it is read
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
     text_config = model.config.get_text_config()

@@ -72,14 +72,18 @@ def rows(schema: dict[str, Any], prefix: str = "") -> list[tuple[str, str, str, 
     return out
 
 
-def table() -> str:
-    crd = yaml.safe_load(CRD.read_text())
-    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+def table(schema: dict[str, Any] | None = None) -> str:
+    """The Markdown table of `schema` (default: the CRD file's openAPIV3Schema)."""
+    if schema is None:
+        schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     lines = ["| field | type | default | validation (the API server refuses anything else) |", "|---|---|---|---|"]
     root = "; ".join(_checks(schema))
     if root:
         lines.append(f"| `metadata.name` | string | | {root} |")
-    for path, kind, default, checks in rows(schema["properties"]["spec"]):
+    spec = schema["properties"]["spec"]
+    if _checks(spec):  # rules over several sections of the spec
+        lines.append(f"| `spec` | object | | {'; '.join(_checks(spec))} |")
+    for path, kind, default, checks in rows(spec):
         lines.append(f"| `{path}` | {kind} | {default} | {checks.replace('|', '&#124;')} |")
     return "\n".join(lines)
 

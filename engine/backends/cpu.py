@@ -41,8 +41,8 @@ def _attention(q, k, v, mask, scaling, softcap, enable_gqa):
 def _grouped_decode_attention(q, k, v, mask, scaling):
     """One query per sequence with plain matmuls: q [B, H, D], k/v [B, Hkv, L, D], mask [B, 1, 1, L].
 
-    torch's CPU flash kernel is slow for bf16/fp16 decode (measured 16.4 ms against 7.1 ms here for
-    64 sequences x 320 keys); in float32 it is the faster of the two and stays in use.
+    torch's CPU flash kernel is the slower of the two for bf16/fp16 decode (`python
+    benchmarks/attention_kernel.py` compares them); in float32 it is the faster and stays in use.
     """
     b, h, d = q.shape
     kv_heads = k.shape[1]

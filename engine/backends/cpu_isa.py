@@ -1,7 +1,7 @@
 """What this CPU can do, asked once, and the answers every CPU fast path goes by.
 
-Hosts differ (a laptop, a CPU node, this project's machines move between AMD Zen 3, Zen 4 and
-Zen 5), so no fast path assumes an instruction set. Three answers come from one probe of the CPU's
+Hosts differ (a laptop, a CPU node, AVX2-only or AVX-512 server CPUs), so no fast path assumes an
+instruction set. Three answers come from one probe of the CPU's
 flags (/proc/cpuinfo on Linux):
 
 - `kernel_isa()`: which build of cbserve's C++ kernels runs here. "avx512" (AVX-512 F/BW/VL/DQ:

@@ -4,9 +4,8 @@ Two packed layouts, each made once from the weight:
 - **Panels** (engine/csrc/linear_cpu.cpp, with cbserve's C++ kernels): the weight cut into panels
   of two vectors' worth of outputs, in the weight's own dtype (a bfloat16 model's panels take half a
   float32 copy's memory and are widened on load), multiplied by a kernel that keeps a block of sums
-  in registers. On an AVX2 host (AMD EPYC, Zen 3) it ran SmolLM2-135M's decode products (16 rows)
-  at 90-110 GFLOP/s where oneDNN's packed product ran 55-80, and prompt products (256-1,024 rows)
-  level with or above oneDNN's (`python benchmarks/cpu_paths.py products`).
+  in registers. `python benchmarks/cpu_paths.py products` compares it with oneDNN's packed product
+  on the host at hand (figures in docs/benchmarks.md).
 - **oneDNN's blocked layout** (`torch.ops.mkldnn`), in the compute dtype below.
 
 `linear_plan(ops)` decides which a model gets. With kernels built for AVX2: panels only. With

@@ -3,8 +3,8 @@
 Each step allocates and frees activations of a few MB (a [1024, 1376] MLP intermediate, logits).
 With glibc's defaults such blocks may be handed back to the kernel when freed (mmap'd chunks,
 or a heap top past the trim threshold) and the next step pays a page fault per 4 KB page on first
-touch: measured here, element-wise ops of a 1,024-token step ran at half speed (aten::mul 283 against
-160 us per call). vLLM's CPU build asks for tcmalloc for the same reason. These settings keep
+touch, and element-wise ops of a 1,024-token step run far slower (`python benchmarks/cpu_paths.py`
+compares the paths). vLLM's CPU build asks for tcmalloc for the same reason. These settings keep
 blocks up to 32 MB on the heap and the heap from shrinking below 1 GB of free space, so memory
 freed by one step is reused, already mapped, by the next. The process keeps its peak activation
 memory (typically tens to hundreds of MB) instead of returning it.

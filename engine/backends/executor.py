@@ -49,7 +49,7 @@ class Executor:
         extra_blocks = reserved_blocks(self.graph_flags)  # the padding block of graphs, never handed out
         swaps = self.module_swaps()  # before sizing: packed weights take memory
         self.sizes: CachePlan = self._plan(num_layers, num_kv_heads, head_dim, extra_blocks)
-        logger.info("cbserve engine: %s", self.sizes.summary())
+        logger.info("cbserve engine: %s", self.placement_line())
         self.cache = PagedKVCache(num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads,
                                   head_dim, self.dtype, self.device)  # fmt: skip
         self.runner = ModelRunner(model, self.cache, self.backend, swaps)
@@ -60,6 +60,18 @@ class Executor:
         )  # fmt: skip
         self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode)
         self.last_times = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}  # of the last execute_model
+
+    def placement(self) -> dict:
+        """Where the engine runs and how big its KV cache is."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "attn_backend": self.backend.name, "block_size": self.block_size,
+                "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
+                "kv_cache_bytes": self.sizes.cache_bytes}  # fmt: skip
+
+    def placement_line(self) -> str:
+        """The start-up log line: device, dtype, attention backend, then the sizes chosen."""
+        p = self.placement()
+        return f"device {p['device']}, dtype {p['dtype']}, attention {p['attn_backend']}; {self.sizes.summary()}"
 
     # -- what a device adds ---------------------------------------------------------------------
     def module_swaps(self) -> list[ModuleSwaps]:

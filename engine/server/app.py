@@ -286,7 +286,8 @@ class Handlers:
     # -- the rest ------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         model = {"id": self.state.model_name, "object": "model", "created": int(time.time()),
-                 "owned_by": "cbserve", "max_model_len": self.state.max_model_len}  # fmt: skip
+                 "owned_by": "cbserve", "max_model_len": self.state.max_model_len,
+                 "engine": self.state.manager.engine.placement()}  # fmt: skip
         return _json({"object": "list", "data": [model]})
 
     async def tokenize(self, request: Request) -> Response:
@@ -340,7 +341,8 @@ class Handlers:
 def freeze_startup_objects() -> None:
     """Moves every object alive after start-up (the model, torch, transformers) out of the garbage
     collector's reach (`gc.freeze`), as vLLM does: a full collection then scans only what requests
-    create. Over the startup objects one took 141 ms here (350,000 objects), a stall of every stream."""
+    create. Over the start-up objects (hundreds of thousands) one takes a noticeable fraction of a
+    second, a stall of every stream."""
     gc.collect()
     gc.freeze()
 

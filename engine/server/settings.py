@@ -1,14 +1,16 @@
 """`cbserve serve` settings: command line over CBSERVE_* environment over the --config YAML.
 
-The YAML (the operator writes it into a ConfigMap) holds ContinuousBatchingConfig knobs by their
-Python names, plus the server's own `dtype`, `attn_implementation`, `compile` and `max_body_bytes`.
-API keys are never read from the YAML (a ConfigMap is no place for a secret): `--api-key` or
-`CBSERVE_API_KEY` (comma-separated; a Kubernetes Secret mounted as that variable). Any bad value
-becomes one `SettingsError` line naming it.
+Every setting, its flag, variable, rule and default is a row of engine/settings_table.py: the
+ContinuousBatchingConfig fields, and the server's own (`device`, `dtype`, `attn_implementation`,
+`compile`, `max_body_bytes`), by their Python names in the YAML (the operator writes it into a
+ConfigMap). API keys are never read from the YAML (a ConfigMap is no place for a secret):
+`--api-key` or `CBSERVE_API_KEY` (comma-separated; a Kubernetes Secret mounted as that variable).
+Any bad value becomes one `SettingsError` line naming it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,20 +19,32 @@ from typing import Any
 import yaml
 
 from engine.config import ContinuousBatchingConfig
-
 from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, split_keys
+from engine.settings_table import BY_NAME, ENV_PREFIX, SETTINGS, known_names, server_settings
 
-SERVER_KEYS = ("dtype", "attn_implementation", "compile", "max_body_bytes")
 API_KEY_ENV = "CBSERVE_API_KEY"
 # the server bounds its admission queue unless told otherwise (max_queue_size; 0 in the YAML or the
 # environment means unbounded, as in the engine's API)
 DEFAULT_SERVER_QUEUE = 4096
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ENV_PREFIX = "CBSERVE_"
 # CBSERVE_* variables that set up the process, not the engine or the server: read where they act
 # (the cache folder, hf:// models' folder, the CPU probe and kernels, malloc tuning, the benchmark's vLLM venv)
 PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_MODEL_DIR", "CBSERVE_CPU_ISA", "CBSERVE_CPU_KERNELS",
                          "CBSERVE_CPU_MALLOC_TUNING", "CBSERVE_VLLM_VENV", API_KEY_ENV})  # fmt: skip
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
+    """One flag per table setting that has one (or the `names` given), defaulting to None (not given)."""
+    for item in SETTINGS if names is None else [BY_NAME[n] for n in names]:
+        flag = item.cli_flag
+        if flag is None:
+            continue
+        help = f"{item.doc} (env {item.env})"
+        if item.kind == "bool":
+            parser.add_argument(flag, dest=item.name, action=argparse.BooleanOptionalAction, help=help)
+        else:
+            parser.add_argument(flag, dest=item.name, type=_FLAG_TYPES[item.kind], help=help,
+                                choices=list(item.choices) or None)  # fmt: skip
 
 
 class SettingsError(ValueError):
@@ -43,6 +57,7 @@ class ServeSettings:
     served_model_name: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
+    device: str = "auto"
     dtype: str = "auto"
     attn_implementation: str | None = None
     compile: bool = False
@@ -68,7 +83,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:
-    known = set(ContinuousBatchingConfig.field_names()) | set(SERVER_KEYS)
+    known = known_names()
     values = {}
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX) or key in PROCESS_ENV:
@@ -103,22 +118,21 @@ def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None, qu
         merged.update(_read_yaml(cli["config"]))
     merged.update(_from_env(environ))
     _check_cpu_isa(environ.get("CBSERVE_CPU_ISA"))
-    for key in SERVER_KEYS:
-        if cli.get(key) is not None:
-            merged[key] = cli[key]
-    server = {k: merged.pop(k) for k in SERVER_KEYS if k in merged}
+    for item in SETTINGS:
+        if item.flag and cli.get(item.name) is not None:
+            merged[item.name] = cli[item.name]
+    server: dict[str, Any] = {}
+    for item in server_settings():
+        try:
+            server[item.name] = item.check(merged.pop(item.name, item.default))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
     merged.setdefault("max_queue_size", queue_default)
     try:
         engine = ContinuousBatchingConfig.from_dict(merged)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"engine setting: {exc}") from None
-    dtype = server.get("dtype", "auto")
-    if dtype not in DTYPES:
-        raise SettingsError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    compile_ = server.get("compile", False)
-    if not isinstance(compile_, bool):
-        raise SettingsError(f"compile must be true or false, got {compile_!r}")
-    if compile_:
+    if server["compile"]:
         engine.varlen_compile_config = engine.varlen_compile_config or {}
         engine.decode_compile_config = engine.decode_compile_config or {}
         engine._validate()
@@ -128,11 +142,6 @@ def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None, qu
     drain = cli.get("drain_timeout")
     if drain is not None and drain < 0:
         raise SettingsError(f"--drain-timeout must be >= 0, got {drain}")
-    max_body = server.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    if cli.get("max_body_bytes") is not None:
-        max_body = cli["max_body_bytes"]
-    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
-        raise SettingsError(f"max_body_bytes must be an integer >= 1024, got {max_body!r}")
     body_timeout = cli.get("body_timeout")
     if body_timeout is not None and not body_timeout > 0:
         raise SettingsError(f"--body-timeout must be > 0, got {body_timeout}")
@@ -144,13 +153,10 @@ def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None, qu
         served_model_name=cli.get("served_model_name"),
         host=cli.get("host") or "0.0.0.0",
         port=port,
-        dtype=dtype,
-        attn_implementation=server.get("attn_implementation"),
-        compile=compile_,
         log_level=cli.get("log_level") or "info",
         drain_timeout=30.0 if drain is None else drain,
         api_keys=keys,
-        max_body_bytes=max_body,
         body_timeout=DEFAULT_BODY_TIMEOUT if body_timeout is None else body_timeout,
         engine=engine,
+        **server,
     )

@@ -1,4 +1,4 @@
-"""The engine YAML the pod reads with `--config`: ContinuousBatchingConfig knobs by their Python names."""
+"""The engine YAML the pod reads with `--config`: the settings by their Python names (engine/settings_table.py)."""
 
 from __future__ import annotations
 
@@ -11,31 +11,8 @@ from .spec import Engine
 
 
 def engine_settings(engine: Engine) -> dict[str, Any]:
-    """The knobs as the server's config file spells them; unset sizes are left out (derived at start-up)."""
-    settings: dict[str, Any] = {
-        "block_size": engine.block_size,
-        "num_blocks": engine.num_blocks,
-        "max_batch_tokens": engine.max_batch_tokens,
-        "max_memory_percent": engine.max_memory_percent,
-        "use_cuda_graph": _cuda_graphs(engine),
-        "scheduler_type": engine.scheduler_type,
-        "allow_block_sharing": engine.prefix_caching,
-        "cpu_offload_space": engine.cpu_offload_gib,
-        "max_queue_size": engine.max_queue_size,
-        "dtype": engine.dtype,
-        "attn_implementation": engine.attn_implementation,
-        "compile": engine.backends.compile,
-    }
-    return {k: v for k, v in settings.items() if v is not None}
-
-
-def _cuda_graphs(engine: Engine) -> bool | list[bool] | None:
-    if engine.cuda_graphs_varlen is None and engine.cuda_graphs_decode is None:
-        return engine.backends.cuda.graphs
-    base = bool(engine.backends.cuda.graphs)
-    varlen = base if engine.cuda_graphs_varlen is None else engine.cuda_graphs_varlen
-    decode = base if engine.cuda_graphs_decode is None else engine.cuda_graphs_decode
-    return [varlen, decode]
+    """The settings the spec gives, by their YAML keys; a setting it leaves out takes the server's default."""
+    return dict(engine.settings)
 
 
 def render_engine_yaml(engine: Engine) -> str:

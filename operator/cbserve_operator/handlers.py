@@ -182,6 +182,8 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         spec = parse_spec(name, raw_spec, default_image())
     except SpecError as e:
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
+    for message in spec.warnings:
+        kopf.warn(body, reason="DeprecatedField", message=message)
     try:
         deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry)
     except ChildRefused as e:

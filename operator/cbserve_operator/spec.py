@@ -12,11 +12,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import naming
+from . import engine_fields, naming
 
-BLOCK_SIZES = (16, 32, 64, 128, 256, 512, 1024)
-SCHEDULER_TYPES = ("fifo", "prefill_first")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+# what the GPU engine runs (the CRD's spec-level CEL rules say the same, with the same messages)
+GPU_BLOCK_MULTIPLE = 256
+MAX_GPUS = 1
 METRICS = ("queue-depth", "kv-cache-usage")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -79,20 +79,10 @@ class Resources:
 
 @dataclass(frozen=True)
 class Engine:
-    block_size: int = 256
-    num_blocks: int | None = None
-    max_batch_tokens: int | None = None
-    max_memory_percent: float = 0.9
-    cuda_graphs: bool | None = None
-    cuda_graphs_varlen: bool | None = None
-    cuda_graphs_decode: bool | None = None
-    compile: bool = False
-    scheduler_type: str = "fifo"
-    prefix_caching: bool = True
-    cpu_offload_gib: float = 0.0
-    max_queue_size: int = 0
-    dtype: str = "auto"
-    attn_implementation: str | None = None
+    """The setting fields the spec gives, by their engine YAML keys (engine_fields.py); the rest is
+    left to the server's defaults."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
 
@@ -172,6 +162,7 @@ class CBDeploymentSpec:
     rollout: Rollout = field(default_factory=Rollout)
     service_monitor: ServiceMonitor = field(default_factory=ServiceMonitor)
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key): the servers' CBSERVE_API_KEY
+    warnings: tuple[str, ...] = ()  # deprecated spellings used: the spec is valid, the user is told
 
 
 def parse_model_uri(uri: Any) -> ModelSource:
@@ -299,12 +290,14 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
                                                             and not cache.enabled else "2Gi"),
         shm_size=_size(r, res, "resources.shmSize") or "1Gi",
     )
-    r.check(0 <= resources.gpu <= 16, f"resources.gpu must be in [0, 16], got {resources.gpu}")
+    r.check(resources.gpu >= 0, f"resources.gpu must be >= 0, got {resources.gpu}")
     r.check(bool(_RESOURCE_NAME.match(resources.gpu_resource_name)) and len(resources.gpu_resource_name) <= 253,
             f"resources.gpuResourceName must be an extended resource name such as nvidia.com/gpu, "
             f"got {resources.gpu_resource_name!r}")
 
-    engine = _parse_engine(r, r.section(spec, "engine"))
+    warnings: list[str] = []
+    engine = _parse_engine(r, r.section(spec, "engine"), warnings)
+    _check_gpu_engine(r, resources.gpu, engine)
     autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
 
     svc = r.section(spec, "service")
@@ -364,7 +357,7 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         name=name, model=model, served_name=served_name, image=image, image_pull_policy=pull,
         replicas=replicas, resources=resources, engine=engine, autoscaling=autoscaling,
         service=service, probes=probes, pod_template=pod_template, pdb=pdb, rollout=rollout,
-        service_monitor=service_monitor, api_key_secret=api_key_secret,
+        service_monitor=service_monitor, api_key_secret=api_key_secret, warnings=tuple(warnings),
     )
 
 
@@ -403,37 +396,49 @@ def _size(r: _Reader, data: dict[str, Any], path: str) -> str | None:
     return str(value)
 
 
-def _parse_engine(r: _Reader, e: dict[str, Any]) -> Engine:
-    engine = Engine(
-        block_size=r.get(e, "engine.blockSize", (int,), 256),
-        num_blocks=r.get(e, "engine.numBlocks", (int,)),
-        max_batch_tokens=r.get(e, "engine.maxBatchTokens", (int,)),
-        max_memory_percent=float(r.get(e, "engine.maxMemoryPercent", (int, float), 0.9)),
-        cuda_graphs=r.get(e, "engine.cudaGraphs", (bool,)),
-        cuda_graphs_varlen=r.get(e, "engine.cudaGraphsVarlen", (bool,)),
-        cuda_graphs_decode=r.get(e, "engine.cudaGraphsDecode", (bool,)),
-        compile=r.get(e, "engine.backends.compile", (bool,), False),
-        scheduler_type=r.get(e, "engine.schedulerType", (str,), "fifo"),
-        prefix_caching=r.get(e, "engine.prefixCaching", (bool,), True),
-        cpu_offload_gib=float(r.get(e, "engine.cpuOffloadGiB", (int, float), 0.0)),
-        max_queue_size=r.get(e, "engine.maxQueueSize", (int,), 0),
-        dtype=r.get(e, "engine.dtype", (str,), "auto"),
-        attn_implementation=r.get(e, "engine.attnImplementation", (str,)),
-        extra_args=tuple(r.get(e, "engine.extraArgs", (list,), [])),
-    )
-    r.check(engine.block_size in BLOCK_SIZES,
-            f"engine.blockSize must be a power of two from 16 to 1024, got {engine.block_size}")
-    for path, value in (("engine.numBlocks", engine.num_blocks), ("engine.maxBatchTokens", engine.max_batch_tokens)):
-        r.check(value is None or value >= 1, f"{path} must be >= 1, got {value}")
-    r.check(0 < engine.max_memory_percent <= 1,
-            f"engine.maxMemoryPercent must be in (0, 1], got {engine.max_memory_percent}")
-    r.check(engine.scheduler_type in SCHEDULER_TYPES,
-            f"engine.schedulerType must be one of {SCHEDULER_TYPES}, got {engine.scheduler_type!r}")
-    r.check(engine.cpu_offload_gib >= 0, f"engine.cpuOffloadGiB must be >= 0, got {engine.cpu_offload_gib}")
-    r.check(engine.max_queue_size >= 0, f"engine.maxQueueSize must be >= 0, got {engine.max_queue_size}")
-    r.check(engine.dtype in DTYPES, f"engine.dtype must be one of {DTYPES}, got {engine.dtype!r}")
-    r.check(all(isinstance(a, str) for a in engine.extra_args), "engine.extraArgs must be a list of strings")
-    return engine
+def _parse_engine(r: _Reader, e: dict[str, Any], warnings: list[str]) -> Engine:
+    """Each field by its rule from the settings table (engine_fields.py); an older spelling is taken
+    with a warning, both spellings at once is a problem. use_cuda_graph's halves become its pair."""
+    settings: dict[str, Any] = {}
+    graph_parts: list[Any] = [None, None]
+    for f in engine_fields.FIELDS:
+        given = [name for name in (f["crd"], *f["deprecated"]) if e.get(name) is not None]
+        if not given:
+            continue
+        warnings += [f"engine.{old} is deprecated: use engine.{f['crd']}" for old in given if old != f["crd"]]
+        if len(given) > 1:
+            r.problems.append(f"engine.{given[0]} and engine.{given[1]} are the same setting: give one")
+            continue
+        try:
+            value = engine_fields.check_value(f["rule"], f"engine.{given[0]}", e[given[0]])
+        except ValueError as exc:
+            r.problems.append(str(exc))
+            continue
+        if "part" in f:
+            graph_parts[f["part"]] = value
+        else:
+            settings[f["key"]] = value
+    if graph_parts != [None, None]:  # a half given: the pair, the other half from useCudaGraph
+        base = bool(settings.get("use_cuda_graph"))
+        settings["use_cuda_graph"] = [base if part is None else part for part in graph_parts]
+    extra_args = r.get(e, "engine.extraArgs", (list,), [])
+    r.check(all(isinstance(a, str) for a in extra_args), "engine.extraArgs must be a list of strings")
+    return Engine(settings=settings, extra_args=tuple(extra_args))
+
+
+def _check_gpu_engine(r: _Reader, gpu: int, engine: Engine) -> None:
+    """What the GPU engine cannot run, refused as the CRD's CEL rules refuse it (same messages)."""
+    r.check(gpu <= MAX_GPUS, f"resources.gpu must be 0 or 1: the engine runs on one device "
+                             f"(no tensor parallelism yet), got {gpu}")
+    if gpu <= 0:
+        return
+    block = engine.settings.get("block_size")
+    r.check(block is None or block % GPU_BLOCK_MULTIPLE == 0,
+            f"engine.blockSize must be a multiple of 256 when resources.gpu > 0: flash-attn's paged kernels "
+            f"take blocks of 256 tokens, got {block}")
+    r.check(engine.settings.get("dtype") != "float32",
+            "engine.dtype float32 is refused when resources.gpu > 0: flash-attn runs float16 and bfloat16 "
+            "only (auto picks bfloat16, or float16 where the GPU has no bfloat16)")
 
 
 def _parse_autoscaling(r: _Reader, a: dict[str, Any]) -> Autoscaling:

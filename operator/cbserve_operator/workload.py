@@ -40,6 +40,7 @@ def server_command(spec: CBDeploymentSpec) -> list[str]:
         "--port", str(naming.PORT),
         "--config", f"{naming.CONFIG_DIR}/{naming.CONFIG_FILE}",
         "--drain-timeout", str(drain_timeout(spec)),
+        "--device", "cuda" if spec.resources.gpu > 0 else "cpu",
         *spec.engine.extra_args,  # last: a flag given here wins
     ]
 

@@ -51,6 +51,8 @@ def test_every_engine_module_is_used_by_the_product() -> None:
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         if path.name in ("__init__.py", "__main__.py") or module in scripts:
             continue
+        if 'if __name__ == "__main__":' in path.read_text():  # a command of its own (python -m ...)
+            continue
         if not any(u == module or u.startswith(module + ".") for u in used):
             lonely.append(module)
     assert lonely == [], f"imported only by tests (or by nothing): {lonely}"

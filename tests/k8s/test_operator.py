@@ -73,9 +73,7 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     (cm,) = wait_for(lambda: c.items("v1", "configmaps", ns), what="the ConfigMap")
     assert cm["immutable"] is True and cm["metadata"]["name"].startswith("smollm2-engine-")
     engine = yaml.safe_load(cm["data"]["engine.yaml"])
-    assert engine["block_size"] == 256 and engine["max_memory_percent"] == 0.9
-    assert engine["scheduler_type"] == "fifo" and engine["allow_block_sharing"] is True
-    assert "num_blocks" not in engine  # unset: sized at start-up
+    assert engine == {"block_size": 256, "max_memory_percent": 0.9}  # what the example sets; the rest: defaults
 
     dep = c.get("apps/v1", "deployments", ns, "smollm2")
     svc = c.get("v1", "services", ns, "smollm2")
@@ -85,7 +83,8 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     assert container["command"] == [
         "cbserve", "serve", "--model", "/models/models/SmolLM2-135M-Instruct",
         "--served-model-name", "smollm2", "--port", "8000", "--config", "/etc/cbserve/engine.yaml",
-        "--drain-timeout", "105"]  # the 120 s grace less the 5 s preStop sleep and a 10 s margin
+        "--drain-timeout", "105",  # the 120 s grace less the 5 s preStop sleep and a 10 s margin
+        "--device", "cuda"]  # the example asks for a GPU
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -132,7 +131,7 @@ def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_c
     first = reconciled(c, ns)
     old_hash = c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["metadata"]["annotations"]["cbserve.io/config-hash"]  # type: ignore[index]
 
-    apply(c, ns, example(engine__blockSize=128))  # an edit of the manifest, re-applied
+    apply(c, ns, example(engine__blockSize=512))  # an edit of the manifest, re-applied
     second = reconciled(c, ns)
     assert second["metadata"]["generation"] == first["metadata"]["generation"] + 1
     dep = c.get("apps/v1", "deployments", ns, "smollm2")
@@ -140,7 +139,7 @@ def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_c
     assert new_hash != old_hash and second["status"]["configHash"] == new_hash
     # A new immutable ConfigMap; the old one stays for the old pods (a restart keeps its knobs)
     new_cm = c.get("v1", "configmaps", ns, f"smollm2-engine-{new_hash[:10]}")
-    assert yaml.safe_load(new_cm["data"]["engine.yaml"])["block_size"] == 128  # type: ignore[index]
+    assert yaml.safe_load(new_cm["data"]["engine.yaml"])["block_size"] == 512  # type: ignore[index]
     old_cm = c.get("v1", "configmaps", ns, f"smollm2-engine-{old_hash[:10]}")
     assert yaml.safe_load(old_cm["data"]["engine.yaml"])["block_size"] == 256  # type: ignore[index]
     edit = c.kubectl("patch", "configmap", f"smollm2-engine-{old_hash[:10]}", "-n", ns, "--type", "merge",
@@ -177,18 +176,18 @@ def test_a_rollback_finds_the_old_knobs_and_old_configs_are_collected(operator: 
     apply(c, ns, EXAMPLE)
     reconciled(c, ns)
     first = mounted()
-    apply(c, ns, example(engine__blockSize=128))
+    apply(c, ns, example(engine__blockSize=512))
     reconciled(c, ns)
     assert mounted() != first
     apply(c, ns, EXAMPLE)  # roll back
     reconciled(c, ns)
     assert mounted() == first and len(c.items("v1", "configmaps", ns)) == 2
-    for size in (16, 32, 64, 512, 1024):
-        apply(c, ns, example(engine__blockSize=size))
+    for blocks in (100, 200, 300, 400, 500):
+        apply(c, ns, example(engine__numBlocks=blocks))
         reconciled(c, ns)
     names = {cm["metadata"]["name"] for cm in c.items("v1", "configmaps", ns)}
     assert len(names) == 6 and mounted() in names  # the current one and the newest 5 others
-    assert first in names  # used again by the rollback, after the 128 one, which went
+    assert first in names  # used again by the rollback, after the 512 one, which went
     assert all(cm["metadata"]["ownerReferences"][0]["name"] == "smollm2" for cm in c.items("v1", "configmaps", ns))
 
 
@@ -271,6 +270,20 @@ def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunn
     fixed = reconciled(c, ns)
     assert conditions(fixed)["ConfigValid"]["status"] == "True"
     assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
+
+
+def test_an_older_spelling_still_works_and_an_event_names_the_new_one(operator: KopfRunner,
+                                                                      crd_cluster: Cluster) -> None:
+    c, ns = crd_cluster, "deprecated"
+    apply(c, ns, example(engine__prefixCaching=False))
+    obj = reconciled(c, ns)
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+    (cm,) = wait_for(lambda: c.items("v1", "configmaps", ns), what="the ConfigMap")
+    assert yaml.safe_load(cm["data"]["engine.yaml"])["allow_block_sharing"] is False
+    events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeprecatedField"],
+                      what="a DeprecatedField Event")
+    assert events[0]["type"] == "Warning"
+    assert events[0]["message"] == "engine.prefixCaching is deprecated: use engine.allowBlockSharing"
 
 
 def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator: KopfRunner,
@@ -512,6 +525,13 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
      "the operator's own volume names"),
     ("rollout", {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0", "cannot both be 0"),
+    # what the GPU engine cannot run (the example asks for one GPU)
+    ("two-gpus", {"resources": {"gpu": 2}}, "resources.gpu must be 0 or 1: the engine runs on one device",
+     "resources.gpu must be 0 or 1: the engine runs on one device"),
+    ("gpu-blocks", {"engine": {"blockSize": 128}}, "engine.blockSize must be a multiple of 256 when resources.gpu > 0",
+     "engine.blockSize must be a multiple of 256 when resources.gpu > 0"),
+    ("gpu-float32", {"engine": {"dtype": "float32"}}, "engine.dtype float32 is refused when resources.gpu > 0",
+     "engine.dtype float32 is refused when resources.gpu > 0"),
     ("mounts", {"podTemplate": {"volumes": [{"name": "shm", "emptyDir": {}}],
                                 "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}},
      "the operator's own mount paths", "the operator's own mount paths"),
@@ -533,3 +553,20 @@ def test_the_crd_and_the_operator_refuse_what_the_children_would_be_refused_for(
     assert refused.returncode != 0 and crd_words in refused.stderr, refused.stderr
     with pytest.raises(spec_module.SpecError, match=re.escape(operator_words)):
         spec_module.parse_spec(name, manifest["spec"])
+
+
+@pytest.mark.parametrize(("name", "changes"), [
+    ("gpu-512-bf16", {"engine": {"blockSize": 512, "dtype": "bfloat16"}}),
+    ("gpu-defaults", {"engine": {}}),
+    ("cpu-16-f32", {"resources": {"gpu": 0}, "engine": {"blockSize": 16, "dtype": "float32"}}),
+    ("cpu-defaults", {"resources": {}, "engine": {}}),
+])
+def test_the_crd_accepts_what_the_engine_runs(crd_cluster: Cluster, name: str, changes: dict[str, Any]) -> None:
+    """The GPU rules' other side: a multiple of 256 and a half-precision dtype on a GPU, anything on the CPU."""
+    manifest = example()
+    manifest["metadata"]["name"] = name
+    manifest["spec"].update(changes)
+    applied = crd_cluster.kubectl("apply", "--validate=false", "-n", "accepted", "-f", "-",
+                                  input=yaml.safe_dump(manifest), check=False)  # fmt: skip
+    assert applied.returncode == 0, applied.stderr
+    spec_module.parse_spec(name, manifest["spec"])

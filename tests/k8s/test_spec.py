@@ -14,6 +14,14 @@ from cbserve_operator.settings import seconds_from_env
 from cbserve_operator.spec import SpecError, parse_model_uri, parse_spec
 
 
+def serve_args(command: list[str]) -> Any:
+    """The command parsed by `cbserve serve`'s own parser: a flag it does not have fails the test."""
+    from engine.cli import build_parser
+
+    assert command[:2] == ["cbserve", "serve"]
+    return build_parser().parse_args(command[1:])
+
+
 def spec(**overrides: Any) -> dict[str, Any]:
     return {"model": {"uri": "/models/tiny"}, **overrides}
 
@@ -64,22 +72,41 @@ def test_scale_to_zero_is_refused_with_the_reason() -> None:
             parse_spec("m", spec(autoscaling={"enabled": True, "minReplicas": 0, "keda": keda}))
 
 
-def test_engine_yaml_uses_the_python_knob_names() -> None:
-    parsed = parse_spec("m", spec(engine={"blockSize": 64, "numBlocks": 100, "cpuOffloadGiB": 2,
-                                          "prefixCaching": False, "cudaGraphs": True, "cudaGraphsDecode": False}))
+def test_engine_yaml_holds_what_the_spec_gives_by_the_python_names() -> None:
+    parsed = parse_spec("m", spec(engine={"blockSize": 64, "numBlocks": 100, "cpuOffloadSpace": 2,
+                                          "allowBlockSharing": False, "useCudaGraph": True, "useCudaGraphDecode": False}))
     assert engine_settings(parsed.engine) == {
-        "block_size": 64, "num_blocks": 100, "max_memory_percent": 0.9, "use_cuda_graph": [True, False],
-        "scheduler_type": "fifo", "allow_block_sharing": False, "cpu_offload_space": 2.0,
-        "max_queue_size": 0, "dtype": "auto", "compile": False}
-    assert engine_settings(parse_spec("m", spec(engine={"cudaGraphs": True})).engine)["use_cuda_graph"] is True
+        "block_size": 64, "num_blocks": 100, "cpu_offload_space": 2.0, "allow_block_sharing": False,
+        "use_cuda_graph": [True, False]}
+    assert parsed.warnings == ()
+    assert engine_settings(parse_spec("m", spec(engine={"useCudaGraph": True})).engine)["use_cuda_graph"] is True
+    assert engine_settings(parse_spec("m", spec()).engine) == {}  # the rest: the server's defaults
+
+
+def test_older_spellings_are_taken_with_a_warning_and_not_both_at_once() -> None:
+    old = parse_spec("m", spec(engine={"prefixCaching": False, "cpuOffloadGiB": 8, "cudaGraphs": True,
+                                       "cudaGraphsVarlen": False}))
+    new = parse_spec("m", spec(engine={"allowBlockSharing": False, "cpuOffloadSpace": 8, "useCudaGraph": True,
+                                       "useCudaGraphVarlen": False}))
+    assert engine_settings(old.engine) == engine_settings(new.engine) == {
+        "allow_block_sharing": False, "cpu_offload_space": 8.0, "use_cuda_graph": [False, True]}
+    assert old.warnings == ("engine.prefixCaching is deprecated: use engine.allowBlockSharing",
+                            "engine.cpuOffloadGiB is deprecated: use engine.cpuOffloadSpace",
+                            "engine.cudaGraphs is deprecated: use engine.useCudaGraph",
+                            "engine.cudaGraphsVarlen is deprecated: use engine.useCudaGraphVarlen")
+    with pytest.raises(SpecError, match="engine.allowBlockSharing and engine.prefixCaching are the same setting"):
+        parse_spec("m", spec(engine={"allowBlockSharing": True, "prefixCaching": True}))
+    with pytest.raises(SpecError, match=r"engine.cpuOffloadGiB must be a number >= 0, got -1"):
+        parse_spec("m", spec(engine={"cpuOffloadGiB": -1}))
 
 
 def test_extra_args_go_on_the_command_line_and_hf_models_may_download() -> None:
     parsed = parse_spec("m", spec(model={"uri": "hf://org/model", "servedName": "chat"},
-                                  engine={"extraArgs": ["--max-model-len", "4096"]}))
+                                  engine={"extraArgs": ["--max-batch-tokens", "4096"]}))
     objs, _ = render_children(parsed, "ns")
     container = objs[1]["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"][-2:] == ["--max-model-len", "4096"]
+    assert container["command"][-2:] == ["--max-batch-tokens", "4096"]
+    assert serve_args(container["command"]).max_batch_tokens == 4096  # a flag `cbserve serve` has
     assert container["command"][2:6] == ["--model", "hf://org/model", "--served-model-name", "chat"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert "HF_HUB_OFFLINE" not in env and env["CBSERVE_MODEL_DIR"] == "/cache/models"  # the pod downloads
@@ -180,6 +207,7 @@ def test_the_drain_budget_follows_the_grace_period() -> None:
     assert drain(command()) == "105"
     assert drain(command(terminationGracePeriodSeconds=12)) == "1"
     assert drain(command(terminationGracePeriodSeconds=600, override=True)) == "7"
+    assert serve_args(command(terminationGracePeriodSeconds=600, override=True)).drain_timeout == 7
     with pytest.raises(SpecError, match="must be above the 5 s preStop sleep"):
         parse_spec("m", spec(podTemplate={"terminationGracePeriodSeconds": 5}))
 
@@ -217,3 +245,39 @@ def test_pods_are_never_best_effort_and_their_volumes_are_sized() -> None:
     assert hf["containers"][0]["resources"]["requests"]["ephemeral-storage"] == f"{51 * 1024}Mi"
     with pytest.raises(SpecError, match="resources.cacheSize '2e9' is not a size"):
         parse_spec("m", spec(resources={"cacheSize": "2e9"}))
+
+
+def test_the_device_follows_the_gpu_request() -> None:
+    def command(**resources: Any) -> list[str]:
+        parsed = parse_spec("m", spec(resources=resources))
+        return render_children(parsed, "ns")[0][1]["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    assert serve_args(command(gpu=1)).device == "cuda"
+    assert serve_args(command(gpu=0)).device == "cpu"
+    assert serve_args(command()).device == "cpu"
+    assert command(gpu=1)[-2:] == ["--device", "cuda"]  # before extraArgs: a --device there wins
+
+
+@pytest.mark.parametrize(("resources", "engine", "words"), [
+    ({"gpu": 2}, {}, "resources.gpu must be 0 or 1: the engine runs on one device (no tensor parallelism yet), got 2"),
+    ({"gpu": 1}, {"blockSize": 128}, "engine.blockSize must be a multiple of 256 when resources.gpu > 0: flash-attn's "
+                                     "paged kernels take blocks of 256 tokens, got 128"),
+    ({"gpu": 1}, {"dtype": "float32"}, "engine.dtype float32 is refused when resources.gpu > 0: flash-attn runs "
+                                       "float16 and bfloat16 only"),
+])
+def test_the_operator_refuses_what_the_gpu_engine_cannot_run(resources: dict, engine: dict, words: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec("m", spec(resources=resources, engine=engine))
+    assert any(p.startswith(words) for p in err.value.problems), err.value.problems
+
+
+@pytest.mark.parametrize(("resources", "engine"), [
+    ({"gpu": 1}, {"blockSize": 512, "dtype": "bfloat16"}),
+    ({"gpu": 1}, {"dtype": "float16"}),
+    ({"gpu": 1}, {}),
+    ({"gpu": 0}, {"blockSize": 16, "dtype": "float32"}),
+    ({}, {"blockSize": 64}),
+])
+def test_what_the_engine_runs_is_accepted(resources: dict, engine: dict) -> None:
+    assert parse_spec("m", spec(resources=resources, engine=engine)).engine.settings == {
+        {"blockSize": "block_size", "dtype": "dtype"}[k]: v for k, v in engine.items()}

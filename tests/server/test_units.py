@@ -125,3 +125,20 @@ def test_docs_table_lists_every_request_field_the_server_knows() -> None:
     documented = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
     known = {*HONOURED["both"], *HONOURED["completion"], *HONOURED["chat"], *REFUSED, *IGNORED}
     assert documented == known, (sorted(documented - known), sorted(known - documented))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_cuda_device_without_cuda_exits_2_at_once_with_one_line(command: str, tmp_path) -> None:
+    """Before anything loads or binds: the settings are read, the device is resolved, and that is all.
+    CUDA_VISIBLE_DEVICES="" hides any GPU, so the rule is tested on every machine."""
+    import os
+    import subprocess
+    import sys
+
+    extra = ["--port", "1"] if command == "serve" else ["--input", str(tmp_path / "in.jsonl"),
+                                                         "--output", str(tmp_path / "out.jsonl")]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "engine.cli", command, "--device", "cuda", *extra], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cbserve: error: device cuda: CUDA is not available"), r.stderr

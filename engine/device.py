@@ -1,0 +1,64 @@
+"""Where the model runs and in which dtype: plain rules over what torch reports.
+
+`probe()` asks torch once; `resolve_device` and `resolve_dtype` take its answer as an argument,
+so every rule is tested on any machine by handing them the answer to test (a GPU with or
+without bfloat16, no GPU at all).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """What torch sees: CUDA devices, whether they run bfloat16, and the build (for messages)."""
+
+    cuda_available: bool
+    device_count: int = 0
+    bf16_supported: bool = False
+    torch_version: str = torch.__version__
+    cuda_build: str | None = None  # torch.version.cuda; None: a CPU-only build of torch
+
+
+def probe() -> Accelerator:
+    available = torch.cuda.is_available()
+    return Accelerator(
+        cuda_available=available,
+        device_count=torch.cuda.device_count() if available else 0,
+        bf16_supported=bool(available and torch.cuda.is_bf16_supported()),
+        cuda_build=torch.version.cuda,
+    )
+
+
+def resolve_device(requested: str, acc: Accelerator) -> str:
+    """"auto": "cuda" when torch sees a GPU, else "cpu". "cuda" or "cuda:N" without one (or without
+    device N) is a ValueError saying why, before anything loads."""
+    if requested == "auto":
+        return "cuda" if acc.cuda_available else "cpu"
+    if requested == "cpu":
+        return "cpu"
+    m = re.fullmatch(r"cuda(?::([0-9]+))?", requested)
+    if m is None:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {requested!r}")
+    if not acc.cuda_available:
+        build = "a CPU-only build" if acc.cuda_build is None else f"built for CUDA {acc.cuda_build}, but it sees no GPU"
+        raise ValueError(f"device {requested}: CUDA is not available (torch {acc.torch_version}, {build}); "
+                         "use --device cpu, or auto")  # fmt: skip
+    if m.group(1) is not None and int(m.group(1)) >= acc.device_count:
+        raise ValueError(f"device {requested}: torch sees {acc.device_count} GPU(s), cuda:0 to "
+                         f"cuda:{acc.device_count - 1}")  # fmt: skip
+    return requested
+
+
+def resolve_dtype(requested: str, device: str, acc: Accelerator) -> str:
+    """"auto": float32 on the CPU; on a GPU bfloat16 where it runs it, else float16. A named dtype
+    is kept (the attention backend refuses what it cannot run, naming it)."""
+    if requested != "auto":
+        return requested
+    if not device.startswith("cuda"):
+        return "float32"
+    return "bfloat16" if acc.bf16_supported else "float16"

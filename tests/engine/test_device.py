@@ -1,0 +1,88 @@
+"""Placement: the device and dtype rules with torch's answers forced, the CPU load, and what the engine
+reports (one start-up line, the server's /v1/models)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager
+from engine.device import Accelerator, probe, resolve_device, resolve_dtype
+from engine.loader import load_model
+from engine.testing import build_test_model, build_test_tokenizer, save_test_model
+
+NO_GPU_CPU_BUILD = Accelerator(cuda_available=False, cuda_build=None)
+NO_GPU_CUDA_BUILD = Accelerator(cuda_available=False, cuda_build="12.8")
+ONE_BF16_GPU = Accelerator(cuda_available=True, device_count=1, bf16_supported=True, cuda_build="12.8")
+ONE_FP16_GPU = Accelerator(cuda_available=True, device_count=1, bf16_supported=False, cuda_build="12.8")  # a T4, a V100
+
+
+@pytest.mark.parametrize(("requested", "acc", "device"), [
+    ("auto", NO_GPU_CPU_BUILD, "cpu"),
+    ("auto", ONE_BF16_GPU, "cuda"),
+    ("cpu", ONE_BF16_GPU, "cpu"),
+    ("cuda", ONE_FP16_GPU, "cuda"),
+    ("cuda:0", ONE_BF16_GPU, "cuda:0"),
+])
+def test_the_device_resolves(requested: str, acc: Accelerator, device: str) -> None:
+    assert resolve_device(requested, acc) == device
+
+
+@pytest.mark.parametrize(("requested", "acc", "words"), [
+    ("cuda", NO_GPU_CPU_BUILD, r"^device cuda: CUDA is not available \(torch .*, a CPU-only build\); use --device cpu"),
+    ("cuda:0", NO_GPU_CUDA_BUILD, r"^device cuda:0: CUDA is not available \(torch .*, built for CUDA 12.8, but it sees "
+                                  r"no GPU\)"),
+    ("cuda:1", ONE_BF16_GPU, r"^device cuda:1: torch sees 1 GPU\(s\), cuda:0 to cuda:0$"),
+    ("tpu", ONE_BF16_GPU, r"^device must be auto, cpu, cuda or cuda:N, got 'tpu'$"),
+])
+def test_a_device_that_is_not_there_is_refused_saying_why(requested: str, acc: Accelerator, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        resolve_device(requested, acc)
+
+
+@pytest.mark.parametrize(("requested", "device", "acc", "dtype"), [
+    ("auto", "cpu", NO_GPU_CPU_BUILD, "float32"),
+    ("auto", "cpu", ONE_BF16_GPU, "float32"),  # --device cpu on a GPU machine: the CPU's rule
+    ("auto", "cuda", ONE_BF16_GPU, "bfloat16"),
+    ("auto", "cuda:0", ONE_FP16_GPU, "float16"),
+    ("float32", "cuda", ONE_BF16_GPU, "float32"),  # named: kept (the attention backend refuses what it cannot run)
+    ("bfloat16", "cpu", NO_GPU_CPU_BUILD, "bfloat16"),
+])
+def test_the_dtype_follows_the_device(requested: str, device: str, acc: Accelerator, dtype: str) -> None:
+    assert resolve_dtype(requested, device, acc) == dtype
+
+
+def test_probe_reports_this_machine() -> None:
+    acc = probe()
+    assert acc.cuda_available == torch.cuda.is_available() and acc.cuda_build == torch.version.cuda
+    assert resolve_device("auto", acc) == ("cuda" if acc.cuda_available else "cpu")
+
+
+def test_the_cpu_load_keeps_float32_and_host_memory(tmp_path) -> None:
+    folder = save_test_model(tmp_path / "tiny")
+    auto = load_model(str(folder), "auto", device="cpu")
+    param = next(auto.model.parameters())
+    assert param.device.type == "cpu" and param.dtype == torch.float32
+    assert next(load_model(str(folder), "bfloat16", device="cpu").model.parameters()).dtype == torch.bfloat16
+
+
+def test_the_engine_reports_its_placement_in_one_line_and_on_v1_models(caplog) -> None:
+    from starlette.testclient import TestClient
+
+    from engine.server.app import build_state, create_app
+
+    with caplog.at_level(logging.INFO, logger="cbserve.engine"):
+        manager = ContinuousBatchingManager(build_test_model(), continuous_batching_config=ContinuousBatchingConfig(
+            block_size=16, num_blocks=64))  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cbserve engine:")]
+    assert len(lines) == 1
+    assert lines[0].startswith("cbserve engine: device cpu, dtype float32, attention cpu; KV cache 64 blocks x 16 tokens")
+    placement = manager.engine.placement()
+    assert placement["kv_cache_tokens"] == 64 * 16 and placement["kv_cache_bytes"] > 0
+    with TestClient(create_app(build_state(manager, build_test_tokenizer(), "tiny", 256))) as client:
+        model = client.get("/v1/models").json()["data"][0]
+    assert model["engine"] == placement
+    assert {k: model["engine"][k] for k in ("device", "dtype", "attn_backend", "block_size", "kv_cache_blocks")} == {
+        "device": "cpu", "dtype": "float32", "attn_backend": "cpu", "block_size": 16, "kv_cache_blocks": 64}

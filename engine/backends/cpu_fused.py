@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -125,15 +126,34 @@ class FusedModules:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        missing = object()
-        saved = [namespace.get(name, missing) for namespace, name, _ in self.swaps]
-        for namespace, name, fn in self.swaps:
-            namespace[name] = fn
+        """The fused code in place while the block runs. Swaps are counted per place, process-wide: two
+        engines (or threads) overlapping on one model in any order leave transformers' own code behind
+        when the last of them leaves."""
+        with _LOCK:
+            for namespace, name, fn in self.swaps:
+                key = (id(namespace), name)
+                if key in _IN_PLACE:
+                    _IN_PLACE[key][0] += 1
+                else:
+                    _IN_PLACE[key] = [1, namespace.get(name, _MISSING), namespace]
+                    namespace[name] = fn
         try:
             yield
         finally:
-            for (namespace, name, _), old in zip(self.swaps, saved):
-                if old is missing:
-                    namespace.pop(name, None)
-                else:
-                    namespace[name] = old
+            with _LOCK:
+                for namespace, name, _ in self.swaps:
+                    key = (id(namespace), name)
+                    entry = _IN_PLACE[key]
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        del _IN_PLACE[key]
+                        if entry[1] is _MISSING:
+                            namespace.pop(name, None)
+                        else:
+                            namespace[name] = entry[1]
+
+
+_LOCK = threading.Lock()
+_MISSING = object()
+# (id of the namespace, name) -> [active count, what was there before the first swap, the namespace (kept alive)]
+_IN_PLACE: dict[tuple[int, str], list] = {}

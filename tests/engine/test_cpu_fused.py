@@ -151,3 +151,19 @@ def test_swaps_hold_only_inside_active_and_fall_back_on_other_inputs(ops) -> Non
         want = original_rotary(q, q, cos, sin, unsqueeze_dim=2)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert "forward" not in norm.__dict__ and llama.apply_rotary_pos_emb is original_rotary
+
+
+def test_overlapping_activations_in_any_order_leave_transformers_code(ops) -> None:
+    """Two engines on one model, on two threads, enter and leave in crossed order: the last to leave
+    puts transformers' own code back (not the other's fused code it found when it entered)."""
+    model = model_for("llama")
+    original_rotary = llama.apply_rotary_pos_emb
+    a, b = FusedModules(model, ops), FusedModules(model, ops)
+    norm = model.model.norm
+    enter_a, enter_b = a.active(), b.active()
+    enter_a.__enter__()
+    enter_b.__enter__()
+    enter_a.__exit__(None, None, None)  # a leaves first: b's forwards are still needed
+    assert "forward" in norm.__dict__ and llama.apply_rotary_pos_emb is not original_rotary
+    enter_b.__exit__(None, None, None)
+    assert "forward" not in norm.__dict__ and llama.apply_rotary_pos_emb is original_rotary

@@ -399,6 +399,9 @@ def create_app(
 
 
 def build_state(manager: ContinuousBatchingManager, tokenizer, model_name: str, max_model_len: int) -> ServerState:
+    """The server's state; the manager's engine takes the server's tokenizer (its output processor makes every
+    choice's text, engine/output_processor.py)."""
+    manager.use_generation_config(tokenizer=tokenizer)
     metrics = ServerMetrics(model_name, max_model_len, manager.stats)
     return ServerState(manager, ServerTokenizer(tokenizer, max_model_len), model_name, max_model_len, metrics,
                        token_chars=max_token_chars(tokenizer))  # fmt: skip

@@ -313,7 +313,10 @@ class LLMEngine:
         if structured_output is not None:
             grammar = structured_output
             if not isinstance(grammar, Grammar):
-                grammar = self.compile_grammar(structured_output)
+                try:
+                    grammar = self.compile_grammar(structured_output)
+                except ValueError as exc:  # llguidance's message, or no tokenizer
+                    raise ParamError("structured_output", str(exc)) from None
             req.matcher = grammar.matcher()
         return req
 

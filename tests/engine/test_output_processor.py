@@ -104,6 +104,7 @@ BAD = [
     (dict(input_ids=[1, 2], stop_strings=[1]), "stop_strings"),
     (dict(input_ids=[1, 2], detokenize="yes"), "detokenize"),
     (dict(input_ids=[1, 2], no_such_knob=1), "no_such_knob"),
+    (dict(input_ids=[1, 2], structured_output={"regex": "("}), "structured_output"),
 ]
 
 

@@ -36,7 +36,7 @@ import throughput as workloads  # benchmarks/throughput.py: the workloads' model
 import torch
 
 import engine.backends.cpu_linear as cpu_linear
-import engine.llm_engine as llm_engine
+import engine.backends.cpu_executor as cpu_executor
 from engine import ContinuousBatchingConfig, LLMEngine
 from engine.backends.cpu_kernels import cpu_ops
 
@@ -65,19 +65,19 @@ def run(engine: LLMEngine, prompts, new_tokens: int, on_step=None) -> tuple[floa
 
 
 def ab(model, prompts, new_tokens: int, what: str, runs: int) -> None:
-    groups, plan = cpu_linear.GROUPS, llm_engine.linear_plan
+    groups, plan = cpu_linear.GROUPS, cpu_executor.linear_plan
     rates: dict[bool, list[float]] = {False: [], True: []}
     outputs: dict[bool, list] = {}
     run(make_engine(model), prompts, new_tokens)  # warm-up: the first full-size run pays for fresh memory
     for i in range(runs):
         for on in (False, True):
             cpu_linear.GROUPS = groups if (on or what != "grouped") else ()  # read when the engine packs
-            llm_engine.linear_plan = plan if (on or what != "panels") else (lambda ops: cpu_linear.LinearPlan())
+            cpu_executor.linear_plan = plan if (on or what != "panels") else (lambda ops: cpu_linear.LinearPlan())
             engine = make_engine(model, fused=on or what != "fused", cascade=on or what != "cascade")
             rate, outputs[on] = run(engine, prompts, new_tokens)
             rates[on].append(rate)
             print(f"run {i + 1} {what} {'on' if on else 'off'}: {rate:.1f} tok/s", flush=True)
-    cpu_linear.GROUPS, llm_engine.linear_plan = groups, plan
+    cpu_linear.GROUPS, cpu_executor.linear_plan = groups, plan
     same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"\n{what}: off {off:.1f}, on {on:.1f} output tok/s (median of {runs}); same greedy outputs {same}/{len(prompts)}")

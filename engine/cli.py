@@ -1,4 +1,5 @@
-"""The `cbserve` command: `serve` (the pod's endpoint) and `generate` (a dataset, offline)."""
+"""The `cbserve` command: `serve` (the pod's endpoint), `generate` (a dataset, offline) and `download`
+(an hf:// model into a model folder, as the operator's cache Job runs it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ logger = logging.getLogger("cbserve")
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="local checkpoint folder or hf://org/name[@revision] "
+                                    "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -34,7 +36,8 @@ def _serve_parser(sub) -> None:
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="run a JSONL dataset of prompts or chats through the engine")
-    p.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="local checkpoint folder or hf://org/name[@revision] "
+                                    "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     p.add_argument("--input", required=True, help='JSONL: {"id", "prompt"} or {"id", "messages"} per line')
     p.add_argument("--output", required=True, help="JSONL results, in input order; existing ids are skipped")
     p.add_argument("--config", help="YAML file of engine settings")
@@ -46,6 +49,27 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--chunk", type=int, default=256, help="prompts per batch written at once (resume granularity)")
+
+
+def _download_parser(sub) -> None:
+    p = sub.add_parser("download", help="download hf://org/name[@revision] once into a model folder")
+    p.add_argument("model", help="hf://org/name@revision (a commit id, tag or branch; none: main)")
+    p.add_argument("--to", help="the model folders' root: the model goes to <to>/<org>/<name>/<revision> "
+                                "(default: $CBSERVE_MODEL_DIR, else ~/.cache/cbserve/models)")  # fmt: skip
+
+
+def download(args: argparse.Namespace) -> int:
+    """Print the model's folder; a complete one is left as it is (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE apply)."""
+    from engine import hub
+
+    model = hub.parse_hub_uri(args.model)
+    if model.revision is None:
+        print(f"cbserve: warning: {model.uri} names no revision: fetching {hub.DEFAULT_REVISION} as it is now; "
+              f"{model.uri}@<commit> pins what every replica serves", file=sys.stderr)  # fmt: skip
+    root = Path(args.to) if args.to else None
+    folder = hub.locate(model, root)
+    print(f"{model.uri} (commit {hub.completed(folder)['commit']}) is in {folder}")  # type: ignore[index]
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -199,14 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    _download_parser(sub)
     args = parser.parse_args(argv)
     from engine.server.settings import SettingsError
 
+    from engine.hub import DownloadError
+
+    commands = {"serve": serve, "generate": generate, "download": download}
     try:
-        return serve(args) if args.command == "serve" else generate(args)
+        return commands[args.command](args)
     except (SettingsError, ValueError, FileNotFoundError) as exc:
         print(f"cbserve: error: {exc}", file=sys.stderr)
         return 2
+    except DownloadError as exc:
+        print(f"cbserve: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -20,8 +20,9 @@ NO_EFFECT = {
     "auto_switch_to_flash": (True, "cbserve always runs its own paged attention (flash-attn on CUDA)"),
     "disable_nccl_graph_mixing": (True, "cbserve has no tensor parallelism yet, so no NCCL"),
     "cpu_group_timeout": (300.0, "cbserve has no tensor parallelism yet, so no CPU process group"),
-    "q_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/cuda_graphs.py)"),
-    "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/cuda_graphs.py)"),
+    "q_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
+    "use_async_batching": (None, "cbserve prepares each step once the last step's tokens are known (no async scheduling)"),
+    "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
 }
 _warned: set[str] = set()
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
@@ -32,7 +33,7 @@ class ContinuousBatchingConfig:
     """Configuration of the continuous-batching engine.
 
     Sizes left as None are derived at start-up from the model and the memory available
-    (see `engine.memory` and the start-up log line that reports them).
+    (see `engine.backends.memory` and the start-up log line that reports them).
     """
 
     # Tokens per KV block (transformers calls this `page_size`; both names are accepted).
@@ -87,7 +88,7 @@ class ContinuousBatchingConfig:
     # generation config that it could drop (its sampling parameters are per request).
     drop_unsupported_processors: bool = True
     # transformers' CUDA-graph padding granularities (0: its presets). cbserve pads graph steps to
-    # its own buckets (engine/cuda_graphs.py): accepted, and a value other than 0 is logged once (NO_EFFECT).
+    # its own buckets (engine/backends/cuda/graphs.py): accepted, and a value other than 0 is logged once (NO_EFFECT).
     q_padding_interval_size: int = 0
     kv_padding_interval_size: int = 0
     # Deprecated in transformers (5.11, 5.13), accepted with a FutureWarning: True sets default_compile_level 3

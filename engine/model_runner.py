@@ -20,6 +20,19 @@ from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
 
 
+def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
+    """Put each module back in the train/eval mode it had (modes from `model.modules()`, in order)."""
+    for module, training in zip(model.modules(), modes):
+        module.training = training
+
+
+class StepForward(Protocol):
+    """A step's forward: (input_ids, positions, meta, logits_rows) -> logits."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_rows: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+
 class ModuleSwaps(Protocol):
     """Replacement forwards for some of the model's modules, in place while `active()` is entered."""
 
@@ -42,7 +55,6 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
-        self.dispatch = self.forward  # LLMEngine replaces it with a StepDispatcher (engine/step_dispatch.py)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         reqs = [r for r, _ in batch.items]
@@ -114,12 +126,13 @@ class ModelRunner:
         return out.logits[0]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Forward the step; returns logits [len(sample_rows), vocab] for those sequences (model dtype)."""
+    def run(self, batch: ScheduledBatch, sample_rows: list[int], dispatch: StepForward | None = None) -> torch.Tensor:
+        """Forward the step; returns logits [len(sample_rows), vocab] for those sequences (model dtype).
+        `dispatch` runs the forward (a graph replay or a compiled forward: engine/backends/step_dispatch.py);
+        None: `self.forward`, eagerly."""
         start = time.perf_counter()
         input_ids, positions, meta = self.build_metadata(batch)
         last = (meta.cu_seqlens_q[1:] - 1).long()
         logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
         self.last_prepare_s = time.perf_counter() - start
-        # a decode CUDA graph, a compiled forward, or self.forward
-        return self.dispatch(input_ids, positions, meta, logits_rows)
+        return (dispatch or self.forward)(input_ids, positions, meta, logits_rows)

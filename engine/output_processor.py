@@ -2,17 +2,17 @@
 
 cbserve's counterpart of vLLM v1's OutputProcessor, and the one output path of every caller
 (`generate_batch`, the manager, the HTTP server, `cbserve generate`). The engine holds one
-(`engine.output_processor`) and calls it at three points:
+(`engine.output_processor`):
 
 - `watch`, from `make_request`: a request with stop strings, or that asks for text (`detokenize`),
-  gets an incremental detokenizer (`engine/detokenizer.py`);
-- `append`, for every sampled token: the token's text goes through it, and when it completes a stop
-  string the engine finishes the request with "stop" in the same step, so no token is generated
-  past it and the text is cut right before it;
+  gets an incremental detokenizer with its stop strings (`engine/detokenizer.py`). Every sampled
+  token goes through it (`Request.append_token`); when one completes a stop string the request
+  finishes with "stop" in that step, so no token is generated past it and the text is cut right
+  before it;
 - `make_output`, for every output handed out: a `GenerationOutput` with the tokens and the text
   since the previous output, everything so far, and the finish.
 
-n > 1 is one engine request forked into siblings after its one prefill (`LLMEngine._fork`);
+n > 1 is one engine request forked into siblings after its one prefill (`Scheduler._fork`);
 `family_ids` names them in order and `unforked_outputs` ends the siblings of a request that ended
 before it forked them. `new_logprobs` turns an output's logprobs into entries with token text.
 """
@@ -44,15 +44,6 @@ class OutputProcessor:
             param = "stop_strings" if stops else "detokenize"
             raise ParamError(param, f"{param} need a tokenizer: pass tokenizer= to the engine, manager or generate_batch")
         req.text_stream = TextStream(self.tokenizer, stops)
-
-    @staticmethod
-    def append(req: Request, token: int) -> bool:
-        """The new token's text into the request's stream; True when it completes a stop string."""
-        stream = req.text_stream
-        if stream is None:
-            return False
-        stream.add([token])
-        return stream.stopped
 
     @staticmethod
     def make_output(req: Request) -> GenerationOutput:

@@ -230,6 +230,35 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
 
+    def append_token(self, token: int, now: float, max_context: int | None = None) -> None:
+        """A sampled token; the request finishes on what it stops on: a grammar refusing the token
+        (error) or complete, a stop string, an EOS id (after min_new_tokens), a stop id, max_new_tokens,
+        or the model's context."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if self.timestamps is not None:
+            self.timestamps.append(now)
+        if self.matcher is not None and token not in self.eos_token_ids:
+            if not self.matcher.accept(token):
+                self.finish("error", f"structured output: {self.matcher.error or f'the grammar refused token {token}'}")
+                return
+        if self.text_stream is not None:  # made by engine/output_processor.py: the token's text
+            self.text_stream.add([token])
+            if self.text_stream.stopped:  # it completes a stop string: the text ends right before it
+                self.finish("stop")
+                return
+        if self.matcher is not None and self.matcher.finished:  # the grammar is complete: nothing may follow
+            self.finish("stop")
+        elif token in self.eos_token_ids and self.num_generated > self.sampling.min_new_tokens - 1:
+            self.finish("stop")
+        elif token in self.stop_token_ids:
+            self.finish("stop")
+        elif self.num_generated >= self.max_new_tokens:
+            self.finish("length")
+        elif max_context is not None and self.num_tokens >= max_context:
+            self.finish("length")
+
     def finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason = reason
         self.error = error

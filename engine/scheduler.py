@@ -1,4 +1,6 @@
-"""One token-budget scheduler; "fifo" and "prefill_first" are two orderings of it.
+"""One token-budget scheduler; "fifo" and "prefill_first" are two orderings of it. It owns the
+requests and their blocks: `schedule()` picks the step's tokens, `update_from_output()` takes the
+step's sampled tokens back, ends what is done and frees its blocks.
 
 There is no prefill phase and decode phase: each step, every scheduled request's computed tokens
 catch up with its known tokens as far as the budget allows. A running request that is decoding
@@ -15,15 +17,20 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.sampler import SampleResult
 from engine.swap import HostSwapPool
 
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: (request, number of new tokens), single-token ones first."""
+    """What one step computes: (request, number of new tokens), single-token ones first; and the
+    requests that sample a token after it, each with the row of `items` whose logits it samples
+    from (siblings forked for n > 1 sample from their parent's row)."""
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
+    samples: list[Request] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,20 +58,21 @@ class Scheduler:
         self.reserve_blocks = reserve_blocks  # safety_margin: fewer free blocks admit no one while others run
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
         self.waiting.append(req)
-
-    def add_running(self, req: Request) -> None:
-        """A forked sequence: it starts running, holding its parent's blocks."""
-        self.running.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def remove(self, req: Request) -> None:
         """Take a finished or cancelled request out, releasing its blocks."""
+        self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -84,7 +92,48 @@ class Scheduler:
             if not self._schedule_running(chosen, budget):
                 self._admit_waiting(chosen, budget)
         items = sorted(chosen.items(), key=lambda item: item[1] != 1)  # stable: decodes first
-        return ScheduledBatch(items, self._copies)
+        batch = ScheduledBatch(items, self._copies)
+        for row, (req, n) in enumerate(items):
+            if req.num_computed + n == req.num_tokens:  # its known tokens are all computed after this step
+                batch.samples.append(req)
+                batch.sample_rows.append(row)
+                if req.num_children and not req.num_generated:
+                    self._fork(req, n, row, batch)
+        return batch
+
+    def _fork(self, parent: Request, n: int, row: int, batch: ScheduledBatch) -> None:
+        """n > 1: a request about to sample its first token forks its siblings, which share its blocks
+        (copy-on-write) and sample from the same logits with their own seeds."""
+        for i in range(parent.num_children):
+            child = parent.fork(i)
+            child.num_computed = parent.num_computed + n  # as the parent's after this step
+            self.bm.share(parent, child)
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            batch.samples.append(child)
+            batch.sample_rows.append(row)
+        parent.num_children = 0
+
+    def update_from_output(self, batch: ScheduledBatch, out: SampleResult, max_context: int | None) -> list[Request]:
+        """The step ran: its tokens are computed, and `out.tokens[i]` (with its logprobs when asked)
+        is appended to `batch.samples[i]`. Returns the requests that ended, taken out with their
+        blocks released."""
+        for req, n in batch.items:
+            req.num_computed += n
+        now = time.perf_counter()
+        for i, req in enumerate(batch.samples):
+            req.append_token(out.tokens[i], now, max_context)
+            if out.logprobs is not None and req.sampling.logprobs is not None:
+                req.logprobs.append(out.logprobs[i])
+                if req.top_logprobs is not None:
+                    req.top_logprobs.append(out.top_logprobs[i])
+        for req, _ in batch.items:
+            if req.status == RequestStatus.PREFILLING and req.num_computed >= req.num_prompt_tokens:
+                req.status = RequestStatus.DECODING
+        ended = [req for req in batch.samples if req.is_finished]
+        for req in ended:
+            self.remove(req)
+        return ended
 
     def _schedule_running(self, chosen: dict[Request, int], budget: list[int]) -> bool:
         """Give running requests their tokens; returns True if anything was preempted."""

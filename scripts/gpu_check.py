@@ -93,10 +93,8 @@ def graph_status(model, device: torch.device, block_size: int) -> str:
 
     engine = LLMEngine(model, cb_config(device, block_size, True))
     try:
-        dispatch = getattr(engine.runner, "dispatch", None)
-        runner = getattr(dispatch, "graphs", None)
-        if dispatch is None:
-            return "engine does not dispatch steps to graphs yet: the 'on' rows ran eagerly"
+        dispatch = engine.executor.dispatch
+        runner = dispatch.graphs
         if runner is None or not runner.graphs:
             return f"none captured (flags {dispatch.graph_flags})"
         return f"decode graphs for batch sizes {sorted(runner.graphs)}; varlen graphs on first use: {dispatch.graph_flags[0]}"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "make_executor"]
 
 
 def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
@@ -22,3 +24,18 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
 
         return cuda.make_backend(device)
     raise ValueError(f"attn_backend must be 'cpu' or 'cuda', got {name!r}")
+
+
+def make_executor(model: torch.nn.Module, config: Any) -> Any:
+    """The executor for the device the model's weights are on (engine/backends/executor.py)."""
+    from engine.backends.cpu_executor import check_placement
+
+    device = next(model.parameters()).device
+    check_placement(config, device)
+    if device.type == "cuda":
+        from engine.backends.cuda.executor import CUDAExecutor  # lazy: flash-attn and CUDA only here
+
+        return CUDAExecutor(model, config)
+    from engine.backends.cpu_executor import CPUExecutor
+
+    return CPUExecutor(model, config)

@@ -46,9 +46,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """One implementation per device family: `cpu` (torch SDPA) and `cuda` (flash-attn)."""
+    """One implementation per device family: `cpu` (C++ kernels, torch SDPA) and `cuda` (flash-attn).
+    Backends subclass it explicitly, inheriting the defaults below."""
 
     name: str
+    supports_graphs: bool = False  # its attend() can be captured in a CUDA graph
+    ops: Any = None  # compiled CPU kernels (engine/backends/cpu_kernels.py), None elsewhere
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of [rows, vocab] logits (a backend may have a faster one)."""
+        return logits.argmax(dim=-1)
 
     def check_config(self, block_size: int) -> None:
         """Raise ValueError (naming the field) for a cache geometry this backend cannot serve."""

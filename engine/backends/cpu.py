@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.backends.base import AttentionMetadata
+from engine.backends.base import AttentionBackend, AttentionMetadata
 from engine.backends.cpu_kernels import cpu_ops
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,7 +52,7 @@ def _grouped_decode_attention(q, k, v, mask, scaling):
     return torch.matmul(probs, v).reshape(b, h, v.shape[-1])
 
 
-class SDPABackend:
+class SDPABackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self, use_kernels: bool = True) -> None:

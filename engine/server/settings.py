@@ -28,9 +28,9 @@ DEFAULT_SERVER_QUEUE = 4096
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ENV_PREFIX = "CBSERVE_"
 # CBSERVE_* variables that set up the process, not the engine or the server: read where they act
-# (the cache folder, the CPU probe and kernels, malloc tuning, the benchmark's vLLM venv)
-PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_CPU_ISA", "CBSERVE_CPU_KERNELS", "CBSERVE_CPU_MALLOC_TUNING",
-                         "CBSERVE_VLLM_VENV", API_KEY_ENV})  # fmt: skip
+# (the cache folder, hf:// models' folder, the CPU probe and kernels, malloc tuning, the benchmark's vLLM venv)
+PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_MODEL_DIR", "CBSERVE_CPU_ISA", "CBSERVE_CPU_KERNELS",
+                         "CBSERVE_CPU_MALLOC_TUNING", "CBSERVE_VLLM_VENV", API_KEY_ENV})  # fmt: skip
 
 
 class SettingsError(ValueError):

@@ -1,4 +1,5 @@
-"""Everything a CBDeployment owns except the Deployment: ConfigMap, Service, autoscaler, PDB, ServiceMonitor."""
+"""Everything a CBDeployment owns: ConfigMap, model cache claim, Deployment, Service, autoscaler, PDB,
+ServiceMonitor (the download Job apart: it is created once, model_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 from . import GROUP, KIND, VERSION, naming
 from .engine_config import config_hash, render_engine_yaml
+from .model_cache import render_claim
 from .spec import CBDeploymentSpec
 from .workload import render_deployment
 
@@ -144,12 +146,19 @@ def render_service_monitor(spec: CBDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def render_children(spec: CBDeploymentSpec, namespace: str) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """(objects to apply, (apiVersion, kind) of optional children to remove) for one CBDeployment."""
+def render_children(spec: CBDeploymentSpec, namespace: str, model_cached: bool = True,
+                    ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:  # fmt: skip
+    """(objects to apply, (apiVersion, kind, name) of optional children to remove) for one CBDeployment.
+    Until the model cache holds the model (`model_cached` False), the Deployment has 0 replicas."""
     config_map = render_config_map(spec)
     digest = config_hash(config_map["data"][naming.CONFIG_FILE])
-    apply = [config_map, render_deployment(spec, digest), render_service(spec)]
-    remove: list[tuple[str, str]] = []
+    cache = spec.model.cache
+    claim = [render_claim(spec)] if cache.enabled and cache.claim_name is None else []
+    deployment = render_deployment(spec, digest, replicas=None if model_cached else 0)
+    apply = [config_map, *claim, deployment, render_service(spec)]
+    remove: list[tuple[str, str, str]] = []
+    if not claim:
+        remove.append(("v1", "PersistentVolumeClaim", naming.model_cache_claim(spec.name)))
     optional = [
         (spec.autoscaling.enabled and not spec.autoscaling.keda, lambda: render_hpa(spec),
          ("autoscaling/v2", "HorizontalPodAutoscaler")),
@@ -159,9 +168,9 @@ def render_children(spec: CBDeploymentSpec, namespace: str) -> tuple[list[dict[s
         (spec.service_monitor.enabled, lambda: render_service_monitor(spec),
          ("monitoring.coreos.com/v1", "ServiceMonitor")),
     ]
-    for wanted, render, kind in optional:
+    for wanted, render, (api_version, kind) in optional:
         if wanted:
             apply.append(render())
         else:
-            remove.append(kind)
+            remove.append((api_version, kind, spec.name))
     return apply, remove

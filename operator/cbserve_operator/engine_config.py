@@ -24,15 +24,15 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "max_queue_size": engine.max_queue_size,
         "dtype": engine.dtype,
         "attn_implementation": engine.attn_implementation,
-        "compile": engine.compile,
+        "compile": engine.backends.compile,
     }
     return {k: v for k, v in settings.items() if v is not None}
 
 
 def _cuda_graphs(engine: Engine) -> bool | list[bool] | None:
     if engine.cuda_graphs_varlen is None and engine.cuda_graphs_decode is None:
-        return engine.cuda_graphs
-    base = bool(engine.cuda_graphs)
+        return engine.backends.cuda.graphs
+    base = bool(engine.backends.cuda.graphs)
     varlen = base if engine.cuda_graphs_varlen is None else engine.cuda_graphs_varlen
     decode = base if engine.cuda_graphs_decode is None else engine.cuda_graphs_decode
     return [varlen, decode]

@@ -8,7 +8,7 @@ from typing import Any
 
 import kopf
 
-from . import GROUP, KIND, PLURAL, VERSION, naming
+from . import GROUP, KIND, PLURAL, VERSION, model_cache, naming
 from .children import render_children
 from .kube import ApiError, Kube
 from .settings import configure
@@ -57,16 +57,28 @@ def _failed(what: str, e: ApiError, retry: int) -> Exception:
     return kopf.TemporaryError(f"{what}: {e}", delay=_retry_delay(retry))
 
 
-def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str,
-                    retry: int = 0) -> tuple[dict[str, Any] | None, list[str]]:  # fmt: skip
-    """Apply every wanted child, delete unwanted optional ones; (the Deployment as applied, warnings).
+def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str, retry: int = 0,
+                    ) -> tuple[dict[str, Any] | None, list[str], model_cache.CacheState | None]:  # fmt: skip
+    """Apply every wanted child, delete unwanted optional ones; (the Deployment as it is, warnings, the
+    model cache's state when enabled). With the cache, the download Job is created first if missing; until
+    it succeeds a new Deployment gets 0 replicas and an existing one is left alone.
     A refusal for good raises ChildRefused; anything worth retrying, kopf.TemporaryError with backoff."""
-    wanted, unwanted = render_children(spec, namespace)
+    cache = None
+    if spec.model.cache.enabled:
+        try:
+            cache = _ensure_model_job(kube, body, spec, namespace)
+        except ApiError as e:
+            raise _failed(f"the Job {model_cache.job_name(spec)}", e, retry) from e
+    wanted, unwanted = render_children(spec, namespace, model_cached=cache is None or cache.ready)
     deployment = None
     warnings: list[str] = []
     for obj in wanted:
         _stamp(obj, body)
         try:
+            if obj["kind"] == "Deployment" and cache is not None and not cache.ready:
+                deployment = kube.get("apps/v1", "Deployment", namespace, spec.name)
+                if deployment is not None:
+                    continue  # pods of an earlier revision keep serving until this one is cached
             applied = kube.apply(obj)
         except ApiError as e:
             if e.status == 404 and obj["apiVersion"] in OPTIONAL_APIS:
@@ -75,17 +87,47 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
             raise _failed(f"the {obj['kind']} {obj['metadata']['name']}", e, retry) from e
         if obj["kind"] == "Deployment":
             deployment = applied
-    for api_version, kind in unwanted:
+    for api_version, kind, name in unwanted:
         try:
-            kube.delete(api_version, kind, namespace, spec.name)
+            kube.delete(api_version, kind, namespace, name)
         except ApiError as e:
-            raise _failed(f"deleting the {kind} {spec.name}", e, retry) from e
+            raise _failed(f"deleting the {kind} {name}", e, retry) from e
     current = next(o["metadata"]["name"] for o in wanted if o["kind"] == "ConfigMap")
     try:
         _collect_old_configs(kube, namespace, spec.name, current)
+        _collect_old_jobs(kube, namespace, spec.name, model_cache.job_name(spec) if cache is not None else None)
     except ApiError as e:
-        raise _failed(f"cleaning up old ConfigMaps of {spec.name}", e, retry) from e
-    return deployment, warnings
+        raise _failed(f"cleaning up old ConfigMaps and Jobs of {spec.name}", e, retry) from e
+    return deployment, warnings, cache
+
+
+def _ensure_model_job(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
+                      namespace: str) -> model_cache.CacheState:  # fmt: skip
+    """Create the download Job if it is missing (only then: its pod template cannot change), and say
+    what its status means for the cache."""
+    job = kube.get("batch/v1", "Job", namespace, model_cache.job_name(spec))
+    if job is None:
+        job = model_cache.render_job(spec)
+        _stamp(job, body)
+        job = kube.apply(job)
+    return model_cache.job_state(spec, job)
+
+
+def _model_cached(kube: Kube, spec: CBDeploymentSpec, namespace: str) -> bool:
+    """Whether the Deployment may run its replicas: no cache, or its Job succeeded (nothing is created)."""
+    if not spec.model.cache.enabled:
+        return True
+    job = kube.get("batch/v1", "Job", namespace, model_cache.job_name(spec))
+    return job is not None and model_cache.job_state(spec, job).ready
+
+
+def _collect_old_jobs(kube: Kube, namespace: str, name: str, current: str | None) -> None:
+    """Delete the download Jobs of earlier models or revisions (their files stay on the claim), or all of
+    them when the cache is off."""
+    selector = ",".join(f"{k}={v}" for k, v in naming.model_job_labels(name).items())
+    for job in kube.list("batch/v1", "Job", namespace, selector):
+        if job["metadata"]["name"] != current:
+            kube.delete("batch/v1", "Job", namespace, job["metadata"]["name"])
 
 
 def _stamp(obj: dict[str, Any], owner: Mapping[str, Any]) -> None:
@@ -141,13 +183,24 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
     except SpecError as e:
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     try:
-        deployment, warnings = _apply_children(kube, body, spec, namespace, retry)
+        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry)
     except ChildRefused as e:
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
     phase, counts, rollout = rollout_status(deployment, spec.replicas, generation)
     valid_message = "; ".join(warnings) or "the spec is valid"
+    if cache is None:  # no cache (any more): no ModelCached condition
+        old_conditions = [c for c in old_conditions if c.get("type") != "ModelCached"]
+    else:
+        rollout.append(condition("ModelCached", cache.ready, cache.reason, cache.message, generation))
+        if not cache.ready:
+            phase = "Failed" if cache.failed else "Pending"
+            rollout = [condition("Ready", False, "ModelNotCached", "waiting for the model cache; see ModelCached",
+                                 generation) if c["type"] == "Ready" else c for c in rollout]  # fmt: skip
+        before: dict[str, Any] = next((c for c in old_conditions if c.get("type") == "ModelCached"), {})
+        if cache.failed and before.get("reason") != "DownloadFailed":
+            kopf.warn(body, reason="ModelDownloadFailed", message=cache.message)
     patch.status.update({
         "phase": phase,
         **counts,
@@ -189,8 +242,10 @@ def _mirror_status(kube: Kube, namespace: str, owner: str, deployment: dict[str,
         reconciled = status.get("observedGeneration")
         phase, counts, rollout = rollout_status(deployment, desired, reconciled)
         new_status: dict[str, Any] = {**counts}
-        config_valid = next((c for c in status.get("conditions", []) or [] if c.get("type") == "ConfigValid"), None)
-        if config_valid is None or config_valid.get("status") == "True":
+        # an invalid spec, or a model not cached yet, decides the phase and Ready: not the Deployment
+        held = [c for c in status.get("conditions", []) or [] if c.get("type") in ("ConfigValid", "ModelCached")
+                and c.get("status") == "False"]  # fmt: skip
+        if not held:
             new_status["phase"] = phase
             new_status["conditions"] = merge_conditions(status.get("conditions", []) or [], rollout)
         try:
@@ -234,14 +289,17 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
     if settled is None:
         return deployment
     cr, spec = settled
-    wanted, _ = render_children(spec, namespace)
+    cached = _model_cached(kube, spec, namespace)
+    if deployment is not None and not cached:
+        return deployment  # held as it is until the model is cached (the reconcile says so in status)
+    wanted, _ = render_children(spec, namespace, model_cached=cached)
     desired = next(o for o in wanted if o["kind"] == "Deployment")
     if deployment is not None and _fingerprint(deployment) == _fingerprint(desired):
         return deployment
     what = "deleted" if deployment is None else "changed outside its CBDeployment"
     logger.info(f"the Deployment of {namespace}/{owner} was {what}; restoring it")
     try:
-        restored, _ = _apply_children(kube, cr, spec, namespace)
+        restored, _, _ = _apply_children(kube, cr, spec, namespace)
     except ChildRefused as e:  # the reconcile of this spec met the same refusal and says so in status
         logger.warning(str(e))
         return deployment
@@ -251,6 +309,30 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
 
 
 MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=MANAGED)
+def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo,
+                      logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+    """The current download Job finished, failed or was deleted: reconcile its owner again (its
+    Deployment gets its replicas, ModelCached follows; a deleted Job is created again)."""
+    owner = labels.get(naming.LABEL_OWNER)
+    if not owner or type not in ("MODIFIED", "DELETED"):
+        return
+    kube: Kube = memo.kube
+    settled = _settled_spec(kube, namespace, owner)
+    if settled is None:
+        return
+    cr, spec = settled
+    if not spec.model.cache.enabled or body["metadata"]["name"] != model_cache.job_name(spec):
+        return  # a Job of an earlier revision
+    patch = kopf.Patch()
+    try:
+        _reconcile(kube, cr, dict(cr.get("spec", {})), owner, namespace, cr["metadata"].get("generation"),
+                   dict(cr.get("status", {}) or {}), patch)  # fmt: skip
+        kube.patch_status(API_VERSION, KIND, namespace, owner, dict(patch.status))
+    except (kopf.TemporaryError, ApiError) as e:  # the next event, or the next reconcile, tries again
+        logger.warning(f"reconciling {namespace}/{owner} after its Job changed: {e}")
 
 
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)

@@ -26,6 +26,8 @@ PLURALS = {
     "ScaledObject": "scaledobjects",
     "ServiceMonitor": "servicemonitors",
     "CBDeployment": "cbdeployments",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Job": "jobs",
 }
 
 
@@ -121,9 +123,12 @@ class Kube:
                             query={"fieldManager": FIELD_MANAGER, "force": "true"})
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete if present; False when the object (or its whole API, e.g. no KEDA) is absent."""
+        """Delete if present, and what it owns after it (a Job's pods); False when the object (or its whole
+        API, e.g. no KEDA) is absent."""
         try:
-            self.request("DELETE", object_path(api_version, kind, namespace, name))
+            self.request("DELETE", object_path(api_version, kind, namespace, name),
+                         body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+                         content_type="application/json")
             return True
         except ApiError as e:
             if e.status == 404:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 MANAGED_BY = "cbserve-operator"
 FIELD_MANAGER = "cbserve-operator"
 
@@ -19,6 +21,7 @@ PORT = 8000
 CONFIG_DIR = "/etc/cbserve"
 CONFIG_FILE = "engine.yaml"
 CACHE_DIR = "/cache"
+MODEL_DIR = "/models/hf"  # the model cache's claim, in the server pods (read-only) and the download Job
 PRE_STOP_SLEEP_SECONDS = 5  # the pod keeps serving this long after leaving endpoints, before SIGTERM
 REVISION_HISTORY = 5  # old ReplicaSets a Deployment keeps; as many old engine ConfigMaps are kept
 
@@ -54,3 +57,21 @@ def config_labels(name: str) -> dict[str, str]:
 
 def service_url(name: str, namespace: str, port: int) -> str:
     return f"http://{name}.{namespace}.svc:{port}"
+
+
+def model_cache_claim(name: str) -> str:
+    """The PersistentVolumeClaim the operator creates for `model.cache`."""
+    return f"{name}-model-cache"
+
+
+def model_job_name(name: str, uri: str, claim: str) -> str:
+    """The download Job of one model and revision into one claim: `<name>-model-<hash10>`, the name cut to
+    keep it within 63 characters (the Job controller puts it in a label value of its pods)."""
+    digest = hashlib.sha256(f"{uri} {claim}".encode()).hexdigest()[:10]
+    return f"{name[:46].rstrip('-')}-model-{digest}"
+
+
+def model_job_labels(name: str) -> dict[str, str]:
+    """A download Job's labels, and its pod's: never the Service's selector (app.kubernetes.io/instance),
+    so the download pod is no endpoint."""
+    return {LABEL_NAME: "cbserve", LABEL_COMPONENT: "model-download", LABEL_MANAGED_BY: MANAGED_BY, LABEL_OWNER: name}

@@ -7,6 +7,7 @@ every problem at once in a `SpecError`. The defaults here equal the CRD's (a tes
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,8 @@ PROBE_FIELDS = ("initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failu
 DEFAULT_IMAGE = "ghcr.io/cbserve/cbserve:0.1.0"
 
 _PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^\s]*)?$")
-_HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$")
+_HF_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_HF = re.compile(rf"^hf://(?P<repo>{_HF_SEGMENT}/{_HF_SEGMENT})(@(?P<revision>{_HF_SEGMENT}(/{_HF_SEGMENT})*))?$")
 _LOCAL = re.compile(r"^/[^\s]*$")
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
 _QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -42,6 +44,18 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class ModelCache:
+    """hf:// models downloaded once, by a Job, into a volume the pods mount read-only (model_cache.py)."""
+
+    enabled: bool = False
+    size: str = "50Gi"  # the claim the operator creates
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteOnce"
+    claim_name: str | None = None  # an existing claim instead
+    hf_token_secret: tuple[str, str] | None = None  # (Secret name, key): the Job's HF_TOKEN
+
+
+@dataclass(frozen=True)
 class ModelSource:
     """Where the weights come from. `arg` is what `cbserve serve --model` receives."""
 
@@ -49,6 +63,8 @@ class ModelSource:
     scheme: str  # "local" | "pvc" | "hf"
     arg: str
     claim: str | None = None
+    revision: str | None = None  # hf:// only: what follows '@'
+    cache: ModelCache = field(default_factory=ModelCache)
 
 
 @dataclass(frozen=True)
@@ -161,17 +177,46 @@ class CBDeploymentSpec:
 def parse_model_uri(uri: Any) -> ModelSource:
     """Split a model URI into how the pod gets it; ValueError explains a bad one."""
     if not isinstance(uri, str) or not uri:
-        raise ValueError("model.uri is required: /path, pvc://claim/path or hf://org/name")
+        raise ValueError("model.uri is required: /path, pvc://claim/path or hf://org/name[@revision]")
     if m := _PVC.match(uri):
         claim, path = m["claim"], (m["path"] or "/").rstrip("/")
         return ModelSource(uri, "pvc", f"/models/{claim}{path}", claim)
     if m := _HF.match(uri):
-        return ModelSource(uri, "hf", m["repo"])
+        return ModelSource(uri, "hf", uri, revision=m["revision"])
     if _LOCAL.match(uri):
         return ModelSource(uri, "local", uri)
     raise ValueError(
-        f"model.uri {uri!r} is not /absolute/path, pvc://claim/path (claim a DNS label) or hf://org/name"
+        f"model.uri {uri!r} is not /absolute/path, pvc://claim/path (claim a DNS label) or hf://org/name[@revision]"
     )
+
+
+ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany")
+
+
+def _parse_cache(r: "_Reader", data: dict[str, Any], model: ModelSource | None) -> ModelCache:
+    """model.cache: the rules the CRD states on `spec.model`, again (an old object, no CEL)."""
+    claim_name = r.get(data, "model.cache.claimName", (str,))
+    cache = ModelCache(
+        enabled=r.get(data, "model.cache.enabled", (bool,), False),
+        size=_size(r, data, "model.cache.size") or ModelCache.size,
+        storage_class_name=r.get(data, "model.cache.storageClassName", (str,)),
+        access_mode=r.get(data, "model.cache.accessMode", (str,), ModelCache.access_mode),
+        claim_name=claim_name,
+        hf_token_secret=_secret_ref(r, data, "model.cache.hfTokenSecret", "token"),
+    )
+    r.check(cache.access_mode in ACCESS_MODES, f"model.cache.accessMode must be one of {ACCESS_MODES} (the Job writes "
+            f"and the pods read the same claim), got {cache.access_mode!r}")
+    r.check(claim_name is None or (bool(_SECRET_NAME.match(claim_name)) and len(claim_name) <= 253),
+            f"model.cache.claimName must name a PersistentVolumeClaim (a DNS subdomain), got {claim_name!r}")
+    r.check(claim_name is None or not {"size", "storageClassName", "accessMode"} & set(data),
+            "model.cache.claimName names an existing claim: size, storageClassName and accessMode are for the "
+            "claim the operator creates")
+    if cache.enabled and model is not None:
+        r.check(model.scheme == "hf", "model.cache is for hf:// models (a pvc:// or local model is on a volume already)")
+        r.check(model.scheme != "hf" or model.revision is not None,
+                f"model.cache needs a pinned model.uri, hf://org/name@revision (a commit id, tag or branch), got "
+                f"{model.uri!r}: the Job downloads that revision once and every replica loads the same files")
+    return cache
 
 
 class _Reader:
@@ -231,6 +276,9 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         model = parse_model_uri(model_data.get("uri"))
     except ValueError as e:
         r.problems.append(str(e))
+    cache = _parse_cache(r, r.section(model_data, "cache"), model)
+    if model is not None:
+        model = dataclasses.replace(model, cache=cache)
     served_name = r.get(model_data, "model.servedName", (str,), name)
     r.check(bool(_SERVED_NAME.match(served_name)), f"model.servedName {served_name!r} has characters a model name cannot")
 
@@ -246,7 +294,9 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         gpu_resource_name=r.get(res, "resources.gpuResourceName", (str,), "nvidia.com/gpu"),
         cpu=_quantity(r, res, "resources.cpu"),
         memory=_quantity(r, res, "resources.memory"),
-        cache_size=_size(r, res, "resources.cacheSize") or ("50Gi" if model and model.scheme == "hf" else "2Gi"),
+        # what /cache holds: an hf:// model the pod downloads itself, else compiled kernels and the like
+        cache_size=_size(r, res, "resources.cacheSize") or ("50Gi" if model and model.scheme == "hf"
+                                                            and not cache.enabled else "2Gi"),
         shm_size=_size(r, res, "resources.shmSize") or "1Gi",
     )
     r.check(0 <= resources.gpu <= 16, f"resources.gpu must be in [0, 16], got {resources.gpu}")
@@ -305,16 +355,7 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     r.check(bool(_INTERVAL.match(service_monitor.interval)),
             f"serviceMonitor.interval must look like 30s, 1m or 1h, got {service_monitor.interval!r}")
 
-    api_key_secret = None
-    if "apiKeySecret" in spec:
-        secret = r.section(spec, "apiKeySecret")
-        secret_name = r.get(secret, "apiKeySecret.name", (str,), "")
-        secret_key = r.get(secret, "apiKeySecret.key", (str,), "api-key")
-        r.check(bool(_SECRET_NAME.match(secret_name)) and len(secret_name) <= 253,
-                f"apiKeySecret.name must name a Secret (a DNS subdomain), got {secret_name!r}")
-        r.check(bool(_SECRET_KEY.match(secret_key)) and len(secret_key) <= 253,
-                f"apiKeySecret.key must be a Secret data key, got {secret_key!r}")
-        api_key_secret = (secret_name, secret_key)
+    api_key_secret = _secret_ref(r, spec, "apiKeySecret", "api-key")
 
     if r.problems or model is None:
         raise SpecError(r.problems)
@@ -325,6 +366,21 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         service=service, probes=probes, pod_template=pod_template, pdb=pdb, rollout=rollout,
         service_monitor=service_monitor, api_key_secret=api_key_secret,
     )
+
+
+def _secret_ref(r: _Reader, data: dict[str, Any], path: str, default_key: str) -> tuple[str, str] | None:
+    """{name, key} of a Secret's data key, as (name, key); None when `path` is absent."""
+    field_name = path.rsplit(".", 1)[-1]
+    if field_name not in data:
+        return None
+    secret = r.section(data, field_name)
+    secret_name = r.get(secret, f"{path}.name", (str,), "")
+    secret_key = r.get(secret, f"{path}.key", (str,), default_key)
+    r.check(bool(_SECRET_NAME.match(secret_name)) and len(secret_name) <= 253,
+            f"{path}.name must name a Secret (a DNS subdomain), got {secret_name!r}")
+    r.check(bool(_SECRET_KEY.match(secret_key)) and len(secret_key) <= 253,
+            f"{path}.key must be a Secret data key, got {secret_key!r}")
+    return secret_name, secret_key
 
 
 def _quantity(r: _Reader, data: dict[str, Any], path: str) -> str | None:
@@ -356,7 +412,7 @@ def _parse_engine(r: _Reader, e: dict[str, Any]) -> Engine:
         cuda_graphs=r.get(e, "engine.cudaGraphs", (bool,)),
         cuda_graphs_varlen=r.get(e, "engine.cudaGraphsVarlen", (bool,)),
         cuda_graphs_decode=r.get(e, "engine.cudaGraphsDecode", (bool,)),
-        compile=r.get(e, "engine.compile", (bool,), False),
+        compile=r.get(e, "engine.backends.compile", (bool,), False),
         scheduler_type=r.get(e, "engine.schedulerType", (str,), "fifo"),
         prefix_caching=r.get(e, "engine.prefixCaching", (bool,), True),
         cpu_offload_gib=float(r.get(e, "engine.cpuOffloadGiB", (int, float), 0.0)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "ModelCached")
 
 
 def now() -> str:

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from . import naming
+from .model_cache import claim_name
 from .spec import CBDeploymentSpec
 
 # Model load can take many minutes (download, weights to GPU, CUDA graph capture):
@@ -114,6 +115,9 @@ def _volumes(spec: CBDeploymentSpec, config_hash: str) -> tuple[list[dict[str, A
     if spec.model.scheme == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"/models/{spec.model.claim}", "readOnly": True})
+    elif spec.model.cache.enabled:  # what the download Job wrote, read-only
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim_name(spec), "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": naming.MODEL_DIR, "readOnly": True})
     volumes += spec.pod_template.volumes
     mounts += spec.pod_template.volume_mounts
     return volumes, mounts
@@ -127,7 +131,10 @@ def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{cache}/inductor"},
         {"name": "TRITON_CACHE_DIR", "value": f"{cache}/triton"},
     ]
-    if spec.model.scheme != "hf":
+    if spec.model.scheme == "hf":  # cached: the download Job's folder, never the Hub; else the pod downloads
+        env.append({"name": "CBSERVE_MODEL_DIR",
+                    "value": naming.MODEL_DIR if spec.model.cache.enabled else f"{cache}/models"})
+    if spec.model.scheme != "hf" or spec.model.cache.enabled:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     if spec.api_key_secret is not None:  # clients then need the key; the kubelet's probes use open paths
         name, key = spec.api_key_secret
@@ -136,8 +143,9 @@ def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
     return [e for e in env if e["name"] not in overridden] + spec.pod_template.env
 
 
-def render_deployment(spec: CBDeploymentSpec, config_hash: str) -> dict[str, Any]:
-    """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template."""
+def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | None = None) -> dict[str, Any]:
+    """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template; `replicas`, when given,
+    instead of the spec's (0 while the model cache is filled)."""
     tpl = spec.pod_template
     labels = naming.common_labels(spec.name)
     volumes, mounts = _volumes(spec, config_hash)
@@ -188,7 +196,7 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str) -> dict[str, Any
         "kind": "Deployment",
         "metadata": {"name": spec.name, "labels": labels},
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.replicas if replicas is None else replicas,
             "revisionHistoryLimit": naming.REVISION_HISTORY,
             "selector": {"matchLabels": naming.selector_labels(spec.name)},
             "strategy": _strategy(spec),

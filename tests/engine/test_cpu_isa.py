@@ -267,7 +267,7 @@ def test_a_half_precision_model_runs_on_any_cpu(monkeypatch, dtype, lanes):
     model's dtype, and under every plan the tokens equal the engine's without packing to within a
     rounding-level tie."""
     monkeypatch.setattr(cpu_linear, "onednn_native", lambda d: d == torch.float32)
-    monkeypatch.setattr("engine.llm_engine.linear_plan",
+    monkeypatch.setattr("engine.backends.cpu_executor.linear_plan",
                         lambda ops: cpu_linear.linear_plan(None if lanes is None else Lanes(ops, lanes)))  # fmt: skip
     model = build_test_model("llama", vocab_size=256).to(dtype)
     prompts = [[5, 9, 13, 200, 17, 3], [1, 2, 3, 4], list(range(10, 60))]

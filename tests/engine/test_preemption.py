@@ -6,7 +6,7 @@ import pytest
 
 from engine import ContinuousBatchingConfig, LLMEngine
 from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.memory import kv_bytes_per_block
+from engine.backends.memory import kv_bytes_per_block
 from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
 
 

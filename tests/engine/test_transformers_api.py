@@ -183,10 +183,10 @@ def test_a_persistent_generate_batch_loop_builds_and_profiles_once(model, monkey
     """Generate, optimizer step in place, generate: one engine build, one profiling forward, and each
     round equals model.generate with the weights of that round."""
     from engine import LLMEngine
-    from engine import llm_engine as llm_engine_module
+    from engine.backends import executor as executor_module
 
     counts = {"build": 0, "profile": 0}
-    build, profile = LLMEngine.__init__, llm_engine_module.profile_activation_peak
+    build, profile = LLMEngine.__init__, executor_module.profile_activation_peak
 
     def counting_build(self, *args, **kwargs):
         counts["build"] += 1
@@ -197,7 +197,7 @@ def test_a_persistent_generate_batch_loop_builds_and_profiles_once(model, monkey
         return profile(*args, **kwargs)
 
     monkeypatch.setattr(LLMEngine, "__init__", counting_build)
-    monkeypatch.setattr(llm_engine_module, "profile_activation_peak", counting_profile)
+    monkeypatch.setattr(executor_module, "profile_activation_peak", counting_profile)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     cfg = ContinuousBatchingConfig(block_size=16, max_batch_tokens=64, max_memory_percent=0.05)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

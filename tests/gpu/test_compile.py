@@ -1,4 +1,4 @@
-"""engine/compile.py: transformers' compile configs turned into torch.compile calls."""
+"""engine/backends/compile.py: transformers' compile configs turned into torch.compile calls."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from transformers import CompileConfig
 
 from engine.backends.cpu import SDPABackend
-from engine.compile import compile_kwargs, compile_step, uses_cuda_graphs
+from engine.backends.compile import compile_kwargs, compile_step, uses_cuda_graphs
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.testing import build_test_model
 from tests.gpu.helpers import hf_forward, meta_for

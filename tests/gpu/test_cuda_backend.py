@@ -1,4 +1,4 @@
-"""engine/backends/cuda.py on a machine without CUDA or flash-attn.
+"""engine/backends/cuda/__init__.py on a machine without CUDA or flash-attn.
 
 The module imports; selecting it says clearly that CUDA is missing; block_size is validated; the
 flash-attn calls are checked against torch references of the two kernels; the SDPA fallback equals
@@ -116,8 +116,8 @@ def test_sdpa_fallback_equals_the_cpu_backend(seqs, kw):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-GPU_MODULES = ["engine/backends/cuda.py", "engine/cuda_graphs.py", "engine/varlen_graphs.py", "engine/step_dispatch.py",
-               "engine/async_batching.py", "engine/memory.py", "engine/compile.py"]  # fmt: skip
+GPU_MODULES = ["engine/backends/cuda/__init__.py", "engine/backends/cuda/graphs.py", "engine/backends/cuda/varlen_graphs.py",
+               "engine/backends/step_dispatch.py", "engine/backends/memory.py", "engine/backends/compile.py"]  # fmt: skip
 
 
 def test_gpu_modules_type_check_without_flash_attn_or_cuda(tmp_path):

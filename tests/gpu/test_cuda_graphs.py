@@ -14,7 +14,7 @@ import torch
 
 from engine.backends.cpu import SDPABackend
 from engine.backends.cuda import SDPACudaBackend
-from engine.cuda_graphs import (
+from engine.backends.cuda.graphs import (
     PAD_BLOCKS,
     DecodeBuffers,
     DecodeGraphRunner,
@@ -22,8 +22,8 @@ from engine.cuda_graphs import (
     choose_decode_graph,
     fill_decode_buffers,
     graph_batch_sizes,
-    normalize_cuda_graph_flag,
 )
+from engine.backends.step_dispatch import normalize_cuda_graph_flag
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.testing import build_test_model
 from tests.gpu.helpers import EagerCapturer, hf_forward, meta_for

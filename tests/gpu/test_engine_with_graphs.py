@@ -13,10 +13,9 @@ import torch
 
 from engine.backends.cuda import FlashAttnBackend, SDPACudaBackend
 from engine.config import ContinuousBatchingConfig
-from engine.cuda_graphs import graph_table_width
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.llm_engine import LLMEngine
-from engine.step_dispatch import StepDispatcher
+from engine.backends.step_dispatch import StepDispatcher, graph_table_width
 from engine.testing import build_test_model, random_prompts
 from tests.gpu.helpers import EagerCapturer, FlashReference, hf_forward
 
@@ -28,22 +27,16 @@ def run_engine(model, backend, config, prompts, graph_flags):
     n, bs = engine.sizes.num_blocks, config.block_size
     layers, hkv, hd = kv_geometry(model.config)
     dtype = next(model.parameters()).dtype
-    engine.cache = engine.runner.cache = PagedKVCache(layers, n + 1, bs, hkv, hd, dtype)  # + the padding block
-    engine.backend = engine.runner.backend = backend
-    dispatch = StepDispatcher(
-        hf_forward(model, backend, engine.cache), graph_flags=graph_flags, device="cpu",
+    ex = engine.executor  # its cache (with the padding block), backend and dispatch replaced: the engine's own step runs them
+    ex.cache = ex.runner.cache = PagedKVCache(layers, n + 1, bs, hkv, hd, dtype)
+    ex.backend = ex.runner.backend = backend
+    ex.dispatch = dispatch = StepDispatcher(
+        hf_forward(model, backend, ex.cache), graph_flags=graph_flags, device="cpu",
         max_requests=engine.sizes.max_requests, max_batch_tokens=engine.sizes.max_batch_tokens,
         max_blocks_per_seq=graph_table_width(n, bs, engine.max_context), block_size=bs, pad_block=n,
         capturer=EagerCapturer(),
     )  # fmt: skip
     dispatch.warmup()
-
-    def run(batch, sample_rows):
-        input_ids, positions, meta = engine.runner.build_metadata(batch)
-        rows = (meta.cu_seqlens_q[1:] - 1).long()[torch.tensor(sample_rows, dtype=torch.long)]
-        return dispatch(input_ids, positions, meta, rows)
-
-    engine.runner.run = run
     reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
     for r in reqs:
         engine.add_request(r)
@@ -51,7 +44,7 @@ def run_engine(model, backend, config, prompts, graph_flags):
         while engine.has_unfinished():
             engine.step()
     engine.close()
-    return [r.to_output().generated_tokens for r in reqs], dispatch
+    return [r.generated_ids for r in reqs], dispatch
 
 
 def test_decode_graphs_in_the_engine_loop_equal_model_generate():

@@ -1,11 +1,11 @@
-"""KV sizing arithmetic with injected device figures (engine/memory.py)."""
+"""KV sizing arithmetic with injected device figures (engine/backends/memory.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.memory import (
+from engine.backends.memory import (
     CPU_CACHE_CAP_BYTES,
     GiB,
     MiB,

@@ -1,4 +1,4 @@
-"""engine/step_dispatch.py: which way each step's forward runs, and that every way gives the same logits."""
+"""engine/backends/step_dispatch.py: which way each step's forward runs, and that every way gives the same logits."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import torch
 from engine.backends.cpu import SDPABackend
 from engine.backends.cuda import SDPACudaBackend
 from engine.config import ContinuousBatchingConfig
-from engine.cuda_graphs import graph_table_width
 from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.step_dispatch import StepDispatcher
+from engine.backends.step_dispatch import StepDispatcher, graph_table_width
 from engine.testing import build_test_model
 from tests.gpu.helpers import EagerCapturer, hf_forward, meta_for
 

@@ -12,9 +12,9 @@ import torch
 
 from engine.backends.cuda import FlashAttnBackend
 from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.step_dispatch import StepDispatcher
+from engine.backends.step_dispatch import StepDispatcher
 from engine.testing import build_test_model
-from engine.varlen_graphs import (
+from engine.backends.cuda.varlen_graphs import (
     VarlenBuffers,
     VarlenGraphRunner,
     VarlenKey,

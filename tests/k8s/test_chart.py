@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from cbserve_operator.children import render_children
+from cbserve_operator.model_cache import render_job
 from cbserve_operator.spec import parse_spec
 
 from .conftest import CHART, CRD_FILE, REPO, Cluster, Tools
@@ -107,11 +108,15 @@ def test_notes_tell_the_next_command(tools: Tools) -> None:
 
 def test_operator_children_are_valid_for_kubernetes_1_34(tmp_path: Path) -> None:
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
-    objs, _ = render_children(parse_spec("llama-8b", full["spec"]), "default")
+    spec = parse_spec("llama-8b", full["spec"])
+    objs, _ = render_children(spec, "default")
     builtin = [o for o in objs if o["apiVersion"] not in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")]
+    builtin.append(render_job(spec))  # the model cache's download Job
     proc = validate(tmp_path, "---\n".join(yaml.safe_dump(o) for o in builtin))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("passed for resource") == len(builtin) == 5
+    kinds = ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "HorizontalPodAutoscaler",
+             "PodDisruptionBudget", "Job"]
+    assert proc.stdout.count("passed for resource") == len(builtin) and [o["kind"] for o in builtin] == kinds
 
 
 def test_helm_template_applies_to_the_cluster(tools: Tools, cluster: Cluster) -> None:

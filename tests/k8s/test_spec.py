@@ -18,18 +18,22 @@ def spec(**overrides: Any) -> dict[str, Any]:
     return {"model": {"uri": "/models/tiny"}, **overrides}
 
 
-@pytest.mark.parametrize(("uri", "scheme", "arg", "claim"), [
-    ("/models/tiny", "local", "/models/tiny", None),
-    ("pvc://weights/llama/8b", "pvc", "/models/weights/llama/8b", "weights"),
-    ("pvc://weights", "pvc", "/models/weights", "weights"),
-    ("hf://HuggingFaceTB/SmolLM2-135M", "hf", "HuggingFaceTB/SmolLM2-135M", None),
+@pytest.mark.parametrize(("uri", "scheme", "arg", "claim", "revision"), [
+    ("/models/tiny", "local", "/models/tiny", None, None),
+    ("pvc://weights/llama/8b", "pvc", "/models/weights/llama/8b", "weights", None),
+    ("pvc://weights", "pvc", "/models/weights", "weights", None),
+    # the server's loader takes hf:// names itself (engine/hub.py)
+    ("hf://HuggingFaceTB/SmolLM2-135M", "hf", "hf://HuggingFaceTB/SmolLM2-135M", None, None),
+    ("hf://org/m@0123abc", "hf", "hf://org/m@0123abc", None, "0123abc"),
+    ("hf://org/m@refs/pr/1", "hf", "hf://org/m@refs/pr/1", None, "refs/pr/1"),
 ])
-def test_model_uris(uri: str, scheme: str, arg: str, claim: str | None) -> None:
+def test_model_uris(uri: str, scheme: str, arg: str, claim: str | None, revision: str | None) -> None:
     source = parse_model_uri(uri)
-    assert (source.scheme, source.arg, source.claim) == (scheme, arg, claim)
+    assert (source.scheme, source.arg, source.claim, source.revision) == (scheme, arg, claim, revision)
 
 
-@pytest.mark.parametrize("uri", ["s3://b/m", "models/relative", "hf://noslash", "pvc://UPPER/x", "", None])
+@pytest.mark.parametrize("uri", ["s3://b/m", "models/relative", "hf://noslash", "pvc://UPPER/x", "hf://o/m@",
+                                 "hf://o/m@../x", "", None])
 def test_bad_model_uris_say_what_is_accepted(uri: Any) -> None:
     with pytest.raises(ValueError, match=r"pvc://claim/path|model.uri is required"):
         parse_model_uri(uri)
@@ -76,8 +80,9 @@ def test_extra_args_go_on_the_command_line_and_hf_models_may_download() -> None:
     objs, _ = render_children(parsed, "ns")
     container = objs[1]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][-2:] == ["--max-model-len", "4096"]
-    assert container["command"][2:6] == ["--model", "org/model", "--served-model-name", "chat"]
-    assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}
+    assert container["command"][2:6] == ["--model", "hf://org/model", "--served-model-name", "chat"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "HF_HUB_OFFLINE" not in env and env["CBSERVE_MODEL_DIR"] == "/cache/models"  # the pod downloads
 
 
 def test_keda_scaled_object_queries_the_served_model() -> None:
@@ -85,7 +90,7 @@ def test_keda_scaled_object_queries_the_served_model() -> None:
                                   autoscaling={"enabled": True, "keda": True, "metric": "kv-cache-usage"}))
     objs, removed = render_children(parsed, "prod")
     assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "ScaledObject"]
-    assert ("autoscaling/v2", "HorizontalPodAutoscaler") in removed
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "m") in removed
     trigger = render_scaled_object(parsed, "prod")["spec"]["triggers"][0]["metadata"]
     assert trigger["query"] == 'avg(cbserve:kv_cache_usage_perc{namespace="prod",model_name="chat"})'
     assert trigger["threshold"] == "0.8"
@@ -141,9 +146,9 @@ def test_full_example_renders_every_optional_child() -> None:
 
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
     objs, removed = render_children(parse_spec("llama-8b", full["spec"]), "default")
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler",
-                                         "PodDisruptionBudget", "ServiceMonitor"]
-    assert removed == [("keda.sh/v1alpha1", "ScaledObject")]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+                                         "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"]
+    assert removed == [("keda.sh/v1alpha1", "ScaledObject", "llama-8b")]
 
 
 def test_an_api_key_secret_reaches_the_server_as_cbserve_api_key() -> None:

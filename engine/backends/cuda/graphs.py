@@ -11,7 +11,7 @@ block is the engine's reserved padding block (never handed to a request), so its
 and its attention touch nothing a real request owns. The cache must therefore be allocated with
 `PAD_BLOCKS` extra block(s) beyond the ones the block manager hands out (`pad_block = num_blocks`).
 
-Prefill and mixed steps run eagerly unless varlen graphs are asked for (engine/varlen_graphs.py).
+Prefill and mixed steps run eagerly unless varlen graphs are asked for (engine/backends/cuda/varlen_graphs.py).
 The pure logic here runs anywhere; capture itself needs CUDA, except through an injected capturer
 (tests replay eagerly on the CPU).
 """
@@ -26,39 +26,12 @@ from typing import Any, Protocol
 import torch
 
 from engine.backends.base import AttentionMetadata
+from engine.backends.step_dispatch import PAD_BLOCKS  # noqa: F401  (the padding block; its sizing lives there)
 
 logger = logging.getLogger("cbserve.cuda_graphs")
 
-PAD_BLOCKS = 1
-
 # (input_ids [T], positions [T], meta, logits_rows [R]) -> float logits [R, vocab]; calls backend.prepare(meta).
 StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
-
-
-def normalize_cuda_graph_flag(value: Any, device_type: str = "cuda", backend_supports_graphs: bool = True) -> tuple[bool, bool]:
-    """`use_cuda_graph` as a (varlen, decode) pair.
-
-    None: decode graphs on CUDA when the backend can be captured, never varlen. A bool applies to
-    both. Off on any device but CUDA, or with a backend that cannot be captured (with a warning
-    when graphs were asked for). Anything else is a ValueError naming `use_cuda_graph`.
-    """
-    if value is None:
-        pair = (False, True)
-        requested = False
-    elif isinstance(value, bool):
-        pair = (value, value)
-        requested = value
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, bool) for v in value):
-        pair = (value[0], value[1])
-        requested = any(pair)
-    else:
-        raise ValueError(f"use_cuda_graph must be a bool or a (varlen, decode) pair of bools, got {value!r}")
-    if device_type != "cuda" or not backend_supports_graphs:
-        if requested:
-            why = f"the device is {device_type}" if device_type != "cuda" else "the attention backend cannot be captured"
-            logger.warning("use_cuda_graph=%r ignored: %s; every step runs eagerly", value, why)
-        return (False, False)
-    return pair
 
 
 def graph_batch_sizes(max_requests: int) -> list[int]:
@@ -316,21 +289,3 @@ class DecodeGraphRunner:
         graph.replay()
         self.replays += 1
         return graph.output[: meta.num_seqs]
-
-
-
-def graph_table_width(
-    num_blocks: int, block_size: int, max_context: int | None, max_blocks_per_request: int | None = None
-) -> int:
-    """Block-table width of the graph buffers: the most blocks one request can hold."""
-    width = num_blocks
-    if max_context is not None:
-        width = min(width, -(-max_context // block_size))
-    if max_blocks_per_request is not None:
-        width = min(width, max_blocks_per_request)
-    return max(1, width)
-
-
-def reserved_blocks(graph_flags: tuple[bool, bool]) -> int:
-    """Blocks the cache needs beyond the block manager's: the padding block when any graphs are on."""
-    return PAD_BLOCKS if any(graph_flags) else 0

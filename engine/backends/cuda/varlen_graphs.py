@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import AttentionMetadata
-from engine.cuda_graphs import (
+from engine.backends.cuda.graphs import (
     CapturedGraph,
     CudaGraphCapturer,
     GraphCapturer,

@@ -77,7 +77,7 @@ def flash_window(sliding_window: int | None) -> tuple[int, int]:
     return (sliding_window - 1, 0)
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(AttentionBackend):
     """flash_attn_varlen_func (prefill, mixed) and flash_attn_with_kvcache (pure decode), paged.
 
     The two kernels can be injected (tests run them as torch reference implementations on the CPU);
@@ -85,7 +85,7 @@ class FlashAttnBackend:
     """
 
     name = "cuda"
-    supports_cuda_graphs = True
+    supports_graphs = True
 
     def __init__(self, varlen_fn: Callable[..., torch.Tensor] | None = None,
                  kvcache_fn: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -166,7 +166,7 @@ def _sdpa(q, k, v, mask, scaling, softcap):
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
-class SDPACudaBackend:
+class SDPACudaBackend(AttentionBackend):
     """torch SDPA over the paged cache, device-agnostic (used on CUDA when flash-attn is missing).
 
     Decode rows are attended together over their block tables' full width with a length mask: only
@@ -176,7 +176,7 @@ class SDPACudaBackend:
 
     name = "cuda-sdpa"
     # Its decode path is shape-static, but it gathers every row's whole block-table width: off by default.
-    supports_cuda_graphs = False
+    supports_graphs = False
 
     def check_config(self, block_size: int) -> None:
         pass

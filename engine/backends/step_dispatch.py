@@ -17,22 +17,65 @@ that cannot be captured, it is just `forward`.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
-from engine.compile import compile_step
-from engine.cuda_graphs import (
-    CudaGraphCapturer,
-    DecodeGraphRunner,
-    GraphCapturer,
-    StepForward,
-    graph_table_width,
-    normalize_cuda_graph_flag,
-    reserved_blocks,
-)
-from engine.varlen_graphs import VarlenGraphRunner
+from engine.backends.compile import compile_step
+
+if TYPE_CHECKING:  # the graph runners are imported only when graphs are on
+    from engine.backends.cuda.graphs import DecodeGraphRunner, GraphCapturer, StepForward
+    from engine.backends.cuda.varlen_graphs import VarlenGraphRunner
+
+logger = logging.getLogger("cbserve.cuda_graphs")
+
+PAD_BLOCKS = 1  # the padding block graphs' padded rows write to, allocated beyond the block manager's
+
+
+def normalize_cuda_graph_flag(value: Any, device_type: str = "cuda", backend_supports_graphs: bool = True) -> tuple[bool, bool]:
+    """`use_cuda_graph` as a (varlen, decode) pair.
+
+    None: decode graphs on CUDA when the backend can be captured, never varlen. A bool applies to
+    both. Off on any device but CUDA, or with a backend that cannot be captured (with a warning
+    when graphs were asked for). Anything else is a ValueError naming `use_cuda_graph`.
+    """
+    if value is None:
+        pair = (False, True)
+        requested = False
+    elif isinstance(value, bool):
+        pair = (value, value)
+        requested = value
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, bool) for v in value):
+        pair = (value[0], value[1])
+        requested = any(pair)
+    else:
+        raise ValueError(f"use_cuda_graph must be a bool or a (varlen, decode) pair of bools, got {value!r}")
+    if device_type != "cuda" or not backend_supports_graphs:
+        if requested:
+            why = f"the device is {device_type}" if device_type != "cuda" else "the attention backend cannot be captured"
+            logger.warning("use_cuda_graph=%r ignored: %s; every step runs eagerly", value, why)
+        return (False, False)
+    return pair
+
+
+def graph_table_width(
+    num_blocks: int, block_size: int, max_context: int | None, max_blocks_per_request: int | None = None
+) -> int:
+    """Block-table width of the graph buffers: the most blocks one request can hold."""
+    width = num_blocks
+    if max_context is not None:
+        width = min(width, -(-max_context // block_size))
+    if max_blocks_per_request is not None:
+        width = min(width, max_blocks_per_request)
+    return max(1, width)
+
+
+def reserved_blocks(graph_flags: tuple[bool, bool]) -> int:
+    """Blocks the cache needs beyond the block manager's: the padding block when any graphs are on."""
+    return PAD_BLOCKS if any(graph_flags) else 0
+
 
 
 class StepDispatcher:
@@ -60,8 +103,12 @@ class StepDispatcher:
         )
         self.graphs: DecodeGraphRunner | None = None
         self.varlen_graphs: VarlenGraphRunner | None = None
-        if any(graph_flags) and capturer is None:
-            capturer = CudaGraphCapturer(device)  # one capturer: every graph in one memory pool
+        if any(graph_flags):
+            from engine.backends.cuda.graphs import CudaGraphCapturer, DecodeGraphRunner
+            from engine.backends.cuda.varlen_graphs import VarlenGraphRunner
+
+            if capturer is None:
+                capturer = CudaGraphCapturer(device)  # one capturer: every graph in one memory pool
         if graph_flags[0]:
             self.varlen_graphs = VarlenGraphRunner(
                 self.varlen_forward,
@@ -97,15 +144,16 @@ class StepDispatcher:
         max_requests: int,
         max_batch_tokens: int,
         max_context: int | None,
+        graph_flags: tuple[bool, bool] | None = None,
     ) -> StepDispatcher:
         """From a ContinuousBatchingConfig and the engine's resolved sizes.
 
         `num_blocks` are the block manager's; the padding block follows them in the cache.
         """
         device = torch.device(device)
-        flags = normalize_cuda_graph_flag(
-            getattr(config, "use_cuda_graph", None), device.type, getattr(backend, "supports_cuda_graphs", False)
-        )
+        flags = graph_flags
+        if flags is None:
+            flags = normalize_cuda_graph_flag(getattr(config, "use_cuda_graph", None), device.type, backend.supports_graphs)
         return cls(
             forward,
             graph_flags=flags,

@@ -1,0 +1,72 @@
+"""The CPU executor: the generic executor plus what the CPU adds to the model.
+
+Before sizing the cache it tunes the allocator (engine/backends/cpu_malloc.py) and swaps in packed
+linear weights (engine/backends/cpu_linear.py) and fused C++ element-wise passes
+(engine/backends/cpu_fused.py), each active only inside the engine's forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from engine.backends import cpu_malloc
+from engine.backends.cpu_fused import FusedModules
+from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan, packed_bytes, packing_available
+from engine.backends.executor import Executor
+from engine.model_runner import ModuleSwaps
+
+logger = logging.getLogger("cbserve.engine")
+
+
+class CPUExecutor(Executor):
+    packed_linears: PackedLinears | None = None
+    fused_modules: FusedModules | None = None
+
+    def module_swaps(self) -> list[ModuleSwaps]:
+        if self.device.type != "cpu":  # another host-like device: the generic path only
+            return []
+        cpu_malloc.tune()  # freed activations stay mapped for the next step
+        self.packed_linears = self._packed_linears()
+        self.fused_modules = self._fused_modules()
+        return [s for s in (self.packed_linears, self.fused_modules) if s]
+
+    def weights_replaced(self) -> None:
+        if self.packed_linears:
+            self.packed_linears.refresh()
+
+    def _packed_linears(self) -> PackedLinears | None:
+        choice, model = self.config.cpu_packed_weights, self.model
+        if choice is False:
+            return None
+        ops = self.backend.ops  # the compiled kernels, when built
+        if ops is None and not packing_available():
+            return None
+        plan = linear_plan(ops)
+        size = packed_bytes(model, plan)
+        if choice is None and size > psutil.virtual_memory().available / 4:
+            logger.info("cbserve: linear weights not packed (%.1f GiB would not fit easily)", size / 2**30)
+            return None
+        packed = PackedLinears(model, plan)
+        compute = compute_dtype(self.dtype)
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        how = ""
+        if plan.onednn and compute != self.dtype:
+            how = f"; oneDNN's products in {name(compute)}: no {name(self.dtype)} ones on this CPU"
+        logger.info("cbserve: %d linear layers on %s (%.0f MiB%s)", len(packed), plan.describe(), size / 2**20, how)
+        return packed
+
+    def _fused_modules(self) -> FusedModules | None:
+        if self.backend.ops is None:
+            return None
+        fused = FusedModules(self.model, self.backend.ops)
+        logger.info("cbserve: %d fused C++ element-wise passes (RMSNorm, rotary, MLP)", len(fused))
+        return fused
+
+
+def check_placement(config, device: torch.device) -> None:
+    """CPU-only settings asked of a model elsewhere are refused, naming the field."""
+    if config.cpu_packed_weights and device.type != "cpu":
+        raise ValueError(f"cpu_packed_weights needs a model on the CPU, this one is on {device}")

@@ -1,0 +1,130 @@
+"""The executor: everything about the device the model runs on, behind one call per step.
+
+`make_executor(model, config)` (engine/backends/__init__.py) builds the one for the model's device:
+`CPUExecutor` (engine/backends/cpu_executor.py: packed weights, fused passes, C++ kernels) or
+`CUDAExecutor` (engine/backends/cuda/executor.py: flash-attn, graphs). The engine core reads its
+sizes and cache geometry once, and each step calls `execute_model(batch)`, which runs the forward
+and returns the sampled tokens of `batch.samples`. The core never asks which device it is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.backends import get_backend
+from engine.backends.memory import (
+    CachePlan,
+    kv_bytes_per_block,
+    plan_for_device,
+    profile_activation_peak,
+    read_device_memory,
+)
+from engine.backends.step_dispatch import StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
+from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
+from engine.kv_cache import PagedKVCache, kv_geometry
+from engine.model_runner import ModelRunner, ModuleSwaps, restore_modes
+from engine.sampler import Sampler, SampleResult
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger("cbserve.engine")
+
+
+class Executor:
+    """Placement, sizing, the KV cache, module swaps, step dispatch (graphs or compiled) and sampling."""
+
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
+        self.model, self.config = model, config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        text_config = model.config.get_text_config()
+        self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
+        num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
+        self.backend = get_backend(self.device, config.attn_backend)
+        self.block_size: int = config.block_size or DEFAULT_BLOCK_SIZE.get(self.device.type, 256)
+        self.backend.check_config(self.block_size)
+        self.graph_flags = normalize_cuda_graph_flag(config.use_cuda_graph, self.device.type, self.backend.supports_graphs)
+        extra_blocks = reserved_blocks(self.graph_flags)  # the padding block of graphs, never handed out
+        swaps = self.module_swaps()  # before sizing: packed weights take memory
+        self.sizes: CachePlan = self._plan(num_layers, num_kv_heads, head_dim, extra_blocks)
+        logger.info("cbserve engine: %s", self.sizes.summary())
+        self.cache = PagedKVCache(num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads,
+                                  head_dim, self.dtype, self.device)  # fmt: skip
+        self.runner = ModelRunner(model, self.cache, self.backend, swaps)
+        self.dispatch = StepDispatcher.from_config(
+            self.runner.forward, config, self.backend, self.device, graph_flags=self.graph_flags,
+            block_size=self.block_size, num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
+            max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
+        )  # fmt: skip
+        self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode)
+        self.last_times = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}  # of the last execute_model
+
+    # -- what a device adds ---------------------------------------------------------------------
+    def module_swaps(self) -> list[ModuleSwaps]:
+        """Replacement forwards active only inside the engine's forwards (the CPU's packed linears and
+        fused passes); none by default."""
+        return []
+
+    def weights_replaced(self) -> None:
+        """The model's weights changed (in place, or new tensors): refresh copies made of them."""
+
+    # -- sizing -----------------------------------------------------------------------------------
+    def _plan(self, num_layers: int, num_kv_heads: int, head_dim: int, extra_blocks: int) -> CachePlan:
+        """Blocks, token budget and request cap: from the config, else from the memory free now."""
+        cfg, model, device = self.config, self.model, self.device
+        bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, self.dtype)
+        peak = 0
+        if cfg.num_blocks is None:
+            budget = cfg.max_batch_tokens or 8192
+
+            def forward() -> None:  # a full-budget step without a cache: what every step needs again
+                with torch.inference_mode():
+                    model(input_ids=torch.zeros(1, budget, dtype=torch.long, device=device), use_cache=False,
+                          logits_to_keep=1)  # fmt: skip
+
+            peak = profile_activation_peak(device, forward)
+        return plan_for_device(
+            read_device_memory(device),
+            cfg.max_memory_percent,
+            bytes_per_block,
+            self.block_size,
+            activation_peak_bytes=peak,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_requests=cfg.max_requests_per_batch,
+            num_blocks=cfg.num_blocks,
+            reserved_blocks=extra_blocks,
+        )
+
+    # -- per step ---------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Capture what the device captures ahead of time (decode graphs); nothing on the CPU."""
+        self.dispatch.warmup()
+
+    @torch.inference_mode()
+    def execute_model(self, batch: ScheduledBatch, default_logprobs: bool = False) -> SampleResult:
+        """Copy-on-write copies, one forward over the batch's tokens (in eval mode), and the sampled
+        tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
+        if batch.copies:
+            self.cache.copy_blocks(batch.copies)
+        t0 = time.perf_counter()
+        rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
+        modes = None
+        if self.model.training:  # an RL trainer switches train() on between generations
+            modes = [m.training for m in self.model.modules()]
+            self.model.eval()
+        try:
+            logits = self.runner.run(batch, rows, self.dispatch)
+        finally:
+            if modes is not None:
+                restore_modes(self.model, modes)
+        if len(rows) != len(batch.sample_rows):
+            where = {row: i for i, row in enumerate(rows)}
+            logits = logits[[where[row] for row in batch.sample_rows]]
+        t1 = time.perf_counter()
+        result = self.sampler(logits, batch.samples, default_logprobs)
+        t2 = time.perf_counter()
+        prepare = self.runner.last_prepare_s
+        self.last_times = {"prepare": prepare, "forward": t1 - t0 - prepare, "sample": t2 - t1}
+        return result

@@ -5,7 +5,7 @@ from engine.compat import use_cbserve
 from engine.generate import generate_batch
 from engine.llm_engine import LLMEngine
 from engine.manager import ContinuousBatchingManager
-from engine.request import GenerationOutput, QueueFullError, RequestStatus, SamplingParams
+from engine.request import GenerationOutput, ParamError, QueueFullError, RequestStatus, SamplingParams
 from engine.structured import StructuredOutput
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "ContinuousBatchingManager",
     "GenerationOutput",
     "LLMEngine",
+    "ParamError",
     "QueueFullError",
     "RequestStatus",
     "SamplingParams",

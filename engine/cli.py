@@ -170,6 +170,7 @@ def _done_ids(path: Path) -> set[str]:
 def generate(args: argparse.Namespace) -> int:
     from engine.generate import destroy_cached_engine
     from engine.loader import load_model
+    from engine.manager import CACHED
     from engine.server.settings import load_settings
 
     settings = load_settings({"config": args.config, "device": args.device, "dtype": args.dtype})
@@ -185,6 +186,10 @@ def generate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype, settings.attn_implementation, device=device)
     try:
         _generate_chunks(args, loaded, settings, todo, out_path)
+        engine = getattr(loaded.model, CACHED).engine  # the one engine of every chunk: its own counters
+        print(f"cbserve generate: {len(todo)} results written to {out_path}; the engine prefilled "
+              f"{engine.prompt_tokens_total} prompt tokens and generated {engine.generation_tokens_total} tokens",
+              file=sys.stderr)  # fmt: skip
     finally:
         destroy_cached_engine(loaded.model)
     return 0
@@ -196,7 +201,6 @@ def _generate_chunks(args: argparse.Namespace, loaded: Any, settings: Any, todo:
     from tqdm.auto import tqdm
 
     from engine import generate_batch
-    from engine.detokenizer import TextStream
     from engine.server.protocol import parse_chat
 
     tok = loaded.tokenizer
@@ -208,17 +212,15 @@ def _generate_chunks(args: argparse.Namespace, loaded: Any, settings: Any, todo:
             chunk = todo[start : start + args.chunk]
             prompts = [parse_chat({"messages": it["messages"]}, tok, vocab).prompts[0] if "messages" in it
                        else tok(it["prompt"]).input_ids for it in chunk]  # fmt: skip
+            # the engine detokenizes and ends a sequence at its stop string (engine/output_processor.py)
             results = generate_batch(loaded.model, prompts, continuous_batching_config=settings.engine,
                                      max_new_tokens=args.max_new_tokens, progress_bar=False, persistent_manager=True,
-                                     **sampling)  # fmt: skip
+                                     tokenizer=tok, detokenize=True, stop_strings=args.stop or None, **sampling)  # fmt: skip
             for item, prompt, res in zip(chunk, prompts, results.values()):
-                text = TextStream(tok, args.stop)
-                body = text.add(res.generated_tokens) + text.finish()
-                tokens = text.num_tokens if text.stopped else len(res.generated_tokens)
                 record = {
-                    "id": str(item["id"]), "text": body, "finish_reason": "stop" if text.stopped else res.finish_reason,
+                    "id": str(item["id"]), "text": res.text or "", "finish_reason": res.finish_reason,
                     "error": res.error,
-                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": tokens},
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(res.generated_tokens)},
                     "timings": {"ttft_s": (res.first_token_time or 0) - res.created_time if res.first_token_time else None,
                                 "e2e_s": (res.finished_time or 0) - res.created_time if res.finished_time else None},
                 }  # fmt: skip

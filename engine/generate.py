@@ -14,7 +14,8 @@ from engine import telemetry
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import SAMPLING_KEYS, LLMEngine
 from engine.manager import CACHED, ContinuousBatchingManager
-from engine.request import GenerationOutput, Request, child_id
+from engine.output_processor import family_ids
+from engine.request import GenerationOutput, Request
 
 # per-request keywords generate_batch passes on to every prompt
 REQUEST_KEYS = {p for p in inspect.signature(LLMEngine.make_request).parameters if p not in ("self", "input_ids",
@@ -41,9 +42,9 @@ def generate_batch(
     """Generate for every prompt; returns {request_id: GenerationOutput} in input order.
 
     `kwargs` are per-request parameters applied to every prompt (temperature, top_k, top_p, seed,
-    eos_token_id, ignore_eos, logprobs, stop_strings, structured_output, ...); an unknown one is a
-    TypeError before any work. Stop strings need `tokenizer`; outputs then carry `text`, cut right
-    before the stop string. A prompt that fails validation gets a FAILED output carrying the error;
+    eos_token_id, ignore_eos, logprobs, stop_strings, detokenize, structured_output, ...); an unknown one
+    is a TypeError before any work. Stop strings and `detokenize=True` need `tokenizer`; outputs then carry
+    `text`, cut right before a stop string (the sequence ends at the token that completes it). A prompt that fails validation gets a FAILED output carrying the error;
     the others still run.
 
     As in transformers: `persistent_manager=True` keeps a manager, and with it the engine (KV cache,
@@ -88,9 +89,8 @@ def generate_batch(
             if isinstance(out, GenerationOutput):
                 result[rid] = out
                 continue
-            family = [rid] + [child_id(rid, i) for i in range(out - 1)]
-            for member in family:
-                result[member] = finished[member].to_output()
+            for member in family_ids(rid, out):
+                result[member] = engine.output_processor.make_output(finished[member])
         return result
     finally:
         if not persistent_manager:

@@ -23,7 +23,8 @@ from engine.block_manager import BlockManager
 from engine.config import ContinuousBatchingConfig
 from engine.generation_defaults import resolve as resolve_generation_defaults
 from engine.model_runner import restore_modes
-from engine.request import Request, SamplingParams
+from engine.output_processor import OutputProcessor
+from engine.request import ParamError, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import Grammar, GrammarCompiler, StructuredOutput
 from engine.swap import HostSwapPool
@@ -56,15 +57,17 @@ ONE_PROMPT = "one request takes one prompt; for several, use add_requests or gen
 
 def as_token_ids(input_ids: Any, vocab_size: int) -> list[int] | tuple[int, ...]:
     """One prompt's ids as Python ints in [0, vocab_size), from a list or tuple of ints (or of numpy integers), or
-    a 1-D or [1, T] integer tensor or numpy array; anything else is a ValueError that says what is wrong."""
+    a 1-D or [1, T] integer tensor or numpy array; anything else is a ParamError ("input_ids") that says what is
+    wrong."""
     if isinstance(input_ids, (str, bytes)):
-        raise ValueError("input_ids must be token ids, not text: tokenize the prompt first (e.g. tokenizer.encode(text))")
+        raise ParamError("input_ids", "input_ids must be token ids, not text: tokenize the prompt first "
+                                      "(e.g. tokenizer.encode(text))")
     if isinstance(input_ids, (torch.Tensor, np.ndarray)):
         input_ids = _array_ids(input_ids)
     if not isinstance(input_ids, (list, tuple)):
-        raise ValueError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}")
+        raise ParamError("input_ids", f"input_ids must be a list of token ids, got {type(input_ids).__name__}")
     if len(input_ids) == 0:
-        raise ValueError("input_ids must be a non-empty list of token ids (the prompt is empty)")
+        raise ParamError("input_ids", "input_ids must be a non-empty list of token ids (the prompt is empty)")
     if token_ids_ok(input_ids, vocab_size):  # the fast path: plain ints
         return input_ids
     if any(isinstance(t, np.integer) for t in input_ids):
@@ -73,10 +76,11 @@ def as_token_ids(input_ids: Any, vocab_size: int) -> list[int] | tuple[int, ...]
             return input_ids
     t = next(t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size)
     if isinstance(t, (float, np.floating)):
-        raise ValueError(f"input_ids holds {t!r}, which is not a token id: token ids are integers, not floats")
+        raise ParamError("input_ids", f"input_ids holds {t!r}, which is not a token id: token ids are integers, "
+                                      "not floats")
     if isinstance(t, (list, tuple, torch.Tensor, np.ndarray)):
-        raise ValueError(f"input_ids holds a {type(t).__name__}: {ONE_PROMPT}")
-    raise ValueError(f"input_ids holds {t!r}, which is not a token id in [0, {vocab_size})")
+        raise ParamError("input_ids", f"input_ids holds a {type(t).__name__}: {ONE_PROMPT}")
+    raise ParamError("input_ids", f"input_ids holds {t!r}, which is not a token id in [0, {vocab_size})")
 
 
 def _array_ids(ids: torch.Tensor | np.ndarray) -> list:
@@ -86,13 +90,14 @@ def _array_ids(ids: torch.Tensor | np.ndarray) -> list:
     else:
         integer = ids.dtype.kind in "iu"
     if not integer:
-        raise ValueError(f"input_ids must hold integer token ids, got a {type(ids).__name__} of dtype {ids.dtype}")
+        raise ParamError("input_ids", f"input_ids must hold integer token ids, got a {type(ids).__name__} of "
+                                      f"dtype {ids.dtype}")
     if ids.ndim == 0:
-        raise ValueError("input_ids is a single number (0-d): pass a list of token ids, e.g. [id]")
+        raise ParamError("input_ids", "input_ids is a single number (0-d): pass a list of token ids, e.g. [id]")
     if ids.ndim == 2 and ids.shape[0] == 1:  # a batch of one, as transformers' input_ids
         ids = ids[0]
     if ids.ndim != 1:
-        raise ValueError(f"input_ids has shape {list(ids.shape)}, not [T] or [1, T]: {ONE_PROMPT}")
+        raise ParamError("input_ids", f"input_ids has shape {list(ids.shape)}, not [T] or [1, T]: {ONE_PROMPT}")
     return ids.tolist()
 
 
@@ -102,7 +107,8 @@ class LLMEngine:
         tokenizer=None,
     ):  # fmt: skip
         self.config = config = config or ContinuousBatchingConfig()
-        self.tokenizer = tokenizer  # needed only for stop strings and structured output
+        self.tokenizer = tokenizer  # needed only for text (stop strings, detokenize) and structured output
+        self.output_processor = OutputProcessor(tokenizer)  # text, stop strings and outputs of requests
         self._grammars: GrammarCompiler | None = None
         self.model = model
         modes = [m.training for m in model.modules()]
@@ -171,35 +177,38 @@ class LLMEngine:
         ignore_eos: bool = False,
         num_return_sequences: int | None = None,
         stop_strings: list[str] | str | None = None,
+        detokenize: bool = False,
         structured_output: StructuredOutput | dict | Grammar | None = None,
         **sampling: Any,
     ) -> Request:
-        """Validate one request; every problem is a ValueError that says what is wrong."""
+        """Validate one request; every problem is a ParamError (a ValueError) that names the parameter and says
+        what is wrong."""
         if request_id is None:
             request_id = f"req_{uuid.uuid4().hex[:16]}"
         elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise ParamError("request_id", f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         input_ids = as_token_ids(input_ids, self.vocab_size)
         if max_new_tokens is None:
             max_new_tokens = self.defaults.max_new_for(len(input_ids)) or DEFAULT_MAX_NEW_TOKENS
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise ParamError("max_new_tokens", f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         total = len(input_ids) + max_new_tokens
         if self.max_context is not None and len(input_ids) >= self.max_context:
-            raise ValueError(
-                f"the prompt has {len(input_ids)} tokens; the model's context is {self.max_context} tokens"
+            raise ParamError(
+                "input_ids", f"the prompt has {len(input_ids)} tokens; the model's context is {self.max_context} tokens"
             )
         capacity = self.block_size * min(self.sizes.num_blocks, self.config.max_blocks_per_request or 1 << 62)
         if total > capacity:
-            raise ValueError(
+            raise ParamError(
+                "max_new_tokens",
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds "
                 f"the KV cache capacity for one request ({capacity} tokens)"
             )
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+            raise ParamError(min(unknown), f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
         params = self._sampling_params(sampling, len(input_ids))
         params.validate(self.vocab_size)
         if params.logprobs is None and self.config.return_logprobs:
@@ -208,29 +217,23 @@ class LLMEngine:
         stops = frozenset(stop_token_ids or ())
         for t in stops:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop_token_ids holds {t!r}, which is not a token id")
+                raise ParamError("stop_token_ids", f"stop_token_ids holds {t!r}, which is not a token id")
         n = self.defaults.num_return_sequences if num_return_sequences is None else num_return_sequences
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
+            raise ParamError("num_return_sequences", f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
         req = Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
         req.num_children = n - 1
         req.otel_context = telemetry.current_context()
         if stop_strings is None:
             stop_strings = self.defaults.stop_strings
-        if stop_strings:
-            if isinstance(stop_strings, str):
-                stop_strings = [stop_strings]
-            if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(x, str) for x in stop_strings):
-                raise ValueError(f"stop_strings must be a string or a list of strings, got {stop_strings!r}")
-            if self.tokenizer is None:
-                raise ValueError("stop_strings need a tokenizer: pass tokenizer= to the engine, manager or generate_batch")
-            from engine.detokenizer import TextStream
-
-            req.text_stream = TextStream(self.tokenizer, list(stop_strings))
+        self.output_processor.watch(req, stop_strings, detokenize)  # text, when stop strings or detokenize ask
         if structured_output is not None:
             grammar = structured_output
             if not isinstance(grammar, Grammar):
-                grammar = self.compile_grammar(structured_output)
+                try:
+                    grammar = self.compile_grammar(structured_output)
+                except ValueError as exc:  # llguidance's message, or no tokenizer
+                    raise ParamError("structured_output", str(exc)) from None
             req.matcher = grammar.matcher()
         return req
 
@@ -243,6 +246,7 @@ class LLMEngine:
         self.defaults = resolve_generation_defaults(generation_config, model_config, self.config.drop_unsupported_processors)
         if tokenizer is not None and tokenizer is not self.tokenizer:
             self.tokenizer, self._grammars = tokenizer, None
+            self.output_processor.tokenizer = tokenizer
 
     def compile_grammar(self, spec: StructuredOutput | dict) -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer (cached by its text);
@@ -288,7 +292,7 @@ class LLMEngine:
             ids = [t for t in ids if t is not None and not (isinstance(t, (int, float)) and t < 0)]
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"{name} {t!r} is not a token id in [0, {self.vocab_size})")
+                raise ParamError("eos_token_id", f"{name} {t!r} is not a token id in [0, {self.vocab_size})")
         return frozenset(ids)
 
     def add_request(self, req: Request) -> None:

@@ -20,7 +20,8 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationOutput, QueueFullError, Request, child_id
+from engine.output_processor import family_ids, unforked_outputs
+from engine.request import GenerationOutput, QueueFullError, Request
 
 logger = logging.getLogger("cbserve.manager")
 
@@ -221,14 +222,19 @@ class ContinuousBatchingManager:
                 **kwargs,
             )
             limit = self.config.max_queue_size
-            if limit and len(self._inbox) + len(self.engine.scheduler.waiting) >= limit:
+            if limit and self._waiting_sequences() + 1 + req.num_children > limit:
                 raise QueueFullError(f"the request queue is full ({limit} waiting)")
-            self._routes[req.request_id] = _Route()
-            for i in range(req.num_children):
-                self._routes[child_id(req.request_id, i)] = _Route()
+            for rid in family_ids(req.request_id, 1 + req.num_children):  # n > 1: one route per sequence
+                self._routes[rid] = _Route()
             self._inbox.append(req)
         self._wake.set()
         return req.request_id
+
+    def _waiting_sequences(self) -> int:
+        """Sequences not started yet: each waiting request with its n - 1 siblings still to fork."""
+        waiting = self.engine.scheduler.waiting
+        return len(self._inbox) + len(waiting) + sum(r.num_children for r in self._inbox) + sum(
+            r.num_children for r in waiting)
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, **kwargs: Any) -> list[str]:
         return [self.add_request(ids, max_new_tokens=max_new_tokens, **kwargs) for ids in inputs]
@@ -311,6 +317,13 @@ class ContinuousBatchingManager:
         return stats
 
     # -- the loop -------------------------------------------------------------------------------
+    def _deliver_request(self, req: Request) -> None:
+        """The request's output, made by the engine's output processor; a request that ended before it
+        forked its n - 1 siblings ends theirs too."""
+        self._deliver(self.engine.output_processor.make_output(req))
+        for out in unforked_outputs(req):
+            self._deliver(out)
+
     def _deliver(self, out: GenerationOutput) -> None:
         with self._lock:
             route = self._routes.get(out.request_id)
@@ -343,7 +356,7 @@ class ContinuousBatchingManager:
         for rid in cancels:
             req = self.engine.abort_request(rid)
             if req is not None:
-                self._deliver(req.to_output())
+                self._deliver_request(req)
 
     def _park_if_paused(self) -> None:
         with self._pause:
@@ -370,17 +383,17 @@ class ContinuousBatchingManager:
                 except Exception as exc:  # a failing step fails its requests, not the server
                     logger.exception("engine step failed")
                     for req in engine.fail_all(f"{type(exc).__name__}: {exc}"):
-                        self._deliver(req.to_output())
+                        self._deliver_request(req)
                     engine.block_manager.reset_prefix_cache()
                     continue
                 for req in updated:
                     if req.streaming or req.is_finished:
-                        self._deliver(req.to_output())
+                        self._deliver_request(req)
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             self._fatal = exc
             logger.exception("the engine loop died")
             for req in engine.fail_all(f"engine loop died: {exc}"):
-                self._deliver(req.to_output())
+                self._deliver_request(req)
             raise
         finally:
             self._loop_ended = True

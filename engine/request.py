@@ -1,4 +1,5 @@
-"""A request's state inside the engine, its sampling parameters, and the output users receive."""
+"""A request's state inside the engine, its sampling parameters, and the output users receive (made by
+engine/output_processor.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ class RequestStatus(IntEnum):
 
 class QueueFullError(RuntimeError):
     """`add_request` refused: `max_queue_size` requests are already waiting."""
+
+
+class ParamError(ValueError):
+    """A request refused for one of its parameters; `param` names it as `make_request` (and
+    `add_request`, `generate_batch`) call it: "input_ids", "max_new_tokens", "temperature", ..."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 MAX_LOGPROBS = 20
@@ -54,43 +64,45 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int) -> None:
-        def number(name: str, value: Any) -> float:
+        """Every field in range; a ParamError names the first that is not."""
+
+        def number(name: str, value: Any, param: str | None = None) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise ParamError(param or name, f"{name} must be a number, got {value!r}")
             try:
                 x = float(value)
             except OverflowError:  # an int beyond any float
                 x = math.inf
             if not math.isfinite(x):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise ParamError(param or name, f"{name} must be a finite number, got {value!r}")
             return x
 
         if number("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0 < number("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= number("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise ParamError("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise ParamError("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ParamError("seed", f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+            raise ParamError("min_new_tokens", f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+                raise ParamError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-                    raise ValueError(f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
-                number(f"logit_bias value for token {token}", bias)
+                    raise ParamError("logit_bias", f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
+                number(f"logit_bias value for token {token}", bias, "logit_bias")
 
 
 @dataclass
@@ -115,7 +127,8 @@ class GenerationOutput:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    text: str | None = None  # with stop strings: the generated text, cut before the stop string
+    text: str | None = None  # with stop strings or detokenize: the generated text, cut before a stop string
+    new_text: str | None = None  # with text: the text since the previous streamed output
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -164,8 +177,9 @@ class Request:
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed)
         self.num_streamed = 0  # generated tokens already handed out
+        self.text_streamed = 0  # characters of text already handed out (engine/output_processor.py)
         self.num_children = 0  # n - 1: sequences forked from this one after its prefill
-        self.text_stream = None  # engine.detokenizer.TextStream when the request has stop strings
+        self.text_stream = None  # engine.detokenizer.TextStream with stop strings or detokenize (output_processor)
         self.matcher = None  # engine.structured.Matcher when the request has structured output
         self.otel_context = None  # OpenTelemetry context its span records under (engine/telemetry.py); None: none
 
@@ -229,9 +243,9 @@ class Request:
             if not self.matcher.accept(token):
                 self.finish("error", f"structured output: {self.matcher.error or f'the grammar refused token {token}'}")
                 return
-        if self.text_stream is not None:
+        if self.text_stream is not None:  # made by engine/output_processor.py: the token's text
             self.text_stream.add([token])
-            if self.text_stream.stopped:
+            if self.text_stream.stopped:  # it completes a stop string: the text ends right before it
                 self.finish("stop")
                 return
         if self.matcher is not None and self.matcher.finished:  # the grammar is complete: nothing may follow
@@ -244,36 +258,9 @@ class Request:
             self.finish("length")
         elif max_context is not None and self.num_tokens >= max_context:
             self.finish("length")
-        if self.is_finished and self.text_stream is not None:
-            self.text_stream.finish()
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason = reason
         self.error = error
         self.status = RequestStatus.FAILED if error is not None else RequestStatus.FINISHED
         self.finished_time = time.perf_counter()
-
-    def to_output(self) -> GenerationOutput:
-        generated = self.generated_ids
-        new = generated[self.num_streamed :]
-        self.num_streamed = len(generated)
-        return GenerationOutput(
-            request_id=self.request_id,
-            prompt_ids=self.token_ids[: self.num_prompt_tokens],
-            generated_tokens=generated,
-            logprobs=list(self.logprobs),
-            error=self.error,
-            status=self.status,
-            created_time=self.created_time,
-            lifespan=(self.scheduled_time or -1, self.finished_time or -1),
-            timestamps=list(self.timestamps) if self.timestamps is not None else None,
-            new_tokens=new,
-            top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
-            finish_reason=self.finish_reason,
-            scheduled_time=self.scheduled_time,
-            first_token_time=self.first_token_time,
-            finished_time=self.finished_time,
-            num_cached_tokens=self.num_cached_tokens,
-            num_preemptions=self.num_preemptions,
-            text=self.text_stream.text if self.text_stream is not None else None,
-        )

@@ -76,7 +76,7 @@ def _error(exc: APIError, request_id: str | None = None) -> JSONResponse:
 
 
 LOOP_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop; larger ones in a thread
-LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all choices) are queued from the event loop
+LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all prompts) are queued from the event loop
 
 
 def _loads(raw: bytes) -> Any:
@@ -173,7 +173,7 @@ class Handlers:
             with otel.current(span):  # the engine's request spans become this span's children
                 if req.structured is not None:
                     await _off_loop(gen.compile_constraint)
-                if sum(map(len, req.prompts)) * req.n > LOOP_TOKENS:
+                if sum(map(len, req.prompts)) > LOOP_TOKENS:
                     await _off_loop(gen.submit)  # the engine checks every token id of a long prompt
                 else:
                     gen.submit()
@@ -401,6 +401,9 @@ def create_app(
 
 
 def build_state(manager: ContinuousBatchingManager, tokenizer, model_name: str, max_model_len: int) -> ServerState:
+    """The server's state; the manager's engine takes the server's tokenizer (its output processor makes every
+    choice's text, engine/output_processor.py)."""
+    manager.use_generation_config(tokenizer=tokenizer)
     metrics = ServerMetrics(model_name, max_model_len, manager.stats)
     return ServerState(manager, ServerTokenizer(tokenizer, max_model_len), model_name, max_model_len, metrics,
                        token_chars=max_token_chars(tokenizer))  # fmt: skip

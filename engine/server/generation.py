@@ -1,8 +1,10 @@
-"""One API call in flight: its engine requests (one per choice), their text, their end.
+"""One API call in flight: its engine requests (one per prompt, n sequences each), their outputs, their end.
 
-Each choice is one engine request. Outputs arrive on the server's event loop through the
-manager's result handlers; text goes through an incremental detokenizer that cuts stop strings
-(the engine request is then cancelled and the choice ends with "stop").
+Each prompt is one engine request with `num_return_sequences=n`: it is prefilled once, then the engine
+forks n - 1 siblings that share its blocks; each sequence is one choice (choice `p * n + j` is sequence
+j of prompt p). The engine's output processor (engine/output_processor.py) makes each output's text:
+a stop string ends the sequence in the engine, with "stop", the text cut right before it. Outputs
+arrive on the server's event loop through the manager's result handlers.
 """
 
 from __future__ import annotations
@@ -14,20 +16,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import ContinuousBatchingManager, GenerationOutput, QueueFullError
-from engine.detokenizer import TextStream
+from engine import ContinuousBatchingManager, GenerationOutput, ParamError, QueueFullError
+from engine.output_processor import TokenLogprob, family_ids, new_logprobs
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIError, GenerationRequest, context_exceeded
+from engine.server.protocol import HONOURED, APIError, GenerationRequest, context_exceeded
 from engine.server.tools import ToolStream
 
+# the engine's parameter names that the API calls otherwise; "input_ids" is "prompt" or "messages"
+API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_return_sequences": "n",
+             "stop_strings": "stop"}  # fmt: skip
+API_FIELDS = {name for names in HONOURED.values() for name in names}
 
-def _param_of(message: str) -> str | None:
-    """The API field an engine ValueError is about."""
-    if "max_new_tokens" in message:
-        return "max_tokens"
-    if any(word in message for word in ("prompt", "input_ids", "context")):
-        return "prompt"
-    return None
+
+def api_param(exc: ParamError, req: GenerationRequest) -> str | None:
+    """The API field an engine ParamError is about (None for a parameter the client did not give)."""
+    if exc.param == "input_ids":
+        return "messages" if req.kind == "chat" else "prompt"
+    if exc.param == "structured_output":
+        return req.structured_param
+    name = API_NAMES.get(exc.param, exc.param)
+    return name if name in API_FIELDS else None
 
 
 @dataclass
@@ -35,17 +43,13 @@ class Choice:
     index: int
     engine_id: str
     prompt: list[int]
-    text: TextStream
     last: GenerationOutput | None = None
     finish_reason: str | None = None
-    logprobs_sent: int = 0
     tools: ToolStream | None = None  # with tools: holds a tool call's text back and parses it
 
     @property
     def completion_tokens(self) -> int:
-        if self.last is None:
-            return 0
-        return self.text.num_tokens if self.text.stopped else len(self.last.generated_tokens)
+        return 0 if self.last is None else len(self.last.generated_tokens)
 
 
 @dataclass
@@ -54,7 +58,7 @@ class Delta:
 
     index: int
     text: str
-    logprobs: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
@@ -101,35 +105,35 @@ class Generation:
             raise APIError(400, f"'{req.structured_param}': {exc}", param=req.structured_param) from None
 
     def submit(self) -> None:
-        """Add every choice's engine request; on refusal, withdraw the ones already added. May run
-        in a worker thread (a long prompt's validation takes a while); `listen()` then follows on
-        the event loop."""
+        """Add one engine request per prompt, n sequences each; on refusal, withdraw the ones already
+        added. May run in a worker thread (a long prompt's validation takes a while); `listen()` then
+        follows on the event loop."""
         req = self.req
         self.check_fits()
         try:
-            for i in range(req.num_choices):
-                prompt = req.prompts[i // req.n]
-                kwargs = dict(req.engine_kwargs)
-                if "seed" in kwargs:
-                    kwargs["seed"] += i % req.n  # each sample of a prompt has its own stream
+            for p, prompt in enumerate(req.prompts):
                 max_tokens = req.max_tokens
                 if max_tokens is None and self.max_model_len:
                     max_tokens = max(1, self.max_model_len - len(prompt))
                 engine_id = self.manager.add_request(
-                    prompt, request_id=f"{self.id}-{i}", max_new_tokens=max_tokens, streaming=True,
-                    record_timestamps=True, logprobs=req.logprobs, **kwargs,
+                    prompt, request_id=f"{self.id}-{p}", max_new_tokens=max_tokens, streaming=True,
+                    record_timestamps=True, logprobs=req.logprobs, num_return_sequences=req.n, stop_strings=req.stop,
+                    detokenize=True, **req.engine_kwargs,
                 )  # fmt: skip
-                choice = Choice(i, engine_id, prompt, TextStream(self.tokenizer, req.stop),
-                                tools=ToolStream(req.tools) if req.tools is not None else None)  # fmt: skip
-                self.choices.append(choice)
+                for j, sequence_id in enumerate(family_ids(engine_id, req.n)):
+                    self.choices.append(Choice(p * req.n + j, sequence_id, prompt,
+                                               tools=ToolStream(req.tools) if req.tools is not None else None))  # fmt: skip
         except QueueFullError as exc:
             self.cancel()
             self.metrics.rejected("queue_full")
             raise APIError(503, f"the server is busy: {exc}; retry later", type="server_busy",
                            code="queue_full", headers={"Retry-After": "1"}) from None  # fmt: skip
+        except ParamError as exc:
+            self.cancel()
+            raise APIError(400, str(exc), param=api_param(exc, req)) from None
         except ValueError as exc:
             self.cancel()
-            raise APIError(400, str(exc), param=_param_of(str(exc))) from None
+            raise APIError(400, str(exc)) from None
         except RuntimeError as exc:  # the manager stopped
             self.cancel()
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
@@ -165,25 +169,19 @@ class Generation:
             index, out = item
             choice = self.choices[index]
             if choice.finish_reason is not None:
-                continue  # the engine's last word on a choice we already ended (stop string)
+                continue  # the engine's last word on a choice already withdrawn (cancel())
             delta = self._advance(choice, out)
             if delta.text or delta.logprobs or delta.finish_reason:
                 yield delta
 
     def _advance(self, choice: Choice, out: GenerationOutput) -> Delta:
         choice.last = out
-        text = choice.text.add(out.new_tokens)
-        if choice.text.stopped:
-            reason = "stop"
-            if not out.is_finished():
-                self.manager.cancel_request(choice.engine_id)
-        elif out.is_finished():
+        text = out.new_text or ""
+        reason = None
+        if out.is_finished():
             if out.error is not None:
                 raise APIError(500, f"generation failed: {out.error}", type="server_error")
             reason = {"length": "length", "stop": "stop", "abort": "abort"}.get(out.finish_reason, "stop")
-            text += choice.text.finish()
-        else:
-            reason = None
         calls = None
         if choice.tools is not None:
             text = choice.tools.feed(text)
@@ -192,7 +190,8 @@ class Generation:
                 calls = choice.tools.calls
                 if calls and reason == "stop" and choice.tools.tools.choice != "function":
                     reason = "tool_calls"
-        delta = Delta(choice.index, text, self._new_logprobs(choice, out), reason, calls)
+        logprobs = new_logprobs(out, self.tokenizer) if self.req.logprobs is not None else []
+        delta = Delta(choice.index, text, logprobs, reason, calls)
         if reason is not None:
             choice.finish_reason = reason
             self.metrics.finished(out, self._prompt_share(choice), choice.completion_tokens, reason)
@@ -201,17 +200,6 @@ class Generation:
     def _prompt_share(self, choice: Choice) -> int:
         """A prompt's tokens count once, as in usage, however many samples (n) it has."""
         return len(choice.prompt) if choice.index % self.req.n == 0 else 0
-
-    def _new_logprobs(self, choice: Choice, out: GenerationOutput) -> list:
-        if self.req.logprobs is None:
-            return []
-        upto = choice.completion_tokens if choice.text.stopped else len(out.generated_tokens)
-        entries = []
-        for k in range(choice.logprobs_sent, min(upto, len(out.logprobs))):
-            top = out.top_logprobs[k] if out.top_logprobs is not None and k < len(out.top_logprobs) else None
-            entries.append((out.generated_tokens[k], out.logprobs[k], top))
-        choice.logprobs_sent += len(entries)
-        return entries
 
     # -- what goes back ------------------------------------------------------------------------
     def usage(self) -> dict[str, int]:
@@ -243,24 +231,19 @@ class Generation:
             "e2e_s": span(created, end),
         }
 
-    def logprobs_json(self, entries: list) -> Any:
+    def logprobs_json(self, entries: list[TokenLogprob]) -> Any:
+        """Logprob entries in the endpoint's shape (chat's `content` list, or completions' columns)."""
         if self.req.logprobs is None:
             return None
-        decode = self._token_text
         if self.req.kind == "chat":
             return {"content": [
-                {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode()),
-                 "top_logprobs": [{"token": decode(a), "logprob": b, "bytes": list(decode(a).encode())}
-                                  for a, b in (top or {}).items()]}
-                for t, lp, top in entries
+                {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top or ()]}
+                for e in entries
             ]}  # fmt: skip
         return {
-            "tokens": [decode(t) for t, _, _ in entries],
-            "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{decode(a): b for a, b in (top or {}).items()} if top is not None else None
-                             for _, _, top in entries],  # fmt: skip
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) if e.top is not None else None for e in entries],
             "text_offset": [],
         }
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])

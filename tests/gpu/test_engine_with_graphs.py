@@ -44,7 +44,7 @@ def run_engine(model, backend, config, prompts, graph_flags):
         while engine.has_unfinished():
             engine.step()
     engine.close()
-    return [r.to_output().generated_tokens for r in reqs], dispatch
+    return [r.generated_ids for r in reqs], dispatch
 
 
 def test_decode_graphs_in_the_engine_loop_equal_model_generate():

@@ -48,3 +48,25 @@ def test_generate_keeps_one_engine_across_chunks(model_dir, tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "1", "2"]
     assert r.stderr.count("cbserve engine:") == 1  # the KV cache is sized (and the engine built) once, not per chunk
+
+
+def test_generate_stop_ends_each_sequence_at_its_stop_string(model_dir, tmp_path) -> None:
+    src, free, cut = tmp_path / "in.jsonl", tmp_path / "free.jsonl", tmp_path / "cut.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "Once upon a time"}) + "\n")
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(free), "--max-new-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    base = json.loads(free.read_text())
+    assert base["finish_reason"] == "length" and base["usage"]["completion_tokens"] == 24
+    assert "generated 24 tokens" in r.stderr
+    text = base["text"]
+    stop = text[5:9]  # four characters from the middle of the greedy text, spanning tokens
+    r = run("--model", str(model_dir), "--input", str(src), "--output", str(cut), "--max-new-tokens", "24",
+            "--stop", stop, "--stop", "never appears")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(cut.read_text())
+    assert record["text"] == text[: text.index(stop)]
+    assert record["finish_reason"] == "stop"
+    # the engine stopped generating at the token that completed the stop string, before max_new_tokens: its
+    # own count of generated tokens (stderr's summary) is the usage reported
+    assert 0 < record["usage"]["completion_tokens"] < 24
+    assert f"generated {record['usage']['completion_tokens']} tokens" in r.stderr

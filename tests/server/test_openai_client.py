@@ -74,3 +74,20 @@ def test_stop_string_cuts_the_text_exactly(client) -> None:
     streamed = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=24,
                                          temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: text.index(stop)]
+
+
+def test_n2_is_one_prefill_and_repeats_with_its_seed(server, client) -> None:
+    prompt = "Two samples of one prompt share its prefill: " + "block " * 40  # a prompt no other test sends
+    kwargs = dict(model="tiny-llama", prompt=prompt, max_tokens=8, n=2, seed=3, temperature=1.0)
+    before = server.metrics()["cbserve:prefix_cache_queries_total"]
+    a = client.completions.create(**kwargs)
+    looked_up = server.metrics()["cbserve:prefix_cache_queries_total"] - before
+    # one engine request: its prompt is looked up (and prefilled) once; the second choice is forked from it
+    assert looked_up == a.usage.prompt_tokens > 16
+    assert a.usage.completion_tokens == 16
+    b = client.completions.create(**kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # the same seed: the same two choices
+    assert a.choices[0].text != a.choices[1].text
+    # choice i samples with seed + i: choice 1 of seed 3 is choice 0 of seed 4
+    c = client.completions.create(**{**kwargs, "n": 1, "seed": 4})
+    assert c.choices[0].text == a.choices[1].text

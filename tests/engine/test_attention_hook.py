@@ -41,7 +41,7 @@ def test_generate_after_the_engine_ran_uses_the_models_own_attention(own) -> Non
     engine.add_request(req)
     while engine.has_unfinished():
         engine.step()
-    assert req.to_output().generated_tokens == padded_generate_one(model, PROMPTS[1], 4)
+    assert list(req.generated_ids) == padded_generate_one(model, PROMPTS[1], 4)
 
 
 def padded_generate_one(model, prompt, n) -> list[int]:

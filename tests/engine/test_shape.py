@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = ["request", "scheduler", "block_manager", "llm_engine"]
+CORE = ["request", "scheduler", "block_manager", "llm_engine", "output_processor"]
 PRODUCT = ["engine", "operator", "loadtest", "scripts", "benchmarks", "examples"]  # what is not a test
 
 

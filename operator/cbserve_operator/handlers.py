@@ -341,6 +341,8 @@ def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type
 @kopf.on.event("", "v1", "services", labels=MANAGED)
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=MANAGED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+@kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=MANAGED)  # watched once KEDA's CRD exists
+@kopf.on.event("monitoring.coreos.com", "v1", "servicemonitors", labels=MANAGED)  # and the Prometheus operator's
 def repair_child(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo,
                  logger: kopf.Logger, **_: Any) -> None:
     """A child deleted or edited by hand goes back to what the spec renders, on its own event.

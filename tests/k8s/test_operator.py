@@ -428,6 +428,12 @@ def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cl
     monitor = c.get("monitoring.coreos.com/v1", "servicemonitors", ns, "llama-8b")
     assert monitor is not None and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    # deleted by hand, each comes back on its own event (no spec change), as the core children do
+    for api, plural, old in (("keda.sh/v1alpha1", "scaledobjects", scaled), ("monitoring.coreos.com/v1", "servicemonitors", monitor)):
+        c.kubectl("delete", f"{plural}.{api.split('/')[0]}", "llama-8b", "-n", ns)
+        new = wait_for(lambda api=api, plural=plural, old=old: (o := c.get(api, plural, ns, "llama-8b"))
+                       and o["metadata"]["uid"] != old["metadata"]["uid"] and o, what=f"the {plural} to be recreated")  # fmt: skip
+        assert new["spec"] == old["spec"]
 
 
 def _minimal_crd(group: str, version: str, kind: str, plural: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import ParamError, Request, RequestStatus
 from engine.sampler import SampleResult
 from engine.swap import HostSwapPool
 
@@ -63,7 +63,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

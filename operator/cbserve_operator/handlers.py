@@ -313,19 +313,26 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
 MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 
 
+def _changed_childs_owner(kube: Kube, namespace: str, labels: kopf.Labels, type: str | None) -> Any:
+    """For a child's MODIFIED or DELETED event: its owner CBDeployment and parsed spec, once that
+    spec is settled; None for other events, children of no owner, or an owner not settled yet."""
+    owner = labels.get(naming.LABEL_OWNER)
+    if not owner or type not in ("MODIFIED", "DELETED"):
+        return None
+    return _settled_spec(kube, namespace, owner)
+
+
 @kopf.on.event("batch", "v1", "jobs", labels=MANAGED)
 def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo,
                       logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
     """The current download Job finished, failed or was deleted: reconcile its owner again (its
     Deployment gets its replicas, ModelCached follows; a deleted Job is created again)."""
-    owner = labels.get(naming.LABEL_OWNER)
-    if not owner or type not in ("MODIFIED", "DELETED"):
-        return
     kube: Kube = memo.kube
-    settled = _settled_spec(kube, namespace, owner)
+    settled = _changed_childs_owner(kube, namespace, labels, type)
     if settled is None:
         return
     cr, spec = settled
+    owner = cr["metadata"]["name"]
     if not spec.model.cache.enabled or body["metadata"]["name"] != model_cache.job_name(spec):
         return  # a Job of an earlier revision
     patch = kopf.Patch()
@@ -348,11 +355,8 @@ def repair_child(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str
     """A child deleted or edited by hand goes back to what the spec renders, on its own event.
     Server-side apply of the rendered object: fields the operator owns are put back, a write that
     changes nothing changes nothing (no new event, no loop), fields others set are left alone."""
-    owner = labels.get(naming.LABEL_OWNER)
-    if not owner or type not in ("MODIFIED", "DELETED"):
-        return
     kube: Kube = memo.kube
-    settled = _settled_spec(kube, namespace, owner)
+    settled = _changed_childs_owner(kube, namespace, labels, type)
     if settled is None:
         return
     cr, spec = settled

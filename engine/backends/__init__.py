@@ -28,10 +28,7 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
 
 def make_executor(model: torch.nn.Module, config: Any) -> Any:
     """The executor for the device the model's weights are on (engine/backends/executor.py)."""
-    from engine.backends.cpu_executor import check_placement
-
     device = next(model.parameters()).device
-    check_placement(config, device)
     if device.type == "cuda":
         from engine.backends.cuda.executor import CUDAExecutor  # lazy: flash-attn and CUDA only here
 

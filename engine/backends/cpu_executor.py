@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import psutil
-import torch
 
 from engine.backends import cpu_malloc
 from engine.backends.cpu_fused import FusedModules
@@ -65,8 +64,3 @@ class CPUExecutor(Executor):
         logger.info("cbserve: %d fused C++ element-wise passes (RMSNorm, rotary, MLP)", len(fused))
         return fused
 
-
-def check_placement(config, device: torch.device) -> None:
-    """CPU-only settings asked of a model elsewhere are refused, naming the field."""
-    if config.cpu_packed_weights and device.type != "cpu":
-        raise ValueError(f"cpu_packed_weights needs a model on the CPU, this one is on {device}")

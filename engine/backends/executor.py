@@ -39,6 +39,8 @@ class Executor:
         self.model, self.config = model, config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if config.cpu_packed_weights and self.device.type != "cpu":
+            raise ValueError(f"cpu_packed_weights needs a model on the CPU, this one is on {self.device}")
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
@@ -59,7 +61,7 @@ class Executor:
             max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
         )  # fmt: skip
         self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode)
-        self.last_times = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}  # of the last execute_model
+        self.last_times = {"prepare": 0.0, "sample": 0.0}  # of the last execute_model (the engine times the rest)
 
     def placement(self) -> dict:
         """Where the engine runs and how big its KV cache is."""
@@ -120,7 +122,6 @@ class Executor:
         tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
         if batch.copies:
             self.cache.copy_blocks(batch.copies)
-        t0 = time.perf_counter()
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
         modes = None
         if self.model.training:  # an RL trainer switches train() on between generations
@@ -137,6 +138,5 @@ class Executor:
         t1 = time.perf_counter()
         result = self.sampler(logits, batch.samples, default_logprobs)
         t2 = time.perf_counter()
-        prepare = self.runner.last_prepare_s
-        self.last_times = {"prepare": prepare, "forward": t1 - t0 - prepare, "sample": t2 - t1}
+        self.last_times = {"prepare": self.runner.last_prepare_s, "sample": t2 - t1}
         return result

@@ -17,6 +17,7 @@ from engine import ContinuousBatchingConfig, LLMEngine, generate_batch
 from engine.backends.cpu import CASCADE_MIN_SEQS, SDPABackend
 from engine.backends.cpu_kernels import cpu_ops
 from engine.backends.cpu_linear import PackedLinears
+from engine.testing import build_test_model
 from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
 
 
@@ -395,3 +396,9 @@ def test_engine_linears_on_panels_match_generate(arch):
     assert [tuple(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))] == [
         reference(arch, tuple(p)) for p in prompts
     ]
+
+
+def test_packed_weights_asked_of_a_model_off_the_cpu_are_refused() -> None:
+    model = build_test_model("llama").to("meta")  # any device but the CPU, no GPU needed
+    with pytest.raises(ValueError, match="cpu_packed_weights needs a model on the CPU, this one is on meta"):
+        LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=8, cpu_packed_weights=True))

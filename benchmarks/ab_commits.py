@@ -1,11 +1,13 @@
 """Two commits of cbserve on one workload, alternating in one run: did a change make the engine slower?
 
-    python benchmarks/ab_commits.py OLD NEW --workload W1 --rounds 3
+    python benchmarks/ab_commits.py OLD NEW --workload W1 --rounds 3 [--peers none|all|vllm|...]
 
 Each commit is checked out into a temporary git worktree; each round runs `benchmarks/throughput.py
---peers none --runs 1` once per commit (the order swaps every round), with this interpreter and the
+--peers PEERS --runs 1` once per commit (the order swaps every round), with this interpreter and the
 commit's own code on sys.path. The table gives each commit's median and per-round tok/s and the
-ratio NEW / OLD, with the host they came from. Both commits must share this venv's dependencies.
+ratio NEW / OLD, with the host they came from; with peers, also each peer's rate in that commit's
+runs and cbserve's ratio to it (the peers are the yardstick for the minutes each commit ran in).
+Both commits must share this venv's dependencies.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RATE = re.compile(r"^run 1 cbserve: ([0-9.]+) tok/s$", re.M)
+RATE = re.compile(r"^run 1 (.+): ([0-9.]+) tok/s$", re.M)
 
 
 def worktree(commit: str, parent: Path) -> Path:
@@ -30,15 +32,15 @@ def worktree(commit: str, parent: Path) -> Path:
     return path
 
 
-def one_run(tree: Path, workload: str, extra: list[str]) -> float:
+def one_run(tree: Path, workload: str, extra: list[str]) -> dict[str, float]:
+    """One throughput.py run in `tree`: output tok/s by system (cbserve and the peers asked for)."""
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'operator'}"}
-    out = subprocess.run([sys.executable, "benchmarks/throughput.py", "--peers", "none", "--runs", "1",
-                          "--workload", workload, *extra], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=3600)  # fmt: skip
-    match = RATE.search(out.stdout)
-    if out.returncode != 0 or match is None:
+    out = subprocess.run([sys.executable, "benchmarks/throughput.py", "--runs", "1", "--workload", workload, *extra],
+                         cwd=tree, env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+    rates = {name: float(rate) for name, rate in RATE.findall(out.stdout)}
+    if out.returncode != 0 or "cbserve" not in rates:
         raise SystemExit(f"{tree.name}: throughput.py failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    return float(match.group(1))
+    return rates
 
 
 def main() -> None:
@@ -48,27 +50,36 @@ def main() -> None:
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
+    parser.add_argument("--peers", default="none", choices=["all", "transformers", "generate", "vllm", "none"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     from engine.backends.cpu_isa import capabilities
 
     commits = [args.old, args.new]
-    rates: dict[str, list[float]] = {c: [] for c in commits}
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in commits}
+    extra = ["--model", args.model, "--peers", args.peers, "--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {c: worktree(c, Path(tmp)) for c in commits}
         try:
             for r in range(args.rounds):
                 for c in commits if r % 2 == 0 else commits[::-1]:
-                    rates[c].append(one_run(trees[c], args.workload, ["--model", args.model]))
-                    print(f"round {r + 1} {c}: {rates[c][-1]:.1f} tok/s", flush=True)
+                    runs[c].append(one_run(trees[c], args.workload, extra))
+                    print(f"round {r + 1} {c}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[c][-1].items())
+                          + " tok/s", flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    print(f"\n{args.workload} ({args.model} model), cbserve only, {args.rounds} alternating rounds, "
+    peers = "cbserve only" if args.peers == "none" else f"peers: {args.peers}"
+    print(f"\n{args.workload} ({args.dtype}, {args.model} model), {peers}, {args.rounds} alternating rounds, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\nhost: {capabilities().describe()}")
-    print(f"{'commit':<14}{'median tok/s':>14}  rounds")
+    median = {c: {name: statistics.median(run[name] for run in runs[c]) for name in runs[c][0]} for c in commits}
+    print(f"{'commit':<14}{'system':<30}{'median tok/s':>14}{'cbserve is':>12}  rounds")
     for c in commits:
-        print(f"{c:<14}{statistics.median(rates[c]):>14.1f}  " + ", ".join(f"{x:.1f}" for x in rates[c]))
-    print(f"new / old: {statistics.median(rates[args.new]) / statistics.median(rates[args.old]):.3f}")
+        for name, rate in median[c].items():
+            ratio = "" if name == "cbserve" else f"{median[c]['cbserve'] / rate:.2f}x"
+            rounds = ", ".join(f"{run[name]:.1f}" for run in runs[c])
+            print(f"{c:<14}{name:<30}{rate:>14.1f}{ratio:>12}  {rounds}")
+    print(f"cbserve new / old: {median[args.new]['cbserve'] / median[args.old]['cbserve']:.3f}")
 
 
 if __name__ == "__main__":

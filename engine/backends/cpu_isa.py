@@ -89,7 +89,7 @@ def resolve_isa(cpu: CpuInfo, forced: str | None) -> str | None:
     if forced == "none":
         return None
     if forced not in ISAS:
-        raise ValueError(f"{ENV}={forced!r}: expected one of auto, {', '.join(ISAS)}, none")
+        raise ValueError(f"{ENV}={forced}: expected one of auto, {', '.join(ISAS)}, none")
     if best is None or ISAS.index(forced) < ISAS.index(best):
         missing = sorted(NEEDS[forced] - cpu.flags) or ["an x86-64 CPU"]
         raise ValueError(

@@ -6,9 +6,12 @@ query, key and value ([1, heads, T, head_dim] for the step's packed tokens). Ins
 into the paged cache and attends over each sequence's own blocks. Anywhere else (a `model.generate`
 on the same model, on any thread, while the engine runs) it is the model's own implementation.
 
-`install(model)` sets the model's implementation to `cbserve_paged+<its own>` ("+sdpa", "+eager",
-...), registered with the attention and mask interfaces on first use: the mask is the model's own
-outside engine steps and none inside them (the engine's attention needs no mask).
+`installed(model)`, around each engine step, sets the model's implementation to
+`cbserve_paged+<its own>` ("+sdpa", "+eager", ...), registered with the attention and mask
+interfaces on first use (the mask is the model's own outside engine steps and none inside them: the
+engine's attention needs no mask), and puts the model's own name back when the last step running on
+that model ends. Between steps the model is as it was: transformers' own continuous batching, which
+accepts only implementations it knows, and `save_pretrained` see its own implementation.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,6 +34,8 @@ from engine.kv_cache import PagedKVCache
 ATTN_IMPLEMENTATION = "cbserve_paged"  # engine steps only: raises without `cb_step`
 _IN_STEP = contextvars.ContextVar("cbserve_in_engine_step", default=False)  # per thread
 _registered: set[str] = set()
+_lock = threading.Lock()
+_steps: dict[int, tuple[int, str | None]] = {}  # id(model config) -> (steps running on it, its own implementation)
 
 
 @dataclass
@@ -106,13 +112,30 @@ def implementation_for(own: str | None) -> str:
     return name
 
 
-def install(model: torch.nn.Module) -> None:
-    """The model's attention goes through cbserve's function from now on (cheap when it already does:
-    the runner calls it every step, so a `set_attn_implementation` made meanwhile is wrapped again)."""
+@contextlib.contextmanager
+def installed(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention goes through cbserve's function for the duration (steps of several
+    engines on one model overlap safely: the first sets it, the last puts the model's own back, unless
+    someone set another implementation meanwhile). Other threads' forwards meanwhile get the model's
+    own attention from the wrapper."""
     config = model.config
-    current = config._attn_implementation
-    if not (current and current.startswith(ATTN_IMPLEMENTATION + "+")):
-        config._attn_implementation = implementation_for(current)
+    with _lock:
+        count, own = _steps.get(id(config), (0, None))
+        if count == 0:
+            own = config._attn_implementation
+            if own and own.startswith(ATTN_IMPLEMENTATION + "+"):  # set by hand, or by an older cbserve
+                own = own.removeprefix(ATTN_IMPLEMENTATION + "+")
+            config._attn_implementation = implementation_for(own)
+        _steps[id(config)] = (count + 1, own)
+    try:
+        yield
+    finally:
+        with _lock:
+            count, own = _steps.pop(id(config))
+            if count > 1:
+                _steps[id(config)] = (count - 1, own)
+            elif config._attn_implementation == implementation_for(own):
+                config._attn_implementation = own
 
 
 @contextlib.contextmanager

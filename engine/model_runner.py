@@ -107,8 +107,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The eager model call of one step: logits [len(logits_rows), vocab] in the model's dtype."""
         self.backend.prepare(meta)
-        attention.install(self.model)  # once; again only if the model's implementation was changed since
-        with attention.engine_step(), contextlib.ExitStack() as swaps:
+        with attention.installed(self.model), attention.engine_step(), contextlib.ExitStack() as swaps:
             for swap in self.module_swaps:
                 swaps.enter_context(swap.active())
             out = self.model(

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine
-from engine.attention import ATTN_IMPLEMENTATION
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine, generate_batch
+from engine.attention import ATTN_IMPLEMENTATION, installed
 from engine.testing import build_test_model
 
 CFG = ContinuousBatchingConfig(block_size=16, num_blocks=128)
@@ -34,9 +34,8 @@ def test_generate_after_the_engine_ran_uses_the_models_own_attention(own) -> Non
     engine.add_request(engine.make_request(PROMPTS[0], max_new_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert model.config._attn_implementation == f"{ATTN_IMPLEMENTATION}+{own}"
+    assert model.config._attn_implementation == own  # between steps, the model is as it was
     assert padded_generate(model) == before  # the mask and the attention of `own`, token for token
-    model.set_attn_implementation(own)  # changed behind the engine's back: its next step wraps it again
     req = engine.make_request(PROMPTS[1], max_new_tokens=4, ignore_eos=True)
     engine.add_request(req)
     while engine.has_unfinished():
@@ -82,3 +81,31 @@ def test_generate_on_another_thread_while_the_engine_steps() -> None:
         assert out.generated_tokens[:12] == padded_generate_one(model, PROMPTS[0], 12)
     finally:
         mgr.stop(block=True, timeout=30)
+
+
+def test_cbserves_implementation_is_set_inside_steps_only_and_overlapping_steps_nest() -> None:
+    model = build_test_model("llama", attn_implementation="sdpa")
+    wrapped = f"{ATTN_IMPLEMENTATION}+sdpa"
+    with installed(model):
+        with installed(model):  # a second engine's step on the same model
+            assert model.config._attn_implementation == wrapped
+        assert model.config._attn_implementation == wrapped  # the first step still runs
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = wrapped  # left by hand (or by an older cbserve): unwrapped after a step
+    with installed(model):
+        assert model.config._attn_implementation == wrapped
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_transformers_own_continuous_batching_runs_on_the_model_after_cbserves() -> None:
+    """Found running benchmarks/throughput.py's peers on one model: transformers' `generate_batch`
+    refuses attention implementations it does not know, so cbserve leaves none behind."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig as HFConfig
+
+    model = build_test_model("llama", attn_implementation="sdpa")
+    ours = generate_batch(model, PROMPTS, max_new_tokens=6, ignore_eos=True)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    theirs = model.generate_batch(PROMPTS, generation_config=gen, progress_bar=False,
+                                  continuous_batching_config=HFConfig(page_size=16, num_blocks=64, max_batch_tokens=64))
+    assert [o.generated_tokens for o in theirs.values()] == [o.generated_tokens for o in ours.values()]

@@ -14,6 +14,7 @@ from .kube import ApiError, Kube
 from .settings import configure
 from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
 from .status import condition, merge_conditions, rollout_status
+from .workload import owned_template_fields, render_digest
 
 API_VERSION = f"{GROUP}/{VERSION}"
 # Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
@@ -58,10 +59,12 @@ def _failed(what: str, e: ApiError, retry: int) -> Exception:
 
 
 def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str, retry: int = 0,
+                    keep_template: dict[str, Any] | None = None,
                     ) -> tuple[dict[str, Any] | None, list[str], model_cache.CacheState | None]:  # fmt: skip
     """Apply every wanted child, delete unwanted optional ones; (the Deployment as it is, warnings, the
     model cache's state when enabled). With the cache, the download Job is created first if missing; until
-    it succeeds a new Deployment gets 0 replicas and an existing one is left alone.
+    it succeeds a new Deployment gets 0 replicas and an existing one is left alone. `keep_template`: a
+    pod template the Deployment keeps instead of the rendered one (a rollout undo), and its ConfigMap.
     A refusal for good raises ChildRefused; anything worth retrying, kopf.TemporaryError with backoff."""
     cache = None
     if spec.model.cache.enabled:
@@ -74,6 +77,8 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     warnings: list[str] = []
     for obj in wanted:
         _stamp(obj, body)
+        if obj["kind"] == "Deployment" and keep_template is not None:
+            obj["spec"]["template"] = keep_template
         try:
             if obj["kind"] == "Deployment" and cache is not None and not cache.ready:
                 deployment = kube.get("apps/v1", "Deployment", namespace, spec.name)
@@ -92,7 +97,9 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
             kube.delete(api_version, kind, namespace, name)
         except ApiError as e:
             raise _failed(f"deleting the {kind} {name}", e, retry) from e
-    current = next(o["metadata"]["name"] for o in wanted if o["kind"] == "ConfigMap")
+    current = {next(o["metadata"]["name"] for o in wanted if o["kind"] == "ConfigMap")}
+    if keep_template is not None:
+        current.add(_config_map_of(spec.name, keep_template))
     try:
         _collect_old_configs(kube, namespace, spec.name, current)
         _collect_old_jobs(kube, namespace, spec.name, model_cache.job_name(spec) if cache is not None else None)
@@ -139,11 +146,11 @@ def _stamp(obj: dict[str, Any], owner: Mapping[str, Any]) -> None:
             owner.get("metadata", {}).get("generation", 0))
 
 
-def _collect_old_configs(kube: Kube, namespace: str, name: str, current: str) -> None:
+def _collect_old_configs(kube: Kube, namespace: str, name: str, current: set[str]) -> None:
     """Delete the engine ConfigMaps beyond the REVISION_HISTORY most recently used old ones: those are
-    what the Deployment's old ReplicaSets (it keeps as many revisions) may still mount."""
+    what the Deployment's old ReplicaSets (it keeps as many revisions) may still mount. `current`: in use."""
     selector = ",".join(f"{k}={v}" for k, v in naming.config_labels(name).items())
-    old = [cm for cm in kube.list("v1", "ConfigMap", namespace, selector) if cm["metadata"]["name"] != current]
+    old = [cm for cm in kube.list("v1", "ConfigMap", namespace, selector) if cm["metadata"]["name"] not in current]
 
     def last_used(cm: dict[str, Any]) -> tuple[int, str]:
         used = (cm["metadata"].get("annotations") or {}).get(naming.ANNOTATION_USED_AT, "0")
@@ -184,8 +191,13 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     for message in spec.warnings:
         kopf.warn(body, reason="DeprecatedField", message=message)
+    rolled_back = _recorded_rollback(kube, namespace, name, status, generation)
+    if rolled_back is None:  # a new spec rolls forward: no rollback to keep or report
+        old_conditions = [c for c in old_conditions if c.get("type") != "RolledBack"]
+        if status.get("rolledBack"):
+            patch.status["rolledBack"] = None
     try:
-        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry)
+        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=rolled_back)
     except ChildRefused as e:
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
     for message in warnings:
@@ -298,6 +310,8 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
     desired = next(o for o in wanted if o["kind"] == "Deployment")
     if deployment is not None and _fingerprint(deployment) == _fingerprint(desired):
         return deployment
+    if deployment is not None and _earlier_render(kube, namespace, owner, deployment, desired):
+        return _keep_rollback(kube, namespace, cr, spec, deployment, desired["spec"]["replicas"], logger)
     what = "deleted" if deployment is None else "changed outside its CBDeployment"
     logger.info(f"the Deployment of {namespace}/{owner} was {what}; restoring it")
     try:
@@ -308,6 +322,68 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, 
     reason = "DeploymentRecreated" if deployment is None else "DeploymentRestored"
     kopf.warn(cr, reason=reason, message=f"the Deployment was {what}; the operator restored it")
     return restored
+
+
+def _config_map_of(owner: str, template: dict[str, Any]) -> str:
+    return naming.config_map_name(owner, owned_template_fields(template)[0] or "")
+
+
+def _earlier_render(kube: Kube, namespace: str, owner: str, deployment: dict[str, Any],
+                    desired: dict[str, Any]) -> bool:  # fmt: skip
+    """Whether the Deployment's pod template is one of the operator's earlier renders, untouched
+    (what `kubectl rollout undo` puts back), whose engine ConfigMap is still there to mount."""
+    template = deployment["spec"]["template"]
+    digest = ((template.get("metadata", {}) or {}).get("annotations", {}) or {}).get(naming.ANNOTATION_RENDER)
+    if digest is None or digest != render_digest(template):
+        return False  # not ours, or edited since it was rendered (kubectl set image): drift
+    if digest == desired["spec"]["template"]["metadata"]["annotations"][naming.ANNOTATION_RENDER]:
+        return False  # the current render: something else drifted (replicas)
+    return kube.get("v1", "ConfigMap", namespace, _config_map_of(owner, template)) is not None
+
+
+def _recorded_rollback(kube: Kube, namespace: str, name: str, status: dict[str, Any],
+                       generation: int | None) -> dict[str, Any] | None:  # fmt: skip
+    """The pod template to keep when status records a rollout undo of this very generation (an
+    operator restart or a label edit re-runs the reconcile: the rollback stays); else None."""
+    recorded = status.get("rolledBack") or {}
+    if not recorded or recorded.get("generation") != generation:
+        return None
+    deployment = kube.get("apps/v1", "Deployment", namespace, name)
+    template = (deployment or {}).get("spec", {}).get("template")
+    if template is None or render_digest(template) != recorded.get("render"):
+        return None
+    return template
+
+
+def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeploymentSpec,
+                   deployment: dict[str, Any], replicas: int, logger: kopf.Logger) -> dict[str, Any] | None:  # fmt: skip
+    """Leave the rolled-back pod template in place (the rest of the Deployment, `replicas` included,
+    stays the spec's), and say so in status until the next change of the spec."""
+    template = deployment["spec"]["template"]
+    digest = render_digest(template)
+    owner, generation = cr["metadata"]["name"], cr["metadata"].get("generation")
+    status = cr.get("status", {}) or {}
+    recorded = status.get("rolledBack") or {}
+    known = recorded.get("render") == digest and recorded.get("generation") == generation
+    if known and deployment["spec"].get("replicas") == replicas:
+        return deployment  # already kept and reported: the pods of the undo rolling out
+    try:
+        kept, _, _ = _apply_children(kube, cr, spec, namespace, keep_template=template)
+    except (ChildRefused, kopf.TemporaryError) as e:
+        logger.warning(f"keeping the rollback of {namespace}/{owner}: {e}")
+        return deployment
+    if known:
+        return kept
+    config_hash = owned_template_fields(template)[0]
+    message = (f"kubectl rollout undo brought back an earlier revision (engine config {config_hash}); the "
+               f"operator keeps it until the CBDeployment's spec changes")
+    rolled = {"generation": generation, "configHash": config_hash, "render": digest}
+    conditions = merge_conditions(status.get("conditions", []) or [],
+                                  [condition("RolledBack", True, "RolloutUndone", message, generation)])
+    kube.patch_status(API_VERSION, KIND, namespace, owner, {"rolledBack": rolled, "conditions": conditions})
+    kopf.warn(cr, reason="RolloutUndone", message=message)
+    logger.info(f"{namespace}/{owner}: {message}")
+    return kept
 
 
 MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
@@ -378,11 +454,7 @@ def repair_child(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str
 def _fingerprint(deployment: dict[str, Any]) -> tuple[Any, ...]:
     """The fields the operator owns that matter most: replicas, config hash, image and command."""
     spec = deployment.get("spec", {}) or {}
-    template = spec.get("template", {}) or {}
-    containers = (template.get("spec", {}) or {}).get("containers", []) or [{}]
-    annotations = (template.get("metadata", {}) or {}).get("annotations", {}) or {}
-    return (spec.get("replicas"), annotations.get(naming.ANNOTATION_CONFIG_HASH),
-            containers[0].get("image"), tuple(containers[0].get("command", []) or []))
+    return (spec.get("replicas"), *owned_template_fields(spec.get("template", {}) or {}))
 
 
 def _owned_by(child: dict[str, Any], owner: dict[str, Any]) -> bool:

@@ -14,6 +14,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_OWNER = "cbserve.io/cbdeployment"  # the owning CBDeployment's name, for status mirroring
 
 ANNOTATION_CONFIG_HASH = "cbserve.io/config-hash"
+# on the pod template: a digest of the fields the operator owns there (see workload.render_digest)
+ANNOTATION_RENDER = "cbserve.io/render"
 ANNOTATION_USED_AT = "cbserve.io/used-at-generation"  # on engine ConfigMaps: the owner's generation that last applied it
 
 CONTAINER_NAME = "server"

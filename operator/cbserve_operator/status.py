@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "ModelCached")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "ModelCached", "RolledBack")  # the CRD's enum
 
 
 def now() -> str:

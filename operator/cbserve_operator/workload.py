@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from typing import Any
@@ -144,6 +146,22 @@ def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
     return [e for e in env if e["name"] not in overridden] + spec.pod_template.env
 
 
+def owned_template_fields(template: dict[str, Any]) -> tuple[Any, ...]:
+    """What the operator decides in a pod template and nobody else writes (the API server fills in
+    defaults elsewhere): the engine config's hash, the server's image and command."""
+    annotations = (template.get("metadata", {}) or {}).get("annotations", {}) or {}
+    containers = (template.get("spec", {}) or {}).get("containers", []) or [{}]
+    return (annotations.get(naming.ANNOTATION_CONFIG_HASH), containers[0].get("image"),
+            tuple(containers[0].get("command", []) or []))
+
+
+def render_digest(template: dict[str, Any]) -> str:
+    """The digest a rendered pod template carries (`cbserve.io/render`). A template whose owned
+    fields still give its own digest is one of the operator's renders, untouched: what
+    `kubectl rollout undo` brings back. An edit (`kubectl set image`) leaves the digest behind."""
+    return hashlib.sha256(json.dumps(owned_template_fields(template)).encode()).hexdigest()[:16]
+
+
 def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | None = None) -> dict[str, Any]:
     """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template; `replicas`, when given,
     instead of the spec's (0 while the model cache is filled)."""
@@ -192,7 +210,7 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | 
         "imagePullSecrets": tpl.image_pull_secrets,
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
-    return {
+    deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": spec.name, "labels": labels},
@@ -217,6 +235,9 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | 
             },
         },
     }
+    template = deployment["spec"]["template"]
+    template["metadata"]["annotations"][naming.ANNOTATION_RENDER] = render_digest(template)
+    return deployment
 
 
 def _progress_deadline(spec: CBDeploymentSpec) -> int:

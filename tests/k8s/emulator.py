@@ -9,7 +9,8 @@ request handling with one that behaves like an API server where clients look:
   subresources, `/version` 1.34; CRDs created through the API are served at once (Established);
 - objects get uid, resourceVersion (one cluster-wide counter), generation (bumped by spec changes
   only), creationTimestamp; `generateName`; `namespace` from the URL;
-- status subresources: the main endpoint ignores `status`, `/status` changes nothing else;
+- status subresources: the main endpoint ignores `status`, `/status` changes nothing else (and is
+  pruned and validated against the CRD's status schema, as the API server does);
   the scale subresource (Scale objects) for Deployments and CRDs that declare it;
 - merge, strategic-merge (approximated as merge), JSON-patch (a failed `test` is 422) and
   server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces;
@@ -18,10 +19,12 @@ request handling with one that behaves like an API server where clients look:
 - watches are JSON lines (application/json), honour `resourceVersion` (only later events) and
   `timeoutSeconds`; finalizers delay deletion;
 - `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns);
-- deleting an object deletes what it owns (background cascading garbage collection).
+- deleting an object deletes what it owns (background cascading garbage collection);
+- custom resources are pruned, defaulted and validated against their CRD's schema and CEL rules.
 
-Still missing by design: controllers (a Deployment never becomes ready on its
-own: tests patch its status), admission (CEL, schema validation), RBAC, protobuf.
+Still missing by design: controllers (a Deployment never becomes ready and makes no ReplicaSets on
+its own: tests patch its status and create what the controller would), admission webhooks, RBAC
+enforcement, protobuf.
 
 `EmulatorThread` runs it on 127.0.0.1 in a thread of its own, so synchronous tests, subprocesses
 (kubectl) and Kopf (in its own thread) can all talk to it; `hold()` pauses matching requests.
@@ -498,34 +501,39 @@ class Emulator(KubernetesEmulator):
             ],
         }
 
-    def _validate_custom(self, res: resource, obj: Obj) -> None:
+    def _validate_custom(self, res: resource, obj: Obj, part: str = "spec") -> None:
         """A custom resource against its CRD's schema and CEL rules: 422 with every problem, in the
-        API server's words. `validate_custom_resources = False` stands for a cluster without CEL
-        (before 1.25) or an object stored before a rule existed."""
+        API server's words. `part` is what the write changed: "spec" (the main endpoint: everything
+        but status) or "status" (the status subresource, which the API server also validates
+        against the schema: an enum value it does not list is refused). `validate_custom_resources =
+        False` stands for a cluster without CEL (before 1.25) or an object stored before a rule existed."""
         crd = self._crds.get(res)
         schema = (crd or {}).get("version", {}).get("schema", {}).get("openAPIV3Schema")
         if not schema or not self.validate_custom_resources:
             return
         import jsonschema
 
+        judged = ("status",) if part == "status" else tuple(
+            k for k in (schema.get("properties") or {}) if k not in ("metadata", "apiVersion", "kind", "status"))
         validator = jsonschema.Draft7Validator(_openapi_to_jsonschema({
             "type": "object", "properties": {k: v for k, v in (schema.get("properties") or {}).items()
-                                             if k not in ("metadata", "apiVersion", "kind", "status")}}))  # fmt: skip
+                                             if k in judged}}))  # fmt: skip
         problems = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
-        problems += _cel_problems({k: v for k, v in schema.items() if k != "properties"},
-                                  {"metadata": {"name": obj["metadata"]["name"]}, **obj}, "<root>")  # fmt: skip
-        for key in ("spec",):
+        if part != "status":
+            problems += _cel_problems({k: v for k, v in schema.items() if k != "properties"},
+                                      {"metadata": {"name": obj["metadata"]["name"]}, **obj}, "<root>")  # fmt: skip
+        for key in ("spec",) if part != "status" else ("status",):
             if key in obj:
                 problems += _cel_problems((schema.get("properties") or {}).get(key, {}), obj[key], key)
         if problems:
             raise _error(422, "Invalid", f'{crd["names"]["kind"]}.{res.group} "{obj["metadata"]["name"]}" is '
                                          f"invalid: [{', '.join(problems)}]")
 
-    def _apply_defaults(self, res: resource, obj: Obj) -> None:
+    def _apply_defaults(self, res: resource, obj: Obj, part: str = "spec") -> None:
         crd = self._crds.get(res)
         schema = (crd or {}).get("version", {}).get("schema", {}).get("openAPIV3Schema")
         if schema:
-            for key in ("spec",):
+            for key in (part,):
                 if isinstance(obj.get(key), dict):
                     obj[key] = _default(schema.get("properties", {}).get(key, {}), copy.deepcopy(obj[key]))
 
@@ -736,6 +744,10 @@ class Emulator(KubernetesEmulator):
             self._apply_defaults(target.res, new)
             if new.get("spec") != old.get("spec"):  # ratcheting (1.30+): an unchanged spec is not re-judged
                 self._validate_custom(target.res, new)
+        elif target.subresource == "status":
+            self._apply_defaults(target.res, new, "status")  # unknown status fields are pruned too
+            if new.get("status") != old.get("status"):
+                self._validate_custom(target.res, new, "status")
         if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
             self._register_crd(new)
         if new == old:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from cbserve_operator import spec as spec_module
+from cbserve_operator import status as status_module
 
 from .conftest import CRD_FILE, REPO
 
@@ -94,9 +95,9 @@ def test_status_schema_keeps_what_the_operator_writes() -> None:
     status = SCHEMA["properties"]["status"]["properties"]
     assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Degraded", "Failed"]
     assert set(status) >= {"phase", "replicas", "readyReplicas", "selector", "url", "observedGeneration",
-                           "conditions", "configHash", "updatedReplicas"}
+                           "conditions", "configHash", "updatedReplicas", "rolledBack"}
     cond = status["conditions"]["items"]["properties"]
-    assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded", "ConfigValid"]
+    assert tuple(cond["type"]["enum"]) == status_module.CONDITION_TYPES  # every condition the operator writes
     assert {"observedGeneration", "reason", "message", "lastTransitionTime"} <= set(cond)
 
 

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import re
+import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,78 @@ def test_a_rollback_finds_the_old_knobs_and_old_configs_are_collected(operator: 
     assert len(names) == 6 and mounted() in names  # the current one and the newest 5 others
     assert first in names  # used again by the rollback, after the 512 one, which went
     assert all(cm["metadata"]["ownerReferences"][0]["name"] == "smollm2" for cm in c.items("v1", "configmaps", ns))
+
+
+def _record_revision(c: Cluster, ns: str, revision: int) -> None:
+    """What the Deployment controller does on a rollout, which the emulator has not: a ReplicaSet
+    with the Deployment's pod template (plus pod-template-hash), controlled by it and numbered by
+    the revision annotation, which the Deployment carries too. `kubectl rollout undo` reads these."""
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    assert dep is not None
+    template = copy.deepcopy(dep["spec"]["template"])
+    pod_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+    template["metadata"]["labels"]["pod-template-hash"] = pod_hash
+    selector = {**dep["spec"]["selector"]["matchLabels"], "pod-template-hash": pod_hash}
+    rs = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+          "metadata": {"name": f"smollm2-{pod_hash}", "namespace": ns, "labels": selector,
+                       "annotations": {"deployment.kubernetes.io/revision": str(revision)},
+                       "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "smollm2",
+                                            "uid": dep["metadata"]["uid"], "controller": True}]},
+          "spec": {"replicas": 0, "selector": {"matchLabels": selector}, "template": template}}  # fmt: skip
+    c.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(rs))
+    c.kubectl("annotate", "--overwrite", "deployment", "smollm2", "-n", ns,
+              f"deployment.kubernetes.io/revision={revision}")
+
+
+def _config_hash(c: Cluster, ns: str) -> str:
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    return dep["spec"]["template"]["metadata"]["annotations"]["cbserve.io/config-hash"]  # type: ignore[index]
+
+
+def test_kubectl_rollout_undo_brings_the_old_knobs_back_until_the_spec_changes(operator: KopfRunner,
+                                                                                crd_cluster: Cluster) -> None:
+    """`kubectl rollout undo` restores the earlier revision's pod template, which mounts its own
+    (immutable, kept) engine ConfigMap: the operator recognises one of its own renders, keeps it
+    (RolledBack condition, status.rolledBack, an Event), keeps it through a reconcile of the same
+    spec, and rolls forward at the next spec change. An edit of the template is drift all the same."""
+    c, ns = crd_cluster, "undo"
+    apply(c, ns, EXAMPLE)
+    reconciled(c, ns)
+    first = _config_hash(c, ns)
+    _record_revision(c, ns, 1)
+    apply(c, ns, example(engine__blockSize=512))
+    reconciled(c, ns)
+    second = _config_hash(c, ns)
+    assert second != first
+    _record_revision(c, ns, 2)
+
+    out = c.kubectl("rollout", "undo", "deployment/smollm2", "-n", ns).stdout
+    assert "rolled back" in out
+    obj = wait_for(lambda: (o := cbd(c, ns)).get("status", {}).get("rolledBack") and o, what="status.rolledBack")
+    assert obj["status"]["rolledBack"]["configHash"] == first
+    assert conditions(obj)["RolledBack"]["status"] == "True" and first in conditions(obj)["RolledBack"]["message"]
+    wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "RolloutUndone"],
+             what="a RolloutUndone Event")
+    assert _config_hash(c, ns) == first  # the old knobs, from the old ConfigMap, still there
+    assert c.get("v1", "configmaps", ns, f"smollm2-engine-{first[:10]}") is not None
+    assert not [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRestored"]
+
+    # A reconcile of the same generation (a label edit; an operator restart runs the same path) keeps it.
+    c.kubectl("label", "cbdeployment", "smollm2", "-n", ns, "team=serving")
+    wait_for(lambda: cbd(c, ns)["metadata"].get("labels", {}).get("team") == "serving", what="the label")
+    reconciled(c, ns)
+    assert _config_hash(c, ns) == first and conditions(cbd(c, ns))["RolledBack"]["status"] == "True"
+
+    # The next spec change rolls forward and clears the rollback.
+    apply(c, ns, example(engine__blockSize=512, replicas=2))
+    obj = reconciled(c, ns)
+    assert _config_hash(c, ns) == second
+    assert "rolledBack" not in obj["status"] and "RolledBack" not in conditions(obj)
+
+    # An edit of the template (not one of the operator's renders) is drift: put back.
+    c.kubectl("set", "image", "deployment/smollm2", "-n", ns, "server=example.org/other:1")
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["spec"]  # type: ignore[index]
+             ["containers"][0]["image"] != "example.org/other:1", what="the image to be restored")
 
 
 def _patch_deployment_status(c: Cluster, ns: str, status: dict[str, Any]) -> None:
@@ -576,3 +649,21 @@ def test_the_crd_accepts_what_the_engine_runs(crd_cluster: Cluster, name: str, c
                                   input=yaml.safe_dump(manifest), check=False)  # fmt: skip
     assert applied.returncode == 0, applied.stderr
     spec_module.parse_spec(name, manifest["spec"])
+
+
+def test_status_writes_are_judged_by_the_crds_status_schema(crd_cluster: Cluster) -> None:
+    """The API server validates and prunes a status write against the CRD's status schema, as it
+    does the spec: a condition type the enum does not list is refused (422), an unknown field is
+    dropped (test_crd.py checks that the enum lists every condition the operator writes)."""
+    c, ns = crd_cluster, "status-schema"
+    apply(c, ns, EXAMPLE)
+    path = f"/apis/{CBD}/namespaces/{ns}/cbdeployments/smollm2/status"
+
+    def patch(status: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return c.kubectl("patch", "cbdeployment", "smollm2", "-n", ns, "--subresource=status", "--type", "merge",
+                         "-p", json.dumps({"status": status}), check=False)  # fmt: skip
+
+    refused = patch({"conditions": [{"type": "Sleepy", "status": "True"}]})
+    assert refused.returncode != 0 and "Sleepy" in refused.stderr, refused.stderr
+    assert patch({"madeUp": 1}).returncode == 0
+    assert "madeUp" not in c.api(path)["status"]  # type: ignore[index]

@@ -31,7 +31,7 @@ _LOCAL = re.compile(r"^/[^\s]*$")
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
 _QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 _INTERVAL = re.compile(r"^\d+[smh]$")
-_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # a DNS-1123 subdomain
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # Secret, claim, RuntimeClass names
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
@@ -113,6 +113,8 @@ class PodTemplate:
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     affinity: dict[str, Any] = field(default_factory=dict)
     priority_class_name: str | None = None
+    runtime_class_name: str | None = None
+    topology_spread_constraints: list[dict[str, Any]] = field(default_factory=list)
     service_account_name: str | None = None
     image_pull_secrets: list[dict[str, Any]] = field(default_factory=list)
     env: list[dict[str, Any]] = field(default_factory=list)
@@ -197,7 +199,7 @@ def _parse_cache(r: "_Reader", data: dict[str, Any], model: ModelSource | None) 
     )
     r.check(cache.access_mode in ACCESS_MODES, f"model.cache.accessMode must be one of {ACCESS_MODES} (the Job writes "
             f"and the pods read the same claim), got {cache.access_mode!r}")
-    r.check(claim_name is None or (bool(_SECRET_NAME.match(claim_name)) and len(claim_name) <= 253),
+    r.check(claim_name is None or (bool(_DNS1123_SUBDOMAIN.match(claim_name)) and len(claim_name) <= 253),
             f"model.cache.claimName must name a PersistentVolumeClaim (a DNS subdomain), got {claim_name!r}")
     r.check(claim_name is None or not {"size", "storageClassName", "accessMode"} & set(data),
             "model.cache.claimName names an existing claim: size, storageClassName and accessMode are for the "
@@ -369,7 +371,7 @@ def _secret_ref(r: _Reader, data: dict[str, Any], path: str, default_key: str) -
     secret = r.section(data, field_name)
     secret_name = r.get(secret, f"{path}.name", (str,), "")
     secret_key = r.get(secret, f"{path}.key", (str,), default_key)
-    r.check(bool(_SECRET_NAME.match(secret_name)) and len(secret_name) <= 253,
+    r.check(bool(_DNS1123_SUBDOMAIN.match(secret_name)) and len(secret_name) <= 253,
             f"{path}.name must name a Secret (a DNS subdomain), got {secret_name!r}")
     r.check(bool(_SECRET_KEY.match(secret_key)) and len(secret_key) <= 253,
             f"{path}.key must be a Secret data key, got {secret_key!r}")
@@ -498,6 +500,8 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
         tolerations=list(r.get(p, "podTemplate.tolerations", (list,), [])),
         affinity=dict(r.get(p, "podTemplate.affinity", (dict,), {})),
         priority_class_name=r.get(p, "podTemplate.priorityClassName", (str,)),
+        runtime_class_name=r.get(p, "podTemplate.runtimeClassName", (str,)),
+        topology_spread_constraints=list(r.get(p, "podTemplate.topologySpreadConstraints", (list,), [])),
         service_account_name=r.get(p, "podTemplate.serviceAccountName", (str,)),
         image_pull_secrets=list(r.get(p, "podTemplate.imagePullSecrets", (list,), [])),
         env=list(r.get(p, "podTemplate.env", (list,), [])),
@@ -509,6 +513,14 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
                         ("podTemplate.volumeMounts", tpl.volume_mounts)):
         r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),
                 f"every item of {path} needs a name")
+    r.check(tpl.runtime_class_name is None or bool(_DNS1123_SUBDOMAIN.match(tpl.runtime_class_name)),
+            f"podTemplate.runtimeClassName must be a DNS-1123 subdomain, got {tpl.runtime_class_name!r}")
+    for i, c in enumerate(tpl.topology_spread_constraints):
+        where = f"podTemplate.topologySpreadConstraints[{i}]"
+        r.check(isinstance(c, dict) and isinstance(c.get("maxSkew"), int) and not isinstance(c.get("maxSkew"), bool)
+                and c["maxSkew"] >= 1 and isinstance(c.get("topologyKey"), str) and bool(c["topologyKey"])
+                and c.get("whenUnsatisfiable") in ("DoNotSchedule", "ScheduleAnyway"),
+                f"{where} needs maxSkew >= 1, a topologyKey and whenUnsatisfiable DoNotSchedule or ScheduleAnyway")
     taken = sorted({v["name"] for v in tpl.volumes if isinstance(v, dict)} & set(RESERVED_VOLUMES))
     r.check(not taken, f"podTemplate.volumes: {', '.join(RESERVED_VOLUMES)} are the operator's own volume names "
                        f"(got {', '.join(taken)})")

@@ -201,11 +201,15 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | 
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    spread = [c if "labelSelector" in c else {**c, "labelSelector": {"matchLabels": naming.selector_labels(spec.name)}}
+              for c in tpl.topology_spread_constraints]  # fmt: skip
     optional = {
         "nodeSelector": tpl.node_selector,
         "tolerations": tpl.tolerations,
         "affinity": tpl.affinity,
+        "topologySpreadConstraints": spread,
         "priorityClassName": tpl.priority_class_name,
+        "runtimeClassName": tpl.runtime_class_name,
         "serviceAccountName": tpl.service_account_name,
         "imagePullSecrets": tpl.image_pull_secrets,
     }

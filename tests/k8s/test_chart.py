@@ -99,6 +99,13 @@ def test_values_schema_rejects_bad_values(tools: Tools) -> None:
     assert proc.returncode != 0 and "watchNamespaces" in proc.stderr
     proc = helm(tools, "template", "x", str(CHART), "--set", "typo=1", check=False)
     assert proc.returncode != 0 and "typo" in proc.stderr
+    proc = helm(tools, "template", "x", str(CHART), "--set", "resources.limits.memory=banana", check=False)
+    assert proc.returncode != 0 and "/resources/limits/memory" in proc.stderr
+    proc = helm(tools, "template", "x", str(CHART), "--set", "operator.extraArgs={--peering=x}", check=False)
+    assert proc.returncode != 0 and "/operator/extraArgs/0" in proc.stderr  # the chart sets peering itself
+    for good in ("resources.limits.memory=512Mi", "resources.requests.cpu=250m", "resources.requests.cpu=1",
+                 "operator.extraArgs={--verbose}"):
+        assert helm(tools, "template", "x", str(CHART), "--set", good, check=False).returncode == 0, good
 
 
 def test_notes_tell_the_next_command(tools: Tools) -> None:

@@ -604,6 +604,11 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
      "the operator's own volume names"),
     ("rollout", {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0", "cannot both be 0"),
+    ("runtime", {"podTemplate": {"runtimeClassName": "Nvidia GPU"}}, "podTemplate.runtimeClassName",
+     "podTemplate.runtimeClassName must be a DNS-1123 subdomain"),
+    ("spread", {"podTemplate": {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "zone",
+                                                               "whenUnsatisfiable": "DoNotSchedule"}]}},
+     "maxSkew: 0 is less than the minimum of 1", "needs maxSkew >= 1"),
     # what the GPU engine cannot run (the example asks for one GPU)
     ("two-gpus", {"resources": {"gpu": 2}}, "resources.gpu must be 0 or 1: the engine runs on one device",
      "resources.gpu must be 0 or 1: the engine runs on one device"),

@@ -152,6 +152,20 @@ def test_pod_template_extras_reach_the_pod() -> None:
     assert {"name": "data", "emptyDir": {}} in pod["volumes"]
 
 
+def test_runtime_class_and_topology_spread_reach_the_pod() -> None:
+    """A constraint without a labelSelector spreads this CBDeployment's pods (its own selector)."""
+    zones = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    chosen = {**zones, "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"team": "a"}}}
+    tpl = {"runtimeClassName": "nvidia", "topologySpreadConstraints": [zones, chosen]}
+    pod = render_children(parse_spec("m", spec(podTemplate=tpl)), "ns")[0][1]["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["topologySpreadConstraints"] == [
+        {**zones, "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "cbserve", "app.kubernetes.io/instance": "m"}}},
+        chosen]
+    plain = render_children(parse_spec("m", spec()), "ns")[0][1]["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in plain and "topologySpreadConstraints" not in plain
+
+
 def test_python_m_cbserve_operator_builds_the_kopf_command_line() -> None:
     assert kopf_args([]) == ["run", "-m", "cbserve_operator.handlers", "--standalone", "--all-namespaces",
                              "--liveness", "http://0.0.0.0:8080/healthz"]

@@ -54,7 +54,8 @@ class CPUExecutor(Executor):
         how = ""
         if plan.onednn and compute != self.dtype:
             how = f"; oneDNN's products in {name(compute)}: no {name(self.dtype)} ones on this CPU"
-        logger.info("cbserve: %d linear layers on %s (%.0f MiB%s)", len(packed), plan.describe(), size / 2**20, how)
+        logger.info("cbserve: %d linear layers on %s (%.0f MiB%s)", len(packed), plan.describe(self.dtype),
+                    size / 2**20, how)
         return packed
 
     def _fused_modules(self) -> FusedModules | None:

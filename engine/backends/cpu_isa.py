@@ -148,3 +148,19 @@ def kernel_isa() -> str | None:
 
 def onednn_native(dtype: torch.dtype) -> bool:
     return dtype in capabilities().onednn_dtypes
+
+
+# instructions that multiply-add a dtype's pairs straight into float32 sums (AVX-512 BF16's
+# vdpbf16ps, AMX); with them oneDNN's bf16 product does twice a float32 product's work per cycle
+DOT_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def dot_product_instructions(dtype: torch.dtype, cpu: CpuInfo | None = None) -> bool:
+    """Whether oneDNN multiplies `dtype` with the CPU's own dot-product instructions for it (not by
+    widening each value to float32 first, as cbserve's panel kernel does)."""
+    if cpu is None:
+        caps = capabilities()
+        cpu, native = caps.cpu, caps.onednn_dtypes  # CBSERVE_CPU_ISA=avx2 emulation included
+    else:
+        native = native_dtypes(cpu)
+    return dtype in native and any(f in cpu.flags for f in DOT_FLAGS.get(dtype, ()))

@@ -20,7 +20,7 @@ import torch
 import engine.backends.cpu_linear as cpu_linear
 from engine import ContinuousBatchingConfig, LLMEngine, generate_batch
 from engine.backends import cpu_isa, cpu_kernels
-from engine.backends.cpu_isa import CpuInfo, native_dtypes, read_cpu, resolve_isa
+from engine.backends.cpu_isa import CpuInfo, dot_product_instructions, native_dtypes, read_cpu, resolve_isa
 from engine.backends.cpu_kernels import cpu_ops
 from engine.testing import build_test_model
 
@@ -74,6 +74,16 @@ def test_onednn_multiplies_bf16_itself_only_where_the_cpu_has_the_instructions()
     assert native_dtypes(ZEN3) == {fp32}
     assert native_dtypes(ARROW_LAKE) == {fp32, bf16, fp16}
     assert native_dtypes(ARM) == {fp32}
+
+
+def test_bf16_dot_products_are_avx512_bf16_or_amx_not_conversions():
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert dot_product_instructions(bf16, ZEN4)  # vdpbf16ps: a bf16 model's weights go to oneDNN alone
+    assert not dot_product_instructions(fp16, ZEN4)
+    assert not dot_product_instructions(bf16, ZEN3)
+    assert not dot_product_instructions(bf16, ARROW_LAKE)  # AVX-NE-CONVERT converts; it does not multiply
+    no_bf16_dot = CpuInfo("Intel Xeon Gold 6148", "6", "85", ZEN4.flags - {"avx512_bf16"})  # Skylake-SP
+    assert not dot_product_instructions(bf16, no_bf16_dot)
 
 
 def test_this_hosts_cpu_is_read_and_described():
@@ -228,22 +238,30 @@ class Lanes:
         return self._lanes
 
 
+@pytest.mark.parametrize("dots", [False, True], ids=["no-bf16-dot-products", "bf16-dot-products"])
 @pytest.mark.parametrize("lanes", [None, 8, 16])
-def test_the_linear_plan_follows_the_kernel_build_and_each_layout_runs(lanes):
+def test_the_linear_plan_follows_the_kernel_build_and_each_layout_runs(lanes, dots, monkeypatch):
     """No kernels: oneDNN alone. An AVX2 build: panels alone (in the weight's dtype). An AVX-512
-    build: panels for decode-sized steps and oneDNN above PANEL_ROWS. Every side runs here."""
+    build: panels for decode-sized steps and oneDNN above PANEL_ROWS, unless the CPU has bf16 dot
+    products (AVX-512 BF16): then a bf16 weight goes to oneDNN alone. Both probes are forced, so
+    every side runs here."""
+    monkeypatch.setattr(cpu_linear, "dot_product_instructions", lambda dtype: dots and dtype == torch.bfloat16)
     ops = None if lanes is None else Lanes(cpu_ops(), lanes)
     plan = cpu_linear.linear_plan(ops)
     assert (plan.ops is not None, plan.onednn) == {None: (False, True), 8: (True, False), 16: (True, True)}[lanes]
+    panels = plan.ops is not None and not (dots and plan.onednn)
+    assert plan.panels_for(torch.bfloat16) == panels and plan.panels_for(torch.float32) == (plan.ops is not None)
+    assert ("dot products" in plan.describe(torch.bfloat16)) == (plan.ops is not None and not panels)
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
     packed = plan.pack(layer.weight)
-    if plan.ops is not None:
+    assert (packed.panels is not None) == panels
+    if panels:
         assert packed.panels.dtype == torch.bfloat16  # half the bytes of a float32 copy
     onednn_bytes = cpu_linear.compute_dtype(torch.bfloat16).itemsize  # 2 where oneDNN has bf16, else 4
-    assert plan.nbytes(layer.weight) == 96 * 40 * (2 * (plan.ops is not None) + onednn_bytes * plan.onednn)
+    assert plan.nbytes(layer.weight) == 96 * 40 * (2 * panels + onednn_bytes * plan.onednn)
     calls = []
-    if plan.ops is not None:
+    if panels:
         counting = Lanes(cpu_ops(), lanes)
         counting.packed_linear = lambda *a: calls.append(a[0].shape[0]) or cpu_ops().packed_linear(*a)
         packed = packed._replace(ops=counting)
@@ -252,7 +270,7 @@ def test_the_linear_plan_follows_the_kernel_build_and_each_layout_runs(lanes):
         out = cpu_linear._packed_linear(x, packed, layer.bias)
         exact = x.double() @ layer.weight.double().T + layer.bias.double()
         assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), exact, atol=5e-2, rtol=2e-2)
-    on_panels = {None: [], 8: [1, 64, 65], 16: [1, 64]}[lanes]
+    on_panels = {None: [], 8: [1, 64, 65], 16: [1, 64]}[lanes] if panels else []
     assert calls == on_panels
 
 

@@ -208,11 +208,7 @@ def describe_paths(model) -> str:
     dtype = next(model.parameters()).dtype
     linears = "torch F.linear"
     if packed is not None:
-        from engine.backends.cpu_linear import compute_dtype
-
         linears = packed.plan.describe(dtype)
-        if packed.plan.onednn:
-            linears += f" ({str(compute_dtype(dtype)).removeprefix('torch.')} products)"
     kernels = "C++ kernels" if engine.backend.ops is not None else "torch attention (no kernels)"
     fused = len(engine.fused_modules or ())
     return (f"host: {capabilities().describe()}\n"

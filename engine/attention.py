@@ -35,7 +35,8 @@ ATTN_IMPLEMENTATION = "cbserve_paged"  # engine steps only: raises without `cb_s
 _IN_STEP = contextvars.ContextVar("cbserve_in_engine_step", default=False)  # per thread
 _registered: set[str] = set()
 _lock = threading.Lock()
-_steps: dict[int, tuple[int, str | None]] = {}  # id(model config) -> (steps running on it, its own implementation)
+# id(model config) -> (steps running on it, its own implementation, cbserve's name set over it)
+_steps: dict[int, tuple[int, str | None, str]] = {}
 
 
 @dataclass
@@ -119,22 +120,25 @@ def installed(model: torch.nn.Module) -> Iterator[None]:
     someone set another implementation meanwhile). Other threads' forwards meanwhile get the model's
     own attention from the wrapper."""
     config = model.config
+    key = id(config)
     with _lock:
-        count, own = _steps.get(id(config), (0, None))
-        if count == 0:
-            own = config._attn_implementation
+        if key in _steps:
+            count, own, wrapped = _steps[key]
+        else:
+            count, own = 0, config._attn_implementation
             if own and own.startswith(ATTN_IMPLEMENTATION + "+"):  # set by hand, or by an older cbserve
                 own = own.removeprefix(ATTN_IMPLEMENTATION + "+")
-            config._attn_implementation = implementation_for(own)
-        _steps[id(config)] = (count + 1, own)
+            wrapped = implementation_for(own)
+            config._attn_implementation = wrapped
+        _steps[key] = (count + 1, own, wrapped)
     try:
         yield
     finally:
         with _lock:
-            count, own = _steps.pop(id(config))
+            count, own, wrapped = _steps.pop(key)
             if count > 1:
-                _steps[id(config)] = (count - 1, own)
-            elif config._attn_implementation == implementation_for(own):
+                _steps[key] = (count - 1, own, wrapped)
+            elif config._attn_implementation == wrapped:
                 config._attn_implementation = own
 
 

@@ -11,8 +11,8 @@ Two packed layouts, each made once from the weight:
 `linear_plan(ops)` decides which a model gets. With kernels built for AVX2: panels only. With
 kernels built for AVX-512: panels for steps of up to `PANEL_ROWS` rows and oneDNN above, except for
 weights in a dtype the CPU has dot-product instructions for (bf16 with AVX-512 BF16): those go to
-oneDNN alone, whose product then does twice the panels' work per cycle (on a Zen 4, 2.2x at 64
-rows; the panels widen to float32 and win only single-row steps, by a fifth). Without the kernels
+oneDNN alone, which multiplies the pairs into float32 sums where the panels widen each value first
+(docs/benchmarks.md compares the two on the hosts measured). Without the kernels
 (`CBSERVE_CPU_KERNELS=0`, no compiler): oneDNN only.
 
 The q/k/v projections, which read one input, share one packed weight and one product; the
@@ -123,13 +123,16 @@ class LinearPlan:
         return size + (weight.numel() * compute_dtype(weight.dtype).itemsize if self.onednn else 0)
 
     def describe(self, dtype: torch.dtype = torch.float32) -> str:
+        """The layouts a `dtype` model's weights get, and the dtype of oneDNN's products."""
+        products = f"({str(compute_dtype(dtype)).removeprefix('torch.')} products)"
         if self.ops is None:
-            return "oneDNN-packed weights"
+            return f"oneDNN-packed weights {products}"
         if not self.onednn:
             return "cbserve's panel kernel"
         if not self.panels_for(dtype):
-            return f"oneDNN-packed weights ({str(dtype).removeprefix('torch.')} dot products)"
-        return f"cbserve's panel kernel (steps of up to {self.panel_rows} rows), oneDNN-packed weights above"
+            return f"oneDNN-packed weights alone {products}: the CPU has dot-product instructions for them"
+        return (f"cbserve's panel kernel (steps of up to {self.panel_rows} rows), "
+                f"oneDNN-packed weights above {products}")
 
 
 def linear_plan(ops: ModuleType | None) -> LinearPlan:

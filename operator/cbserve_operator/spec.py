@@ -513,7 +513,8 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
                         ("podTemplate.volumeMounts", tpl.volume_mounts)):
         r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),
                 f"every item of {path} needs a name")
-    r.check(tpl.runtime_class_name is None or bool(_DNS1123_SUBDOMAIN.match(tpl.runtime_class_name)),
+    r.check(tpl.runtime_class_name is None or (bool(_DNS1123_SUBDOMAIN.match(tpl.runtime_class_name))
+                                               and len(tpl.runtime_class_name) <= 253),
             f"podTemplate.runtimeClassName must be a DNS-1123 subdomain, got {tpl.runtime_class_name!r}")
     for i, c in enumerate(tpl.topology_spread_constraints):
         where = f"podTemplate.topologySpreadConstraints[{i}]"

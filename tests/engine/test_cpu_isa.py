@@ -251,7 +251,7 @@ def test_the_linear_plan_follows_the_kernel_build_and_each_layout_runs(lanes, do
     assert (plan.ops is not None, plan.onednn) == {None: (False, True), 8: (True, False), 16: (True, True)}[lanes]
     panels = plan.ops is not None and not (dots and plan.onednn)
     assert plan.panels_for(torch.bfloat16) == panels and plan.panels_for(torch.float32) == (plan.ops is not None)
-    assert ("dot products" in plan.describe(torch.bfloat16)) == (plan.ops is not None and not panels)
+    assert ("dot-product instructions" in plan.describe(torch.bfloat16)) == (plan.ops is not None and not panels)
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
     packed = plan.pack(layer.weight)

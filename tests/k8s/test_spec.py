@@ -162,6 +162,8 @@ def test_runtime_class_and_topology_spread_reach_the_pod() -> None:
     assert pod["topologySpreadConstraints"] == [
         {**zones, "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "cbserve", "app.kubernetes.io/instance": "m"}}},
         chosen]
+    with pytest.raises(SpecError, match="podTemplate.runtimeClassName must be a DNS-1123 subdomain"):
+        parse_spec("m", spec(podTemplate={"runtimeClassName": "a" * 254}))  # the CRD's maxLength too
     plain = render_children(parse_spec("m", spec()), "ns")[0][1]["spec"]["template"]["spec"]
     assert "runtimeClassName" not in plain and "topologySpreadConstraints" not in plain
 

@@ -29,6 +29,8 @@ logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "cbserve"
 CRD_FILE = CHART / "crds" / "cbdeployments.cbserve.io.yaml"
+# LeaderWorkerSet's published CRD (kubernetes-sigs/lws, vendored with its source in the header)
+LWS_CRD_FILE = Path(__file__).resolve().parent / "fixtures" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 T = TypeVar("T")
 
 
@@ -131,6 +133,12 @@ def crd_cluster(cluster: Cluster) -> Cluster:
     """A cluster with the CBDeployment CRD installed (with kubectl)."""
     cluster.kubectl("apply", "--server-side", "--validate=false", "-f", str(CRD_FILE))
     return cluster
+
+
+def install_lws(cluster: Cluster) -> None:
+    """LeaderWorkerSet's CRD, as `kubectl apply --server-side` installs it (1.3 MB: too big for the
+    last-applied annotation of a client-side apply)."""
+    cluster.kubectl("apply", "--server-side", "--validate=false", "-f", str(LWS_CRD_FILE))
 
 
 @contextmanager

@@ -20,7 +20,8 @@ request handling with one that behaves like an API server where clients look:
   `timeoutSeconds`; finalizers delay deletion;
 - `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns);
 - deleting an object deletes what it owns (background cascading garbage collection);
-- custom resources are pruned, defaulted and validated against their CRD's schema and CEL rules.
+- custom resources are pruned, defaulted and validated against their CRD's schema, CEL rules and
+  list types (no duplicate keys in an `x-kubernetes-list-type: map` list, nor items in a `set`).
 
 Still missing by design: controllers (a Deployment never becomes ready and makes no ReplicaSets on
 its own: tests patch its status and create what the controller would), admission webhooks, RBAC
@@ -205,6 +206,34 @@ def _cel_problems(schema: Obj, value: Any, path: str) -> list[str]:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
             problems += _cel_problems(schema["items"], item, f"{path}[{i}]")
+    return problems
+
+
+def _list_problems(schema: Obj, value: Any, path: str) -> list[str]:
+    """What the API server refuses by `x-kubernetes-list-type` (the `x-kubernetes-map-type` and `atomic`
+    lists only steer server-side apply's merging): two items of a `map` list with the same
+    `x-kubernetes-list-map-keys`, or two equal items of a `set`."""
+    problems: list[str] = []
+    if isinstance(value, dict):
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = (schema.get("properties") or {}).get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                problems += _list_problems(sub, item, f"{path}.{key}")
+    elif isinstance(value, list):
+        kind, seen = schema.get("x-kubernetes-list-type"), []
+        for i, item in enumerate(value):
+            if kind == "map" and isinstance(item, dict):
+                key = {k: item.get(k) for k in schema.get("x-kubernetes-list-map-keys") or []}
+            elif kind == "set":
+                key = item
+            else:
+                key = None
+            if key is not None and key in seen:
+                problems.append(f"{path}[{i}]: Duplicate value: {json.dumps(key, sort_keys=True)}")
+            seen.append(key)
+            if isinstance(schema.get("items"), dict):
+                problems += _list_problems(schema["items"], item, f"{path}[{i}]")
     return problems
 
 
@@ -511,14 +540,13 @@ class Emulator(KubernetesEmulator):
         schema = (crd or {}).get("version", {}).get("schema", {}).get("openAPIV3Schema")
         if not schema or not self.validate_custom_resources:
             return
-        import jsonschema
-
         judged = ("status",) if part == "status" else tuple(
             k for k in (schema.get("properties") or {}) if k not in ("metadata", "apiVersion", "kind", "status"))
-        validator = jsonschema.Draft7Validator(_openapi_to_jsonschema({
-            "type": "object", "properties": {k: v for k, v in (schema.get("properties") or {}).items()
-                                             if k in judged}}))  # fmt: skip
-        problems = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
+        problems = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+                    for e in self._validator(crd, part, judged).iter_errors(obj)]
+        for key in judged:
+            if key in obj:
+                problems += _list_problems((schema.get("properties") or {}).get(key, {}), obj[key], key)
         if part != "status":
             problems += _cel_problems({k: v for k, v in schema.items() if k != "properties"},
                                       {"metadata": {"name": obj["metadata"]["name"]}, **obj}, "<root>")  # fmt: skip
@@ -528,6 +556,20 @@ class Emulator(KubernetesEmulator):
         if problems:
             raise _error(422, "Invalid", f'{crd["names"]["kind"]}.{res.group} "{obj["metadata"]["name"]}" is '
                                          f"invalid: [{', '.join(problems)}]")
+
+    @staticmethod
+    def _validator(crd: Obj, part: str, judged: tuple[str, ...]) -> Any:
+        """The JSON Schema validator of a CRD's `judged` top-level fields, built once per CRD version (a
+        LeaderWorkerSet's schema, two pod templates, is 1.3 MB)."""
+        import jsonschema
+
+        cache = crd.setdefault("validators", {})
+        if part not in cache:
+            schema = crd["version"]["schema"]["openAPIV3Schema"]
+            cache[part] = jsonschema.Draft7Validator(_openapi_to_jsonschema({
+                "type": "object", "properties": {k: v for k, v in (schema.get("properties") or {}).items()
+                                                 if k in judged}}))  # fmt: skip
+        return cache[part]
 
     def _apply_defaults(self, res: resource, obj: Obj, part: str = "spec") -> None:
         crd = self._crds.get(res)

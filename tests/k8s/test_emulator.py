@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import Cluster
+from .conftest import Cluster, install_lws
 
 CM = "/api/v1/namespaces/emu/configmaps"
 
@@ -121,3 +121,30 @@ def test_label_selectors(cluster: Cluster, selector: str, names: list[str]) -> N
             call(cluster, "POST", path, {"metadata": {"name": name, "labels": {"tier": tier}}})
     found = cluster.api(path + "?labelSelector=" + urllib.request.quote(selector))
     assert sorted(o["metadata"]["name"] for o in found["items"]) == names  # type: ignore[index]
+
+
+def test_a_leaderworkerset_is_judged_by_its_published_schema(cluster: Cluster) -> None:
+    """LeaderWorkerSet's own CRD (fixtures/): its objects are defaulted, pruned and validated by its
+    openAPIV3Schema, list types included, as an API server with LWS installed would."""
+    install_lws(cluster)
+    path = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/emu/leaderworkersets"
+    pod = {"spec": {"containers": [{"name": "c", "image": "i", "madeUp": 1}]}}
+    status, created = call(cluster, "POST", path, {"metadata": {"name": "g"}, "spec": {
+        "leaderWorkerTemplate": {"size": 2, "workerTemplate": pod, "extra": True}}})
+    assert status == 201, created
+    lwt = created["spec"]["leaderWorkerTemplate"]
+    assert "extra" not in lwt and "madeUp" not in lwt["workerTemplate"]["spec"]["containers"][0]  # pruned
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart" and created["spec"]["replicas"] == 1  # defaults
+    assert created["spec"]["startupPolicy"] == "LeaderCreated"
+    status, refused = call(cluster, "POST", path, {"metadata": {"name": "h"}, "spec": {
+        "leaderWorkerTemplate": {"size": "two", "workerTemplate": pod}}})
+    assert status == 422 and "spec.leaderWorkerTemplate.size: 'two' is not of type 'integer'" in refused["message"]
+    twins = {"spec": {"containers": [{"name": "c", "image": "i"}, {"name": "c", "image": "j"}]}}
+    status, refused = call(cluster, "POST", path, {"metadata": {"name": "h"}, "spec": {
+        "leaderWorkerTemplate": {"workerTemplate": twins}}})
+    assert status == 422, refused
+    assert 'spec.leaderWorkerTemplate.workerTemplate.spec.containers[1]: Duplicate value: {"name": "c"}' in refused["message"]
+    status, refused = call(cluster, "POST", path, {"metadata": {"name": "h"}, "spec": {}})
+    assert status == 422 and "'leaderWorkerTemplate' is a required property" in refused["message"]
+    scale = cluster.api(path + "/g/scale")  # LWS declares the scale subresource
+    assert scale["spec"]["replicas"] == 1  # type: ignore[index]

@@ -1,15 +1,16 @@
-"""Everything a CBDeployment owns: ConfigMap, model cache claim, Deployment, Service, autoscaler, PDB,
-ServiceMonitor (the download Job apart: it is created once, model_cache.py)."""
+"""Everything a CBDeployment owns: ConfigMap, model cache claim, Deployment (or LeaderWorkerSet and its
+headless Service), Service, autoscaler, PDB, ServiceMonitor (the download Job apart: it is created
+once, model_cache.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import GROUP, KIND, VERSION, naming
+from . import GROUP, KIND, VERSION, group, naming
 from .engine_config import config_hash, render_engine_yaml
 from .model_cache import render_claim
 from .spec import CBDeploymentSpec
-from .workload import render_deployment
+from .workload import owned_template_fields, render_deployment
 
 METRIC_NAMES = {"queue-depth": "cbserve:num_requests_waiting", "kv-cache-usage": "cbserve:kv_cache_usage_perc"}
 
@@ -35,7 +36,8 @@ def render_service(spec: CBDeploymentSpec) -> dict[str, Any]:
         "metadata": metadata,
         "spec": {
             "type": spec.service.type,
-            "selector": naming.selector_labels(spec.name),
+            # a multi-node group's leaders only: the workers serve no HTTP
+            "selector": naming.server_selector_labels(spec.name) if spec.multi_node else naming.selector_labels(spec.name),
             "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -146,17 +148,51 @@ def render_service_monitor(spec: CBDeploymentSpec) -> dict[str, Any]:
     }
 
 
+def workload_ref(spec: CBDeploymentSpec) -> tuple[str, str, str]:
+    """(apiVersion, kind, name) of what runs the pods: a Deployment, or a LeaderWorkerSet for nodes > 1."""
+    if spec.multi_node:
+        return group.API_VERSION, group.KIND, naming.group_name(spec.name)
+    return "apps/v1", "Deployment", spec.name
+
+
+def served_template(workload: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of the servers: a Deployment's, a LeaderWorkerSet's leaders'."""
+    if workload.get("kind") == group.KIND:
+        return group.leader_template(workload)
+    return (workload.get("spec", {}) or {}).get("template", {}) or {}
+
+
+def fingerprint(workload: dict[str, Any]) -> tuple[Any, ...]:
+    """The fields the operator owns that matter most: replicas, and each template's config hash, image
+    and command (a LeaderWorkerSet's group size and workers too)."""
+    spec = workload.get("spec", {}) or {}
+    if workload.get("kind") != group.KIND:
+        return (spec.get("replicas"), *owned_template_fields(served_template(workload)))
+    lwt = spec.get("leaderWorkerTemplate", {}) or {}
+    return (spec.get("replicas"), lwt.get("size"), lwt.get("restartPolicy"),
+            *owned_template_fields(lwt.get("leaderTemplate", {}) or {}),
+            *owned_template_fields(lwt.get("workerTemplate", {}) or {}))  # fmt: skip
+
+
 def render_children(spec: CBDeploymentSpec, namespace: str, model_cached: bool = True,
                     ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:  # fmt: skip
-    """(objects to apply, (apiVersion, kind, name) of optional children to remove) for one CBDeployment.
-    Until the model cache holds the model (`model_cached` False), the Deployment has 0 replicas."""
+    """(objects to apply, (apiVersion, kind, name) of children to remove) for one CBDeployment: the
+    optional ones turned off, and the other layout's workload. Until the model cache holds the model
+    (`model_cached` False), the Deployment or LeaderWorkerSet has 0 replicas."""
     config_map = render_config_map(spec)
     digest = config_hash(config_map["data"][naming.CONFIG_FILE])
     cache = spec.model.cache
     claim = [render_claim(spec)] if cache.enabled and cache.claim_name is None else []
-    deployment = render_deployment(spec, digest, replicas=None if model_cached else 0)
-    apply = [config_map, *claim, deployment, render_service(spec)]
+    replicas = None if model_cached else 0
     remove: list[tuple[str, str, str]] = []
+    if spec.multi_node:  # the headless Service first: LeaderWorkerSet then finds it and makes none
+        workload = [group.render_group_service(spec), group.render_group(spec, digest, replicas=replicas)]
+        remove.append(("apps/v1", "Deployment", spec.name))
+    else:
+        workload = [render_deployment(spec, digest, replicas=replicas)]
+        remove += [(group.API_VERSION, group.KIND, naming.group_name(spec.name)),
+                   ("v1", "Service", naming.group_name(spec.name))]  # fmt: skip
+    apply = [config_map, *claim, *workload, render_service(spec)]
     if not claim:
         remove.append(("v1", "PersistentVolumeClaim", naming.model_cache_claim(spec.name)))
     optional = [

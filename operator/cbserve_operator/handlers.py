@@ -1,4 +1,5 @@
-"""The Kopf handlers: one level-based reconcile of a CBDeployment, and status mirrored from its Deployment."""
+"""The Kopf handlers: one level-based reconcile of a CBDeployment, and status mirrored from its Deployment
+(or LeaderWorkerSet, with resources.nodes > 1)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from typing import Any
 
 import kopf
 
-from . import GROUP, KIND, PLURAL, VERSION, model_cache, naming
-from .children import render_children
+from . import GROUP, KIND, PLURAL, VERSION, group, model_cache, naming
+from .children import fingerprint, render_children, served_template, workload_ref
 from .kube import ApiError, Kube
 from .settings import configure
 from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
 from .status import condition, merge_conditions, rollout_status
 from .workload import owned_template_fields, render_digest
+
+DEPLOYMENT, GROUP_KIND = "Deployment", group.KIND
 
 API_VERSION = f"{GROUP}/{VERSION}"
 # Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
@@ -52,6 +55,11 @@ def _retry_delay(retry: int) -> int:
     return min(MAX_RETRY_DELAY, 5 * 2 ** min(retry, 10))
 
 
+NO_GROUP_API = (f"resources.nodes > 1 needs the LeaderWorkerSet API ({group.API_VERSION}, kubernetes-sigs/lws) in "
+                "the cluster, and it is not installed: install it, then change the CBDeployment (or restart the "
+                "operator) to try again")
+
+
 def _failed(what: str, e: ApiError, retry: int) -> Exception:
     if 400 <= e.status < 500 and e.status not in RETRYABLE:
         return ChildRefused(f"the API server refused {what}: {e.message}")
@@ -61,10 +69,11 @@ def _failed(what: str, e: ApiError, retry: int) -> Exception:
 def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec, namespace: str, retry: int = 0,
                     keep_template: dict[str, Any] | None = None,
                     ) -> tuple[dict[str, Any] | None, list[str], model_cache.CacheState | None]:  # fmt: skip
-    """Apply every wanted child, delete unwanted optional ones; (the Deployment as it is, warnings, the
-    model cache's state when enabled). With the cache, the download Job is created first if missing; until
-    it succeeds a new Deployment gets 0 replicas and an existing one is left alone. `keep_template`: a
-    pod template the Deployment keeps instead of the rendered one (a rollout undo), and its ConfigMap.
+    """Apply every wanted child, delete unwanted ones; (the Deployment or LeaderWorkerSet as it is,
+    warnings, the model cache's state when enabled). With the cache, the download Job is created first if
+    missing; until it succeeds a new workload gets 0 replicas and an existing one is left alone.
+    `keep_template`: a pod template the Deployment keeps instead of the rendered one (a rollout undo),
+    and its ConfigMap.
     A refusal for good raises ChildRefused; anything worth retrying, kopf.TemporaryError with backoff."""
     cache = None
     if spec.model.cache.enabled:
@@ -73,15 +82,16 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
         except ApiError as e:
             raise _failed(f"the Job {model_cache.job_name(spec)}", e, retry) from e
     wanted, unwanted = render_children(spec, namespace, model_cached=cache is None or cache.ready)
+    api_version, kind, name = workload_ref(spec)
     deployment = None
     warnings: list[str] = []
     for obj in wanted:
         _stamp(obj, body)
-        if obj["kind"] == "Deployment" and keep_template is not None:
+        if obj["kind"] == DEPLOYMENT and keep_template is not None:
             obj["spec"]["template"] = keep_template
         try:
-            if obj["kind"] == "Deployment" and cache is not None and not cache.ready:
-                deployment = kube.get("apps/v1", "Deployment", namespace, spec.name)
+            if obj["kind"] == kind and cache is not None and not cache.ready:
+                deployment = kube.get(api_version, kind, namespace, name)
                 if deployment is not None:
                     continue  # pods of an earlier revision keep serving until this one is cached
             applied = kube.apply(obj)
@@ -89,14 +99,16 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
             if e.status == 404 and obj["apiVersion"] in OPTIONAL_APIS:
                 warnings.append(f"{obj['kind']} skipped: the {obj['apiVersion']} API is not installed")
                 continue
+            if e.status == 404 and obj["kind"] == GROUP_KIND:
+                raise ChildRefused(NO_GROUP_API) from e
             raise _failed(f"the {obj['kind']} {obj['metadata']['name']}", e, retry) from e
-        if obj["kind"] == "Deployment":
+        if obj["kind"] == kind:
             deployment = applied
-    for api_version, kind, name in unwanted:
+    for unwanted_api, unwanted_kind, unwanted_name in unwanted:
         try:
-            kube.delete(api_version, kind, namespace, name)
+            kube.delete(unwanted_api, unwanted_kind, namespace, unwanted_name)
         except ApiError as e:
-            raise _failed(f"deleting the {kind} {name}", e, retry) from e
+            raise _failed(f"deleting the {unwanted_kind} {unwanted_name}", e, retry) from e
     current = {next(o["metadata"]["name"] for o in wanted if o["kind"] == "ConfigMap")}
     if keep_template is not None:
         current.add(_config_map_of(spec.name, keep_template))
@@ -191,7 +203,7 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     for message in spec.warnings:
         kopf.warn(body, reason="DeprecatedField", message=message)
-    rolled_back = _recorded_rollback(kube, namespace, name, status, generation)
+    rolled_back = None if spec.multi_node else _recorded_rollback(kube, namespace, name, status, generation)
     if rolled_back is None:  # a new spec rolls forward: no rollback to keep or report
         old_conditions = [c for c in old_conditions if c.get("type") != "RolledBack"]
         if status.get("rolledBack"):
@@ -202,7 +214,7 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
-    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation)
+    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation, workload_ref(spec)[1])
     valid_message = "; ".join(warnings) or "the spec is valid"
     if cache is None:  # no cache (any more): no ModelCached condition
         old_conditions = [c for c in old_conditions if c.get("type") != "ModelCached"]
@@ -218,10 +230,9 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
     patch.status.update({
         "phase": phase,
         **counts,
-        "selector": naming.selector_string(name),
+        "selector": naming.selector_string(name, servers_only=spec.multi_node),  # what an HPA averages over
         "url": naming.service_url(name, namespace, spec.service.port),
-        "configHash": (deployment or {}).get("spec", {}).get("template", {}).get("metadata", {})
-                      .get("annotations", {}).get(naming.ANNOTATION_CONFIG_HASH),
+        "configHash": owned_template_fields(served_template(deployment or {}))[0],
         "observedGeneration": generation,
         "conditions": merge_conditions(old_conditions, [
             condition("ConfigValid", True, "Valid", valid_message, generation), *rollout]),
@@ -229,32 +240,43 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY})
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets",  # watched once LWS's CRD exists
+               labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY})
 def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None,
                       memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Carry the Deployment's rollout into its CBDeployment's status (phase, counts, conditions)."""
+    """Carry the Deployment's (or LeaderWorkerSet's) rollout into its CBDeployment's status (phase,
+    counts, conditions), after putting it back if it was deleted or edited."""
     owner = labels.get(naming.LABEL_OWNER)
     if not owner or type is None:  # type None: the initial listing, already covered by resume
         return
     kube: Kube = memo.kube
-    # The event may be stale by now; what counts is the Deployment as it is.
-    deployment = kube.get("apps/v1", "Deployment", namespace, body["metadata"]["name"])
-    deployment = _repair_drift(kube, namespace, owner, deployment, logger)
-    _mirror_status(kube, namespace, owner, deployment, logger)
+    # The event may be stale by now; what counts is the workload as it is.
+    api_version, kind = body["apiVersion"], body["kind"]
+    workload = kube.get(api_version, kind, namespace, body["metadata"]["name"])
+    workload = _repair_drift(kube, namespace, owner, kind, workload, logger)
+    _mirror_status(kube, namespace, owner, kind, workload, logger)
 
 
-def _mirror_status(kube: Kube, namespace: str, owner: str, deployment: dict[str, Any] | None,
-                   logger: kopf.Logger) -> None:
-    """Patch the CBDeployment's status from `deployment`, re-reading the owner on conflicts."""
+def _multi_node(cr: dict[str, Any]) -> bool:
+    """Whether the CBDeployment asks for groups of pods (read without parsing: the spec may be invalid)."""
+    nodes = (((cr.get("spec", {}) or {}).get("resources", {}) or {}).get("nodes", 1))
+    return isinstance(nodes, int) and nodes > 1
+
+
+def _mirror_status(kube: Kube, namespace: str, owner: str, kind: str, deployment: dict[str, Any] | None,
+                   logger: kopf.Logger) -> None:  # fmt: skip
+    """Patch the CBDeployment's status from `deployment` (a Deployment or LeaderWorkerSet, `kind`),
+    re-reading the owner on conflicts; nothing when the owner's spec runs the other kind."""
     for _attempt in range(5):
         cr = kube.get(API_VERSION, KIND, namespace, owner)
-        if cr is None:
+        if cr is None or _multi_node(cr) != (kind == GROUP_KIND):
             return
         if deployment is not None and not _owned_by(deployment, cr):
             return
         status = cr.get("status", {}) or {}
         desired = int((cr.get("spec", {}) or {}).get("replicas", 1))
         reconciled = status.get("observedGeneration")
-        phase, counts, rollout = rollout_status(deployment, desired, reconciled)
+        phase, counts, rollout = rollout_status(deployment, desired, reconciled, kind)
         new_status: dict[str, Any] = {**counts}
         # an invalid spec, or a model not cached yet, decides the phase and Ready: not the Deployment
         held = [c for c in status.get("conditions", []) or [] if c.get("type") in ("ConfigValid", "ModelCached")
@@ -291,36 +313,39 @@ def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any
         return None
 
 
-def _repair_drift(kube: Kube, namespace: str, owner: str, deployment: dict[str, Any] | None,
-                  logger: kopf.Logger) -> dict[str, Any] | None:
-    """Put back a deleted Deployment, or one whose replicas, image, command or config hash were edited.
+def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment: dict[str, Any] | None,
+                  logger: kopf.Logger) -> dict[str, Any] | None:  # fmt: skip
+    """Put back a deleted Deployment (or LeaderWorkerSet, `kind`), or one whose replicas, image, command
+    or config hash (a group's size) were edited; one of the layout the spec no longer runs is left to go.
 
     Level-based without a timer (a Kopf timer would add a finalizer to every CBDeployment): the
-    Deployment's own events tell when it drifted from what the current spec renders.
-    Returns the Deployment as it is afterwards.
+    workload's own events tell when it drifted from what the current spec renders.
+    Returns the workload as it is afterwards.
     """
     settled = _settled_spec(kube, namespace, owner)
     if settled is None:
         return deployment
     cr, spec = settled
+    if workload_ref(spec)[1] != kind:
+        return deployment  # the other layout's, deleted by the reconcile that switched
     cached = _model_cached(kube, spec, namespace)
     if deployment is not None and not cached:
         return deployment  # held as it is until the model is cached (the reconcile says so in status)
     wanted, _ = render_children(spec, namespace, model_cached=cached)
-    desired = next(o for o in wanted if o["kind"] == "Deployment")
-    if deployment is not None and _fingerprint(deployment) == _fingerprint(desired):
+    desired = next(o for o in wanted if o["kind"] == kind)
+    if deployment is not None and fingerprint(deployment) == fingerprint(desired):
         return deployment
-    if deployment is not None and _earlier_render(kube, namespace, owner, deployment, desired):
+    if kind == DEPLOYMENT and deployment is not None and _earlier_render(kube, namespace, owner, deployment, desired):
         return _keep_rollback(kube, namespace, cr, spec, deployment, desired["spec"]["replicas"], logger)
     what = "deleted" if deployment is None else "changed outside its CBDeployment"
-    logger.info(f"the Deployment of {namespace}/{owner} was {what}; restoring it")
+    logger.info(f"the {kind} of {namespace}/{owner} was {what}; restoring it")
     try:
         restored, _, _ = _apply_children(kube, cr, spec, namespace)
     except ChildRefused as e:  # the reconcile of this spec met the same refusal and says so in status
         logger.warning(str(e))
         return deployment
-    reason = "DeploymentRecreated" if deployment is None else "DeploymentRestored"
-    kopf.warn(cr, reason=reason, message=f"the Deployment was {what}; the operator restored it")
+    reason = f"{kind}Recreated" if deployment is None else f"{kind}Restored"
+    kopf.warn(cr, reason=reason, message=f"the {kind} was {what}; the operator restored it")
     return restored
 
 
@@ -449,12 +474,6 @@ def repair_child(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str
         return
     if type == "DELETED":
         kopf.warn(cr, reason="ChildRecreated", message=f"the {kind} {name} was deleted; the operator recreated it")
-
-
-def _fingerprint(deployment: dict[str, Any]) -> tuple[Any, ...]:
-    """The fields the operator owns that matter most: replicas, config hash, image and command."""
-    spec = deployment.get("spec", {}) or {}
-    return (spec.get("replicas"), *owned_template_fields(spec.get("template", {}) or {}))
 
 
 def _owned_by(child: dict[str, Any], owner: dict[str, Any]) -> bool:

@@ -28,6 +28,7 @@ PLURALS = {
     "CBDeployment": "cbdeployments",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Job": "jobs",
+    "LeaderWorkerSet": "leaderworkersets",
 }
 
 

@@ -26,6 +26,8 @@ CACHE_DIR = "/cache"
 MODEL_DIR = "/models/hf"  # the model cache's claim, in the server pods (read-only) and the download Job
 PRE_STOP_SLEEP_SECONDS = 5  # the pod keeps serving this long after leaving endpoints, before SIGTERM
 REVISION_HISTORY = 5  # old ReplicaSets a Deployment keeps; as many old engine ConfigMaps are kept
+# the engine flags parallel.py sets from resources.gpu and resources.nodes (engine.extraArgs may not)
+PARALLEL_FLAGS = ("--tensor-parallel-size", "--nnodes", "--node-rank", "--dist-addr", "--dist-port")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -42,8 +44,20 @@ def common_labels(name: str) -> dict[str, str]:
     }
 
 
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+def server_selector_labels(name: str) -> dict[str, str]:
+    """The pods that serve HTTP: all of a Deployment's, only the leaders of a LeaderWorkerSet's groups."""
+    return {**selector_labels(name), LABEL_COMPONENT: "server"}
+
+
+def selector_string(name: str, servers_only: bool = False) -> str:
+    labels = server_selector_labels(name) if servers_only else selector_labels(name)
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def group_name(name: str) -> str:
+    """The LeaderWorkerSet of a multi-node CBDeployment, and its headless Service: not `name`, which
+    the serving Service holds (LeaderWorkerSet would take that Service for its own headless one)."""
+    return f"{name}-group"
 
 
 def config_map_name(name: str, config_hash: str) -> str:

@@ -16,7 +16,13 @@ from . import engine_fields, naming
 
 # what the GPU engine runs (the CRD's spec-level CEL rules say the same, with the same messages)
 GPU_BLOCK_MULTIPLE = 256
-MAX_GPUS = 1
+# A pod's GPUs are one tensor-parallel group: 0 (the CPU engine) or a power of two, as vLLM's and
+# KServe's deployments use them; the CRD's maximum is the last.
+GPU_COUNTS = (0, 1, 2, 4, 8, 16)
+MAX_NODES = 64  # pods of one multi-node group (a LeaderWorkerSet's size); a bound, not a tested scale
+# With nodes > 1 the LeaderWorkerSet is <name>-group; its worker StatefulSets <name>-group-<g> and
+# their pods' controller-revision-hash label (<statefulset>-<10 characters>) must stay within 63.
+MAX_GROUP_NAME = 40
 METRICS = ("queue-depth", "kv-cache-usage")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -33,6 +39,7 @@ _QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[n
 _INTERVAL = re.compile(r"^\d+[smh]$")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # Secret, claim, RuntimeClass names
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+_PARALLEL_FLAG = re.compile(rf"^({'|'.join(naming.PARALLEL_FLAGS)})(=|$)")
 
 
 class SpecError(ValueError):
@@ -65,12 +72,14 @@ class ModelSource:
     claim: str | None = None
     revision: str | None = None  # hf:// only: what follows '@'
     cache: ModelCache = field(default_factory=ModelCache)
+    num_key_value_heads: int | None = None  # stated by the user: the tensor-parallel size must divide it
 
 
 @dataclass(frozen=True)
 class Resources:
-    gpu: int = 0
+    gpu: int = 0  # per pod: with more than 1, the pod's tensor-parallel size
     gpu_resource_name: str = "nvidia.com/gpu"
+    nodes: int = 1  # pods per replica: above 1, a LeaderWorkerSet group of this size (group.py)
     cpu: str | None = None
     memory: str | None = None
     cache_size: str = "2Gi"  # the /cache emptyDir's limit, requested as ephemeral storage
@@ -165,6 +174,16 @@ class CBDeploymentSpec:
     service_monitor: ServiceMonitor = field(default_factory=ServiceMonitor)
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key): the servers' CBSERVE_API_KEY
     warnings: tuple[str, ...] = ()  # deprecated spellings used: the spec is valid, the user is told
+
+    @property
+    def multi_node(self) -> bool:
+        """Each replica is a group of `resources.nodes` pods (a LeaderWorkerSet), not one pod."""
+        return self.resources.nodes > 1
+
+    @property
+    def world_size(self) -> int:
+        """The tensor-parallel size: every GPU of a replica, across its pods (1 on the CPU)."""
+        return max(self.resources.gpu, 1) * self.resources.nodes
 
 
 def parse_model_uri(uri: Any) -> ModelSource:
@@ -270,8 +289,10 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     except ValueError as e:
         r.problems.append(str(e))
     cache = _parse_cache(r, r.section(model_data, "cache"), model)
+    heads = r.get(model_data, "model.numKeyValueHeads", (int,))
+    r.check(heads is None or heads >= 1, f"model.numKeyValueHeads must be >= 1, got {heads}")
     if model is not None:
-        model = dataclasses.replace(model, cache=cache)
+        model = dataclasses.replace(model, cache=cache, num_key_value_heads=heads)
     served_name = r.get(model_data, "model.servedName", (str,), name)
     r.check(bool(_SERVED_NAME.match(served_name)), f"model.servedName {served_name!r} has characters a model name cannot")
 
@@ -291,8 +312,8 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         cache_size=_size(r, res, "resources.cacheSize") or ("50Gi" if model and model.scheme == "hf"
                                                             and not cache.enabled else "2Gi"),
         shm_size=_size(r, res, "resources.shmSize") or "1Gi",
+        nodes=r.get(res, "resources.nodes", (int,), 1),
     )
-    r.check(resources.gpu >= 0, f"resources.gpu must be >= 0, got {resources.gpu}")
     r.check(bool(_RESOURCE_NAME.match(resources.gpu_resource_name)) and len(resources.gpu_resource_name) <= 253,
             f"resources.gpuResourceName must be an extended resource name such as nvidia.com/gpu, "
             f"got {resources.gpu_resource_name!r}")
@@ -300,6 +321,7 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     warnings: list[str] = []
     engine = _parse_engine(r, r.section(spec, "engine"), warnings)
     _check_gpu_engine(r, resources.gpu, engine)
+    _check_parallel(r, name, resources, heads)
     autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
 
     svc = r.section(spec, "service")
@@ -425,13 +447,33 @@ def _parse_engine(r: _Reader, e: dict[str, Any], warnings: list[str]) -> Engine:
         settings["use_cuda_graph"] = [base if part is None else part for part in graph_parts]
     extra_args = r.get(e, "engine.extraArgs", (list,), [])
     r.check(all(isinstance(a, str) for a in extra_args), "engine.extraArgs must be a list of strings")
+    taken = [a for a in extra_args if isinstance(a, str) and _PARALLEL_FLAG.match(a)]
+    r.check(not taken, f"engine.extraArgs cannot set {', '.join(naming.PARALLEL_FLAGS[:-1])} or "
+                       f"{naming.PARALLEL_FLAGS[-1]}: the operator sets them from resources.gpu and resources.nodes, "
+                       f"got {', '.join(taken)}")
     return Engine(settings=settings, extra_args=tuple(extra_args))
+
+
+def _check_parallel(r: _Reader, name: str, res: Resources, heads: int | None) -> None:
+    """The tensor-parallel layout, refused as the CRD's CEL rules refuse it (same messages)."""
+    r.check(res.gpu in GPU_COUNTS, "resources.gpu must be 0, 1, 2, 4, 8 or 16: the GPUs of a pod form one "
+                                   f"tensor-parallel group, whose size is a power of two, got {res.gpu}")
+    r.check(1 <= res.nodes <= MAX_NODES, f"resources.nodes must be in [1, {MAX_NODES}], got {res.nodes}")
+    r.check(res.nodes <= 1 or res.gpu >= 1,
+            "resources.nodes above 1 needs resources.gpu >= 1: a multi-node group runs the CUDA engine "
+            f"(torch.distributed over NCCL), the CPU engine one pod, got {res.nodes} nodes without a GPU")
+    world = max(res.gpu, 1) * max(res.nodes, 1)
+    r.check(heads is None or heads < 1 or heads % world == 0,
+            "model.numKeyValueHeads must be divisible by the tensor-parallel size, resources.gpu x "
+            f"resources.nodes: each GPU holds whole KV heads, got {heads} heads for {world} GPUs")
+    r.check(res.nodes <= 1 or len(name) <= MAX_GROUP_NAME,
+            f"metadata.name must be at most {MAX_GROUP_NAME} characters when resources.nodes > 1: the "
+            "LeaderWorkerSet <name>-group names StatefulSets and pods that add -<group>-<worker> and a "
+            f"revision hash within Kubernetes' 63-character limit, got {len(name)}")
 
 
 def _check_gpu_engine(r: _Reader, gpu: int, engine: Engine) -> None:
     """What the GPU engine cannot run, refused as the CRD's CEL rules refuse it (same messages)."""
-    r.check(gpu <= MAX_GPUS, f"resources.gpu must be 0 or 1: the engine runs on one device "
-                             f"(no tensor parallelism yet), got {gpu}")
     if gpu <= 0:
         return
     block = engine.settings.get("block_size")

@@ -1,4 +1,5 @@
-"""The CBDeployment's status: phase, replica counts and conditions, derived from its Deployment."""
+"""The CBDeployment's status: phase, replica counts and conditions, derived from its Deployment (or
+LeaderWorkerSet: the same status fields, counted in groups, and no progress deadline)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,16 @@ def _deployment_condition(deployment: dict[str, Any], type_: str) -> dict[str, A
     return {}
 
 
-def rollout_status(deployment: dict[str, Any] | None, desired: int, generation: int | None) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
-    """(phase, replica fields, Ready/Progressing/Degraded conditions) from the Deployment's status."""
+def rollout_status(deployment: dict[str, Any] | None, desired: int, generation: int | None,
+                   kind: str = "Deployment") -> tuple[str, dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+    """(phase, replica fields, Ready/Progressing/Degraded conditions) from the status of the Deployment,
+    or of the LeaderWorkerSet (`kind`), whose replicas are groups."""
+    unit = "groups" if kind == "LeaderWorkerSet" else "pods"
     if deployment is None:
         conds = [
-            condition("Ready", False, "DeploymentMissing", "the Deployment does not exist yet", generation),
-            condition("Progressing", True, "Creating", "creating the Deployment", generation),
-            condition("Degraded", False, "DeploymentMissing", "", generation),
+            condition("Ready", False, f"{kind}Missing", f"the {kind} does not exist yet", generation),
+            condition("Progressing", True, "Creating", f"creating the {kind}", generation),
+            condition("Degraded", False, f"{kind}Missing", "", generation),
         ]
         return "Pending", {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}, conds
 
@@ -63,22 +67,22 @@ def rollout_status(deployment: dict[str, Any] | None, desired: int, generation: 
         message = progressing.get("message") or "the rollout exceeded its progress deadline"
         phase = "Degraded"
         conds = [
-            condition("Ready", ready >= desired and desired > 0, "RolloutStuck", f"{ready}/{desired} pods ready", generation),
+            condition("Ready", ready >= desired and desired > 0, "RolloutStuck", f"{ready}/{desired} {unit} ready", generation),
             condition("Progressing", False, "ProgressDeadlineExceeded", message, generation),
             condition("Degraded", True, "ProgressDeadlineExceeded", message, generation),
         ]
     elif rolled_out:
         phase = "Ready"
         conds = [
-            condition("Ready", True, "AllReplicasReady", f"{ready}/{desired} pods ready", generation),
-            condition("Progressing", False, "RolloutComplete", "every pod runs the current spec", generation),
+            condition("Ready", True, "AllReplicasReady", f"{ready}/{desired} {unit} ready", generation),
+            condition("Progressing", False, "RolloutComplete", f"every {unit[:-1]} runs the current spec", generation),
             condition("Degraded", False, "AllReplicasReady", "", generation),
         ]
     else:
         phase = "Progressing" if seen or current else "Pending"
         conds = [
-            condition("Ready", False, "ReplicasNotReady", f"{ready}/{desired} pods ready", generation),
-            condition("Progressing", True, "RollingOut", f"{updated}/{desired} pods updated, {ready} ready", generation),
+            condition("Ready", False, "ReplicasNotReady", f"{ready}/{desired} {unit} ready", generation),
+            condition("Progressing", True, "RollingOut", f"{updated}/{desired} {unit} updated, {ready} ready", generation),
             condition("Degraded", False, "RollingOut", "", generation),
         ]
     return phase, counts, conds

@@ -1,4 +1,7 @@
-"""The Deployment that runs `cbserve serve`: probes sized for model load, hardened pods, drain on SIGTERM."""
+"""The Deployment that runs `cbserve serve`: probes sized for model load, hardened pods, drain on SIGTERM.
+
+Its server container and pod template are the leader's in a multi-node group too (group.py).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from . import naming
+from . import naming, parallel
 from .model_cache import claim_name
 from .spec import CBDeploymentSpec
 
@@ -43,6 +46,7 @@ def server_command(spec: CBDeploymentSpec) -> list[str]:
         "--config", f"{naming.CONFIG_DIR}/{naming.CONFIG_FILE}",
         "--drain-timeout", str(drain_timeout(spec)),
         "--device", "cuda" if spec.resources.gpu > 0 else "cpu",
+        *parallel.serve_flags(spec),
         *spec.engine.extra_args,  # last: a flag given here wins
     ]
 
@@ -100,33 +104,40 @@ def _strategy(spec: CBDeploymentSpec) -> dict[str, Any]:
             "rollingUpdate": {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}}
 
 
-def _volumes(spec: CBDeploymentSpec, config_hash: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(spec: CBDeploymentSpec, config_hash: str) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": naming.config_map_name(spec.name, config_hash)}},
         {"name": "cache", "emptyDir": {"sizeLimit": spec.resources.cache_size}},
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
     ]
+    if spec.resources.gpu:
+        # NCCL and PyTorch use /dev/shm; the container default of 64 MiB is too small.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}})
+    if spec.model.scheme == "pvc":
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim, "readOnly": True}})
+    elif spec.model.cache.enabled:  # what the download Job wrote, read-only
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim_name(spec), "readOnly": True}})
+    return volumes + spec.pod_template.volumes
+
+
+def volume_mounts(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
+    """Where the container sees the pod's volumes (`_volumes`)."""
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
         {"name": "cache", "mountPath": naming.CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     if spec.resources.gpu:
-        # NCCL and PyTorch use /dev/shm; the container default of 64 MiB is too small.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model.scheme == "pvc":
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"/models/{spec.model.claim}", "readOnly": True})
-    elif spec.model.cache.enabled:  # what the download Job wrote, read-only
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim_name(spec), "readOnly": True}})
+    elif spec.model.cache.enabled:
         mounts.append({"name": "model", "mountPath": naming.MODEL_DIR, "readOnly": True})
-    volumes += spec.pod_template.volumes
-    mounts += spec.pod_template.volume_mounts
-    return volumes, mounts
+    return mounts + spec.pod_template.volume_mounts
 
 
-def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
+def server_env(spec: CBDeploymentSpec, api_key: bool = True) -> list[dict[str, Any]]:
+    """The server's environment: caches under /cache, where the model is, the API key (`api_key`)."""
     cache = naming.CACHE_DIR
     env = [
         {"name": "HF_HOME", "value": f"{cache}/huggingface"},
@@ -139,7 +150,7 @@ def _env(spec: CBDeploymentSpec) -> list[dict[str, Any]]:
                     "value": naming.MODEL_DIR if spec.model.cache.enabled else f"{cache}/models"})
     if spec.model.scheme != "hf" or spec.model.cache.enabled:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
-    if spec.api_key_secret is not None:  # clients then need the key; the kubelet's probes use open paths
+    if api_key and spec.api_key_secret is not None:  # clients then need the key; the probes use open paths
         name, key = spec.api_key_secret
         env.append({"name": "CBSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     overridden = {e["name"] for e in spec.pod_template.env}
@@ -162,21 +173,17 @@ def render_digest(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(owned_template_fields(template)).encode()).hexdigest()[:16]
 
 
-def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | None = None) -> dict[str, Any]:
-    """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template; `replicas`, when given,
-    instead of the spec's (0 while the model cache is filled)."""
-    tpl = spec.pod_template
-    labels = naming.common_labels(spec.name)
-    volumes, mounts = _volumes(spec, config_hash)
-    container: dict[str, Any] = {
+def server_container(spec: CBDeploymentSpec) -> dict[str, Any]:
+    """The `cbserve serve` container: the Deployment's, and a multi-node group's leader's."""
+    return {
         "name": naming.CONTAINER_NAME,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": server_command(spec),
         "ports": [{"name": "http", "containerPort": naming.PORT, "protocol": "TCP"}],
-        "env": _env(spec),
+        "env": server_env(spec),
         "resources": _resources(spec),
-        "volumeMounts": mounts,
+        "volumeMounts": volume_mounts(spec),
         "startupProbe": _probe("startup", spec.probes.get("startup", {})),
         "readinessProbe": _probe("readiness", spec.probes.get("readiness", {})),
         "livenessProbe": _probe("liveness", spec.probes.get("liveness", {})),
@@ -188,9 +195,16 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | 
             "capabilities": {"drop": ["ALL"]},
         },
     }
+
+
+def pod_template(spec: CBDeploymentSpec, config_hash: str, container: dict[str, Any],
+                 component: str = "server") -> dict[str, Any]:  # fmt: skip
+    """A hardened pod template around `container`, mounting the engine ConfigMap of `config_hash`;
+    `component` labels it (a group's workers are `worker`). A server pod is scraped for /metrics."""
+    tpl = spec.pod_template
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": volumes,
+        "volumes": _volumes(spec, config_hash),
         "terminationGracePeriodSeconds": tpl.termination_grace_period_seconds,
         "enableServiceLinks": False,
         "securityContext": {
@@ -214,34 +228,32 @@ def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | 
         "imagePullSecrets": tpl.image_pull_secrets,
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
-    deployment = {
+    annotations = {**tpl.annotations, naming.ANNOTATION_CONFIG_HASH: config_hash}
+    if component == "server":
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(naming.PORT),
+                            "prometheus.io/path": "/metrics"})  # fmt: skip
+    labels = {**tpl.labels, **naming.common_labels(spec.name), naming.LABEL_COMPONENT: component}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def render_deployment(spec: CBDeploymentSpec, config_hash: str, replicas: int | None = None) -> dict[str, Any]:
+    """The apps/v1 Deployment for `spec`; `config_hash` annotates the pod template; `replicas`, when given,
+    instead of the spec's (0 while the model cache is filled)."""
+    template = pod_template(spec, config_hash, server_container(spec))
+    template["metadata"]["annotations"][naming.ANNOTATION_RENDER] = render_digest(template)
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": spec.name, "labels": labels},
+        "metadata": {"name": spec.name, "labels": naming.common_labels(spec.name)},
         "spec": {
             "replicas": spec.replicas if replicas is None else replicas,
             "revisionHistoryLimit": naming.REVISION_HISTORY,
             "selector": {"matchLabels": naming.selector_labels(spec.name)},
             "strategy": _strategy(spec),
             "progressDeadlineSeconds": _progress_deadline(spec),
-            "template": {
-                "metadata": {
-                    "labels": {**tpl.labels, **labels},
-                    "annotations": {
-                        **tpl.annotations,
-                        naming.ANNOTATION_CONFIG_HASH: config_hash,
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(naming.PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
-    template = deployment["spec"]["template"]
-    template["metadata"]["annotations"][naming.ANNOTATION_RENDER] = render_digest(template)
-    return deployment
 
 
 def _progress_deadline(spec: CBDeploymentSpec) -> int:

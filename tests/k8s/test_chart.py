@@ -15,7 +15,7 @@ from cbserve_operator.children import render_children
 from cbserve_operator.model_cache import render_job
 from cbserve_operator.spec import parse_spec
 
-from .conftest import CHART, CRD_FILE, REPO, Cluster, Tools
+from .conftest import CHART, CRD_FILE, LWS_CRD_FILE, REPO, Cluster, Tools
 
 CBD = "cbserve.io/v1alpha1"
 
@@ -123,6 +123,25 @@ def test_operator_children_are_valid_for_kubernetes_1_34(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kinds = ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "HorizontalPodAutoscaler",
              "PodDisruptionBudget", "Job"]
+    assert proc.stdout.count("passed for resource") == len(builtin) and [o["kind"] for o in builtin] == kinds
+
+
+def test_a_groups_children_are_valid_for_kubernetes_1_34_and_leaderworkerset(tmp_path: Path) -> None:
+    """resources.nodes > 1: the built-in children pass kubernetes-validate, the LeaderWorkerSet passes
+    LWS's published schema, and its leader and worker pod templates pass as 1.34 PodTemplates."""
+    full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
+    full["spec"]["resources"].update(gpu=4, nodes=2)
+    objs, _ = render_children(parse_spec("llama-8b", full["spec"]), "default")
+    (group,) = [o for o in objs if o["kind"] == "LeaderWorkerSet"]
+    lws_schema = yaml.safe_load(LWS_CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator(lws_schema).validate(group)
+    templates = [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"llama-8b-{role}"},
+                  "template": group["spec"]["leaderWorkerTemplate"][f"{role}Template"]} for role in ("leader", "worker")]
+    builtin = [o for o in objs if o["apiVersion"] in ("v1", "autoscaling/v2", "policy/v1")] + templates
+    proc = validate(tmp_path, "---\n".join(yaml.safe_dump(o) for o in builtin))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kinds = ["ConfigMap", "PersistentVolumeClaim", "Service", "Service", "HorizontalPodAutoscaler",
+             "PodDisruptionBudget", "PodTemplate", "PodTemplate"]
     assert proc.stdout.count("passed for resource") == len(builtin) and [o["kind"] for o in builtin] == kinds
 
 

@@ -345,6 +345,19 @@ def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunn
     assert c.get("apps/v1", "deployments", ns, "smollm2") is not None
 
 
+def test_a_group_without_the_leaderworkerset_api_says_to_install_it(operator: KopfRunner,
+                                                                    crd_cluster: Cluster) -> None:  # fmt: skip
+    """resources.nodes > 1 where LWS's CRD is not installed: status says what is missing, once."""
+    c, ns = crd_cluster, "no-lws"
+    apply(c, ns, example(resources__gpu=2, resources__nodes=2))
+    failed = reconciled(c, ns)
+    valid = conditions(failed)["ConfigValid"]
+    assert failed["status"]["phase"] == "Failed" and valid["reason"] == "ChildRefused"
+    assert valid["message"] == ("resources.nodes > 1 needs the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1, "
+                                "kubernetes-sigs/lws) in the cluster, and it is not installed: install it, then "
+                                "change the CBDeployment (or restart the operator) to try again")  # fmt: skip
+
+
 def test_an_older_spelling_still_works_and_an_event_names_the_new_one(operator: KopfRunner,
                                                                       crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "deprecated"
@@ -531,6 +544,8 @@ def test_liveness_endpoint_reports_the_probe(crd_cluster: Cluster) -> None:
 
 
 CACHE_RESOURCES = {("batch", "jobs"), ("", "persistentvolumeclaims")}
+# what only multi-node groups use (test_multinode.py checks them against its own requests)
+GROUP_GRANTS = {("apps", "deployments", "delete")}
 
 
 def cluster_role_grants(tools: Any) -> set[tuple[str, str, str]]:
@@ -586,8 +601,8 @@ def test_cluster_role_covers_every_request_the_operator_made(crd_cluster: Cluste
     assert made - allowed == set()
     # Nothing granted that the operator never needs (KEDA and the Prometheus operator are absent here;
     # test_model_cache.py checks the model cache's grants against what its tests make the operator do).
-    unused = {item for item in allowed - made if item[0] not in ("keda.sh", "monitoring.coreos.com")
-              and item[:2] not in CACHE_RESOURCES}  # fmt: skip
+    unused = {item for item in allowed - made if item[0] not in ("keda.sh", "monitoring.coreos.com",
+              "leaderworkerset.x-k8s.io") and item[:2] not in CACHE_RESOURCES and item not in GROUP_GRANTS}  # fmt: skip
     assert unused == set(), unused
 
 
@@ -610,8 +625,8 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
                                                                "whenUnsatisfiable": "DoNotSchedule"}]}},
      "maxSkew: 0 is less than the minimum of 1", "needs maxSkew >= 1"),
     # what the GPU engine cannot run (the example asks for one GPU)
-    ("two-gpus", {"resources": {"gpu": 2}}, "resources.gpu must be 0 or 1: the engine runs on one device",
-     "resources.gpu must be 0 or 1: the engine runs on one device"),
+    ("three-gpus", {"resources": {"gpu": 3}}, "resources.gpu must be 0, 1, 2, 4, 8 or 16: the GPUs of a pod form "
+     "one tensor-parallel group", "resources.gpu must be 0, 1, 2, 4, 8 or 16: the GPUs of a pod form one"),
     ("gpu-blocks", {"engine": {"blockSize": 128}}, "engine.blockSize must be a multiple of 256 when resources.gpu > 0",
      "engine.blockSize must be a multiple of 256 when resources.gpu > 0"),
     ("gpu-float32", {"engine": {"dtype": "float32"}}, "engine.dtype float32 is refused when resources.gpu > 0",
@@ -619,6 +634,20 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("mounts", {"podTemplate": {"volumes": [{"name": "shm", "emptyDir": {}}],
                                 "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}},
      "the operator's own mount paths", "the operator's own mount paths"),
+    # tensor parallel: a pod's GPUs, a group's pods (test_multinode.py renders them)
+    ("many-gpus", {"resources": {"gpu": 32}}, "spec.resources.gpu: 32 is greater than the maximum of 16",
+     "resources.gpu must be 0, 1, 2, 4, 8 or 16"),
+    ("cpu-group", {"resources": {"gpu": 0, "nodes": 2}}, "resources.nodes above 1 needs resources.gpu >= 1",
+     "resources.nodes above 1 needs resources.gpu >= 1"),
+    ("no-nodes", {"resources": {"gpu": 1, "nodes": 0}}, "spec.resources.nodes: 0 is less than the minimum of 1",
+     "resources.nodes must be in [1, 64]"),
+    ("heads", {"model": {"uri": "/m", "numKeyValueHeads": 8}, "resources": {"gpu": 4, "nodes": 4}},
+     "model.numKeyValueHeads must be divisible by the tensor-parallel size",
+     "model.numKeyValueHeads must be divisible by the tensor-parallel size"),
+    ("a" * 41, {"resources": {"gpu": 1, "nodes": 2}}, "metadata.name must be at most 40 characters when "
+     "resources.nodes > 1", "metadata.name must be at most 40 characters when resources.nodes > 1"),
+    ("tp-flags", {"engine": {"extraArgs": ["--nnodes", "3"]}}, "engine.extraArgs cannot set --tensor-parallel-size",
+     "engine.extraArgs cannot set --tensor-parallel-size"),
 ]
 
 
@@ -644,9 +673,17 @@ def test_the_crd_and_the_operator_refuse_what_the_children_would_be_refused_for(
     ("gpu-defaults", {"engine": {}}),
     ("cpu-16-f32", {"resources": {"gpu": 0}, "engine": {"blockSize": 16, "dtype": "float32"}}),
     ("cpu-defaults", {"resources": {}, "engine": {}}),
+    # tensor-parallel layouts: the KV heads split evenly, or no count given (the engine checks at start-up)
+    ("tp-eight", {"model": {"uri": "/m", "numKeyValueHeads": 8}, "resources": {"gpu": 8}}),
+    ("tp-sixteen", {"resources": {"gpu": 16}}),
+    ("tp-two-by-two", {"model": {"uri": "/m", "numKeyValueHeads": 8}, "resources": {"gpu": 2, "nodes": 2}}),
+    ("tp-three-nodes", {"model": {"uri": "/m", "numKeyValueHeads": 6}, "resources": {"gpu": 1, "nodes": 3}}),
+    ("cpu-any-heads", {"model": {"uri": "/m", "numKeyValueHeads": 5}, "resources": {"gpu": 0}, "engine": {}}),
+    ("a" * 40, {"resources": {"gpu": 1, "nodes": 2}}),
 ])
 def test_the_crd_accepts_what_the_engine_runs(crd_cluster: Cluster, name: str, changes: dict[str, Any]) -> None:
-    """The GPU rules' other side: a multiple of 256 and a half-precision dtype on a GPU, anything on the CPU."""
+    """The GPU rules' other side: a multiple of 256 and a half-precision dtype on a GPU, anything on the
+    CPU; tensor-parallel sizes that divide the KV heads."""
     manifest = example()
     manifest["metadata"]["name"] = name
     manifest["spec"].update(changes)

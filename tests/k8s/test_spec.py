@@ -191,7 +191,9 @@ def test_full_example_renders_every_optional_child() -> None:
     objs, removed = render_children(parse_spec("llama-8b", full["spec"]), "default")
     assert [o["kind"] for o in objs] == ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
                                          "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"]
-    assert removed == [("keda.sh/v1alpha1", "ScaledObject", "llama-8b")]
+    # one pod per replica: no LeaderWorkerSet, nor its headless Service
+    assert removed == [("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama-8b-group"),
+                       ("v1", "Service", "llama-8b-group"), ("keda.sh/v1alpha1", "ScaledObject", "llama-8b")]
 
 
 def test_an_api_key_secret_reaches_the_server_as_cbserve_api_key() -> None:
@@ -275,7 +277,13 @@ def test_the_device_follows_the_gpu_request() -> None:
 
 
 @pytest.mark.parametrize(("resources", "engine", "words"), [
-    ({"gpu": 2}, {}, "resources.gpu must be 0 or 1: the engine runs on one device (no tensor parallelism yet), got 2"),
+    ({"gpu": 3}, {}, "resources.gpu must be 0, 1, 2, 4, 8 or 16: the GPUs of a pod form one tensor-parallel group, "
+                     "whose size is a power of two, got 3"),
+    ({"gpu": 0, "nodes": 2}, {}, "resources.nodes above 1 needs resources.gpu >= 1"),
+    ({"gpu": 2, "nodes": 65}, {}, "resources.nodes must be in [1, 64], got 65"),
+    ({"gpu": 2}, {"extraArgs": ["--tensor-parallel-size=4"]}, "engine.extraArgs cannot set --tensor-parallel-size, "
+     "--nnodes, --node-rank, --dist-addr or --dist-port: the operator sets them from resources.gpu and resources.nodes, "
+     "got --tensor-parallel-size=4"),
     ({"gpu": 1}, {"blockSize": 128}, "engine.blockSize must be a multiple of 256 when resources.gpu > 0: flash-attn's "
                                      "paged kernels take blocks of 256 tokens, got 128"),
     ({"gpu": 1}, {"dtype": "float32"}, "engine.dtype float32 is refused when resources.gpu > 0: flash-attn runs "
@@ -285,6 +293,41 @@ def test_the_operator_refuses_what_the_gpu_engine_cannot_run(resources: dict, en
     with pytest.raises(SpecError) as err:
         parse_spec("m", spec(resources=resources, engine=engine))
     assert any(p.startswith(words) for p in err.value.problems), err.value.problems
+
+
+def test_a_pods_gpus_are_its_tensor_parallel_size() -> None:
+    def command(**resources: Any) -> list[str]:
+        objs = render_children(parse_spec("m", spec(resources=resources, engine={"extraArgs": ["--seed", "1"]})), "ns")[0]
+        (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+        return dep["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    assert command(gpu=4)[-6:] == ["--device", "cuda", "--tensor-parallel-size", "4", "--seed", "1"]
+    assert "--tensor-parallel-size" not in command(gpu=1) and "--tensor-parallel-size" not in command(gpu=0)
+    assert parse_spec("m", spec(resources={"gpu": 8})).world_size == 8
+    assert parse_spec("m", spec(resources={"gpu": 4, "nodes": 2})).world_size == 8
+    assert parse_spec("m", spec(resources={"gpu": 1, "nodes": 2})).world_size == 2
+
+
+@pytest.mark.parametrize(("gpu", "nodes", "heads", "ok"), [
+    (4, 1, 8, True), (8, 1, 8, True), (16, 1, 8, False), (2, 2, 8, True), (4, 4, 8, False), (1, 3, 6, True),
+    (1, 4, 6, False), (0, 1, 5, True),  # the CPU engine: one rank, any count
+])
+def test_the_kv_heads_a_spec_states_must_split_evenly(gpu: int, nodes: int, heads: int, ok: bool) -> None:
+    given = spec(model={"uri": "/m", "numKeyValueHeads": heads}, resources={"gpu": gpu, "nodes": nodes})
+    if ok:
+        assert parse_spec("m", given).model.num_key_value_heads == heads
+        return
+    with pytest.raises(SpecError, match=rf"model.numKeyValueHeads must be divisible by the tensor-parallel size, "
+                                        rf"resources.gpu x resources.nodes: each GPU holds whole KV heads, got {heads} "
+                                        rf"heads for {max(gpu, 1) * nodes} GPUs"):  # fmt: skip
+        parse_spec("m", given)
+
+
+def test_a_multi_node_name_leaves_room_for_the_groups_pod_names() -> None:
+    parse_spec("a" * 40, spec(resources={"gpu": 1, "nodes": 2}))
+    parse_spec("a" * 63, spec(resources={"gpu": 1}))  # one pod per replica: the usual 63
+    with pytest.raises(SpecError, match="metadata.name must be at most 40 characters when resources.nodes > 1"):
+        parse_spec("a" * 41, spec(resources={"gpu": 1, "nodes": 2}))
 
 
 @pytest.mark.parametrize(("resources", "engine"), [

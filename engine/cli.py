@@ -30,7 +30,28 @@ def _serve_parser(sub) -> None:
                         "(repeatable; or CBSERVE_API_KEY, comma-separated)")  # fmt: skip
     p.add_argument("--body-timeout", type=float, dest="body_timeout",
                    help="seconds a request body may pause before the request gets 408 (default 30)")  # fmt: skip
+    _group_flags(p)
     add_setting_flags(p)  # every setting with a flag in engine/settings_table.py
+
+
+def _group_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
+    """Where the ranks of a tensor-parallel engine across hosts meet (docs/engine.md)."""
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the --tensor-parallel-size ranks span (default 1)")
+    p.add_argument("--dist-addr", required=worker, help="the host of rank 0 (the serving pod), where the other "
+                                                        "ranks meet" + ("" if worker else " (default 127.0.0.1)"))
+    p.add_argument("--dist-port", type=int, default=29500, help="rank 0's torch.distributed store port "
+                                                                "(default 29500; one host: any free port)")
+    if worker:
+        p.add_argument("--node-rank", type=int, required=True, help="this host's index among --nnodes (1..nnodes-1)")
+
+
+def _worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run this host's ranks of a tensor-parallel engine served from another host")
+    p.add_argument("--model", help="the same --model the serving host loads")
+    p.add_argument("--config", help="the same YAML settings file the serving host reads")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _group_flags(p, worker=True)
+    add_setting_flags(p)
 
 
 def _generate_parser(sub) -> None:
@@ -91,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
     device, dtype = _placement(settings)  # a device that is not there stops here, before the port is bound
+    launch, load_device = _tensor_parallel(args, settings, device, dtype)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who reaches the port can use it "
@@ -101,9 +123,10 @@ def serve(args: argparse.Namespace) -> int:
         from engine.loader import load_model
         from engine.server.app import build_state, create_app
 
-        loaded = load_model(settings.model, dtype, settings.attn_implementation, device=device)
+        loaded = load_model(settings.model, dtype, settings.attn_implementation, device=load_device)
         manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine,
-                                            tokenizer=loaded.tokenizer)  # fmt: skip
+                                            tokenizer=loaded.tokenizer, tensor_parallel=launch)  # fmt: skip
+        manager.on_fatal.append(startup.engine_died)  # a broken tensor-parallel group: the server exits 1
         name = settings.served_model_name or loaded.name
         state = build_state(manager, loaded.tokenizer, name, loaded.max_model_len or manager.engine.block_size)
         return create_app(state, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
@@ -118,6 +141,73 @@ def serve(args: argparse.Namespace) -> int:
     DrainingServer(config, startup, settings.drain_timeout).run()
     if startup.error is not None:
         raise startup.error
+    return 0
+
+
+def _tensor_parallel(args: argparse.Namespace, settings: Any, device: str, dtype: str) -> tuple[Any, str]:
+    """The Launch of the other ranks (None for one rank) and where this process loads the model: with
+    several ranks, into host memory, each rank then moving its share to its device."""
+    from engine.loader import ModelSource
+    from engine.tp_group import Launch
+
+    world = settings.engine.tensor_parallel_size
+    if world == 1:
+        if args.nnodes != 1:
+            raise ValueError(f"--nnodes {args.nnodes} needs --tensor-parallel-size of at least {args.nnodes}")
+        return None, device
+    if ":" in device:
+        raise ValueError(f"--device {device} names one GPU; {world} tensor-parallel ranks take cuda:0.."
+                         f"{world // max(args.nnodes, 1) - 1} of each host (use --device cuda)")
+    if args.nnodes < 1 or world % args.nnodes:
+        raise ValueError(f"--tensor-parallel-size {world} must be a multiple of --nnodes ({args.nnodes})")
+    if args.nnodes > 1 and not args.dist_addr:
+        raise ValueError("--nnodes > 1 needs --dist-addr: the address the other hosts reach this one at")
+    source = ModelSource(settings.model, dtype, settings.attn_implementation)
+    port = args.dist_port if args.nnodes > 1 else 0
+    return Launch(load=source, nnodes=args.nnodes, addr=args.dist_addr or "127.0.0.1", port=port, device=device), "cpu"
+
+
+def worker(args: argparse.Namespace) -> int:
+    """This host's ranks of an engine served from another host (--node-rank of --nnodes), one process
+    each; all stop when one does, and the command exits non-zero unless every rank was told to stop."""
+    import multiprocessing.connection
+
+    import torch
+
+    from engine.loader import ModelSource
+    from engine.server.settings import load_settings
+    from engine.tp_worker import spawned
+
+    settings = load_settings(vars(args))
+    device, dtype = _placement(settings)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    world, nnodes = settings.engine.tensor_parallel_size, args.nnodes
+    if nnodes < 2 or world % nnodes or not 1 <= args.node_rank < nnodes:
+        raise ValueError(f"cbserve worker needs --nnodes >= 2 dividing --tensor-parallel-size ({world}) and "
+                         f"--node-rank in 1..nnodes-1, got --nnodes {nnodes} --node-rank {args.node_rank}")
+    if ":" in device:
+        raise ValueError(f"--device {device} names one GPU; a worker host's ranks take cuda:0..N-1 (use --device cuda)")
+    per_node = world // nnodes
+    source = ModelSource(settings.model, dtype, settings.attn_implementation)
+    ctx = torch.multiprocessing.get_context("spawn")
+    level = logging.getLogger().getEffectiveLevel()
+    ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+    procs = [ctx.Process(target=spawned, name=f"cbserve-tp-rank-{r}", args=(source, settings.engine, r, world,
+             args.dist_addr, args.dist_port, device, per_node, level)) for r in ranks]  # fmt: skip
+    for p in procs:
+        p.start()
+    logger.info("ranks %d-%d of %d started; rank 0 at %s:%d", ranks[0], ranks[-1], world, args.dist_addr,
+                args.dist_port)  # fmt: skip
+    pending = list(procs)
+    while pending:
+        multiprocessing.connection.wait([p.sentinel for p in pending])
+        for p in [p for p in pending if p.exitcode is not None]:
+            pending.remove(p)
+            if p.exitcode != 0:  # a broken group: the host's other ranks go too
+                for q in pending:
+                    q.kill()
+                logger.error("%s exited with code %s", p.name, p.exitcode)
+                return 1
     return 0
 
 
@@ -235,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _generate_parser(sub)
     _download_parser(sub)
+    _worker_parser(sub)
     return parser
 
 
@@ -243,13 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     from engine.hub import DownloadError
     from engine.server.settings import SettingsError
 
-    commands = {"serve": serve, "generate": generate, "download": download}
+    from engine.tp_group import GroupBroken
+
+    commands = {"serve": serve, "generate": generate, "download": download, "worker": worker}
     try:
         return commands[args.command](args)
     except (SettingsError, ValueError, FileNotFoundError) as exc:
         print(f"cbserve: error: {exc}", file=sys.stderr)
         return 2
-    except DownloadError as exc:
+    except (DownloadError, GroupBroken) as exc:
         print(f"cbserve: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

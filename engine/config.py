@@ -18,8 +18,7 @@ COMPILE_LEVELS = {1: {"mode": "default", "dynamic": True}, 2: {"mode": "max-auto
 # transformers fields that mean nothing in cbserve: (default, why)
 NO_EFFECT = {
     "auto_switch_to_flash": (True, "cbserve always runs its own paged attention (flash-attn on CUDA)"),
-    "disable_nccl_graph_mixing": (True, "cbserve has no tensor parallelism yet, so no NCCL"),
-    "cpu_group_timeout": (300.0, "cbserve has no tensor parallelism yet, so no CPU process group"),
+    "disable_nccl_graph_mixing": (True, "cbserve runs tensor-parallel steps without CUDA graphs"),
     "q_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
     "use_async_batching": (None, "cbserve prepares each step once the last step's tokens are known (no async scheduling)"),
     "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
@@ -99,6 +98,9 @@ class ContinuousBatchingConfig:
     # why it has no effect here (NO_EFFECT below).
     auto_switch_to_flash: bool = True
     disable_nccl_graph_mixing: bool = True
+    # Tensor parallel: ranks of one engine (engine/tensor_parallel.py, engine/tp_group.py), and how long a
+    # rank waits in a forward's all-reduce before the group counts as broken (None: 1800 s).
+    tensor_parallel_size: int = 1
     cpu_group_timeout: float | None = 300.0
     # Seed of the sampler for requests that do not bring their own.
     seed: int | None = None

@@ -28,6 +28,7 @@ from engine.request import ParamError, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import Grammar, GrammarCompiler, StructuredOutput
 from engine.swap import HostSwapPool
+from engine.tp_group import Launch, TPGroup, start_tensor_parallel
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -104,8 +105,10 @@ def _array_ids(ids: torch.Tensor | np.ndarray) -> list:
 class LLMEngine:
     def __init__(
         self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None,
-        tokenizer=None,
+        tokenizer=None, tensor_parallel: Launch | None = None,
     ):  # fmt: skip
+        """`tensor_parallel`: how the other ranks start when config.tensor_parallel_size > 1 (default:
+        spawned on this host, each sent the model; engine/tp_group.py)."""
         self.config = config = config or ContinuousBatchingConfig()
         self.tokenizer = tokenizer  # needed only for text (stop strings, detokenize) and structured output
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings and outputs of requests
@@ -116,8 +119,18 @@ class LLMEngine:
         self.use_generation_config(generation_config)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
+        # tensor parallel: this process is rank 0 and runs its shard; the other ranks run theirs
+        self.tp: TPGroup | None = None
+        run_model = model
+        if config.tensor_parallel_size > 1:
+            self.tp, run_model = start_tensor_parallel(model, config, tensor_parallel or Launch())
         # the device side: placement, sizing, KV cache, kernels, graphs, forward and sampling
-        self.executor = ex = make_executor(model, config)
+        try:
+            self.executor = ex = make_executor(run_model, config, self.tp)
+        except BaseException:
+            if self.tp:
+                self.tp.close()
+            raise
         self.max_context, self.block_size, self.sizes = ex.max_context, ex.block_size, ex.sizes
         self.block_manager = BlockManager(self.sizes.num_blocks, self.block_size, config.allow_block_sharing)
         self.swap = None
@@ -335,6 +348,9 @@ class LLMEngine:
         requests that got a token (some of them finished by it)."""
         t0 = time.perf_counter()
         if self._weights_version() != self._weights_seen:
+            if self.tp:
+                raise RuntimeError("the model's weights changed, but tensor-parallel ranks hold their own copies: "
+                                   "build a new engine for new weights (tensor_parallel_size > 1)")
             self.reset_prefix_cache()
             logger.info("cbserve: model weights changed in place; prefix cache cleared, weights packed again")
         batch = self.scheduler.schedule()
@@ -380,3 +396,5 @@ class LLMEngine:
         self.fail_all("the engine was closed")
         self.executor.cache.k.clear()
         self.executor.cache.v.clear()
+        if self.tp:
+            self.tp.close()

@@ -141,3 +141,17 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
     text_config = model.config.get_text_config()
     return LoadedModel(model, tokenizer, name, getattr(text_config, "max_position_embeddings", None))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model `load_model` gives, loadable again in another process (a tensor-parallel rank reads
+    the checkpoint itself and keeps its share). Loads into host memory; the rank moves its share to
+    its device. `dtype` is a resolved name (float32, bfloat16, float16)."""
+
+    path: str | None
+    dtype: str
+    attn_implementation: str | None = None
+
+    def __call__(self) -> torch.nn.Module:
+        return load_model(self.path, self.dtype, self.attn_implementation, device="cpu").model

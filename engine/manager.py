@@ -22,6 +22,7 @@ from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
 from engine.output_processor import family_ids, unforked_outputs
 from engine.request import GenerationOutput, QueueFullError, Request
+from engine.tp_group import GroupBroken, Launch
 
 logger = logging.getLogger("cbserve.manager")
 
@@ -47,11 +48,15 @@ class ContinuousBatchingManager:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         tokenizer=None,
         workload_hints: Any = None,
+        tensor_parallel: Launch | None = None,
     ) -> None:
         """`workload_hints` (transformers' WorkloadHints) is accepted and unused: cbserve sizes the
-        cache and the batch from a measured forward, not from hints."""
+        cache and the batch from a measured forward, not from hints. `tensor_parallel`: how the other
+        ranks start when the config's tensor_parallel_size > 1 (engine/tp_group.py)."""
         self.config = continuous_batching_config or ContinuousBatchingConfig()
-        self.engine = LLMEngine(model, self.config, generation_config, tokenizer=tokenizer)
+        self.engine = LLMEngine(model, self.config, generation_config, tokenizer=tokenizer,
+                                tensor_parallel=tensor_parallel)  # fmt: skip
+        self._tensor_parallel = tensor_parallel
         self.model = model
         self._engine_args = (generation_config, tokenizer)
         self._released = False  # the engine's KV cache was freed by a stop(): start() builds a new one
@@ -72,6 +77,10 @@ class ContinuousBatchingManager:
         self._hard_stop = False
         self._accepting = True
         self._fatal: BaseException | None = None
+        # called (on the loop's thread) with the error that ended the engine for good: a broken
+        # tensor-parallel group; the server exits on it
+        self.on_fatal: list[Callable[[BaseException], Any]] = []
+        self._watch_group()
         self.warmed_up = False
 
     def built_like(self, continuous_batching_config: ContinuousBatchingConfig | None = None) -> bool:
@@ -94,8 +103,11 @@ class ContinuousBatchingManager:
             raise RuntimeError("the manager was destroyed: build a new one")
         if self._released:
             generation_config, tokenizer = self._engine_args
-            self.engine = LLMEngine(self.model, self.config, generation_config, tokenizer=tokenizer)
+            self.engine = LLMEngine(self.model, self.config, generation_config, tokenizer=tokenizer,
+                                    tensor_parallel=self._tensor_parallel)  # fmt: skip
             self._released = self.warmed_up = False
+            self._fatal = None
+            self._watch_group()
         return self.engine
 
     # -- control --------------------------------------------------------------------------------
@@ -358,6 +370,11 @@ class ContinuousBatchingManager:
             if req is not None:
                 self._deliver_request(req)
 
+    def _watch_group(self) -> None:
+        """A tensor-parallel group that breaks wakes the loop (which then ends: engine.tp.check)."""
+        if self.engine.tp:
+            self.engine.tp.on_failure.append(lambda reason: self._wake.set())
+
     def _park_if_paused(self) -> None:
         with self._pause:
             if self._pausers:
@@ -373,6 +390,8 @@ class ContinuousBatchingManager:
                 self._wake.clear()
                 self._park_if_paused()
                 self._drain_inbox()
+                if engine.tp:
+                    engine.tp.check()  # a rank died while idle: end here, not at the next request
                 if not engine.has_unfinished():
                     if self._stopping:
                         return
@@ -380,6 +399,8 @@ class ContinuousBatchingManager:
                     continue
                 try:
                     updated = engine.step()
+                except GroupBroken:
+                    raise
                 except Exception as exc:  # a failing step fails its requests, not the server
                     logger.exception("engine step failed")
                     for req in engine.fail_all(f"{type(exc).__name__}: {exc}"):
@@ -389,6 +410,12 @@ class ContinuousBatchingManager:
                 for req in updated:
                     if req.streaming or req.is_finished:
                         self._deliver_request(req)
+        except GroupBroken as exc:  # the engine cannot step any more: its requests fail, the owner is told
+            self._fatal = exc
+            for req in engine.fail_all(str(exc)):
+                self._deliver_request(req)
+            for callback in self.on_fatal:
+                callback(exc)
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             self._fatal = exc
             logger.exception("the engine loop died")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,6 +26,31 @@ def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
     """Put each module back in the train/eval mode it had (modes from `model.modules()`, in order)."""
     for module, training in zip(model.modules(), modes):
         module.training = training
+
+
+@dataclass
+class StepInputs:
+    """One step as plain lists: what build_metadata needs, and what rank 0 of a tensor-parallel
+    engine sends the other ranks each step (engine/tp_group.py)."""
+
+    token_ids: list[int]  # the step's tokens, sequence after sequence
+    q_lens: list[int]  # tokens of each sequence in this step
+    starts: list[int]  # tokens of each sequence already in the cache
+    block_tables: list[list[int]]  # each sequence's KV blocks
+    sample_rows: list[int]  # sequences whose last token's logits are wanted (none on ranks > 0)
+    copies: list[tuple[int, int]]  # copy-on-write block copies (source, destination) before the forward
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, sample_rows: list[int]) -> StepInputs:
+        token_ids: list[int] = []
+        q_lens, starts, tables = [], [], []
+        for r, n in batch.items:
+            s = r.num_computed
+            token_ids.extend(r.token_ids[s : s + n])
+            q_lens.append(n)
+            starts.append(s)
+            tables.append(r.block_ids)
+        return cls(token_ids, q_lens, starts, tables, sample_rows, list(batch.copies or ()))
 
 
 class StepForward(Protocol):
@@ -57,16 +83,11 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
 
-    def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        reqs = [r for r, _ in batch.items]
-        q_lens = [n for _, n in batch.items]
-        starts = [r.num_computed for r in reqs]
+    def build_metadata(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        q_lens, starts, token_ids = step.q_lens, step.starts, step.token_ids
         k_lens = [s + n for s, n in zip(starts, q_lens)]
-        token_ids: list[int] = []
-        for r, s, n in zip(reqs, starts, q_lens):
-            token_ids.extend(r.token_ids[s : s + n])
 
-        num_seqs = len(reqs)
+        num_seqs = len(q_lens)
         q_lens_t = torch.tensor(q_lens, dtype=torch.long)
         cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
         torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
@@ -75,9 +96,9 @@ class ModelRunner:
         offset_in_seq = torch.arange(total) - cu_seqlens_q[:-1].long()[seq_idx]
         positions = torch.tensor(starts, dtype=torch.long)[seq_idx] + offset_in_seq
 
-        max_blocks = max(len(r.block_ids) for r in reqs)
+        max_blocks = max(map(len, step.block_tables))
         block_tables = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs], dtype=torch.int32
+            [t + [0] * (max_blocks - len(t)) for t in step.block_tables], dtype=torch.int32
         )  # one tensor from padded lists: cheaper than a small tensor per sequence
         bs = self.block_size
         blocks = block_tables[seq_idx, torch.div(positions, bs, rounding_mode="floor")].long()
@@ -124,9 +145,14 @@ class ModelRunner:
         """Forward the step; returns logits [len(sample_rows), vocab] for those sequences (model dtype).
         `dispatch` runs the forward (a graph replay or a compiled forward: engine/backends/step_dispatch.py);
         None: `self.forward`, eagerly."""
+        return self.run_inputs(StepInputs.of(batch, sample_rows), dispatch)
+
+    @torch.inference_mode()
+    def run_inputs(self, step: StepInputs, dispatch: StepForward | None = None) -> torch.Tensor:
+        """`run` for a step given as plain lists (a tensor-parallel rank's)."""
         start = time.perf_counter()
-        input_ids, positions, meta = self.build_metadata(batch)
+        input_ids, positions, meta = self.build_metadata(step)
         last = (meta.cu_seqlens_q[1:] - 1).long()
-        logits_rows = last[torch.tensor(sample_rows, dtype=torch.long, device=last.device)]
+        logits_rows = last[torch.tensor(step.sample_rows, dtype=torch.long, device=last.device)]
         self.last_prepare_s = time.perf_counter() - start
         return (dispatch or self.forward)(input_ids, positions, meta, logits_rows)

@@ -224,8 +224,13 @@ SETTINGS: tuple[Setting, ...] = (
             flag=False),
     Setting("auto_switch_to_flash", "bool", True, "no effect: cbserve always runs its own paged attention",
             flag=False),
-    Setting("disable_nccl_graph_mixing", "bool", True, "no effect: no tensor parallelism yet", flag=False),
-    Setting("cpu_group_timeout", "float", 300.0, "no effect: no tensor parallelism yet", nullable=True, flag=False),
+    Setting("tensor_parallel_size", "int", 1, "ranks one engine runs over (torch.distributed: gloo on the CPU, NCCL on "
+            "GPUs); each holds its share of the heads, MLP and KV cache; must divide the KV heads", minimum=1),
+    Setting("cpu_group_timeout", "float", 300.0, "tensor parallel: seconds a rank waits in a forward's all-reduce "
+            "before the group counts as broken; unset: 1800", nullable=True, exclusive_minimum=True, minimum=0,
+            flag=False),
+    Setting("disable_nccl_graph_mixing", "bool", True, "no effect: tensor-parallel steps run without CUDA graphs",
+            flag=False),
     # ---- the server's own (cbserve serve, cbserve generate) ----
     Setting("device", "str", "auto", "where the model runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or "
             "cuda:N", section="server", pattern=DEVICE_PATTERN, accepts="auto, cpu, cuda or cuda:N"),

@@ -24,7 +24,8 @@ CRD = yaml.safe_load((REPO / "charts" / "cbserve" / "crds" / "cbdeployments.cbse
 ENGINE_SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
 # `cbserve serve` flags that run the process rather than set the engine or the server's handling
 PROCESS_FLAGS = {"--model", "--served-model-name", "--host", "--port", "--config", "--log-level", "--drain-timeout",
-                 "--api-key", "--body-timeout", "--help", "-h"}  # fmt: skip
+                 "--api-key", "--body-timeout", "--help", "-h",
+                 "--nnodes", "--dist-addr", "--dist-port"}  # fmt: skip  # where tensor-parallel ranks meet
 
 
 def test_every_config_field_is_a_row_with_the_same_default() -> None:

@@ -26,13 +26,14 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
     raise ValueError(f"attn_backend must be 'cpu' or 'cuda', got {name!r}")
 
 
-def make_executor(model: torch.nn.Module, config: Any) -> Any:
-    """The executor for the device the model's weights are on (engine/backends/executor.py)."""
+def make_executor(model: torch.nn.Module, config: Any, group: Any = None) -> Any:
+    """The executor for the device the model's weights are on (engine/backends/executor.py); `group`:
+    the tensor-parallel group when the model is one rank's shard."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         from engine.backends.cuda.executor import CUDAExecutor  # lazy: flash-attn and CUDA only here
 
-        return CUDAExecutor(model, config)
+        return CUDAExecutor(model, config, group)
     from engine.backends.cpu_executor import CPUExecutor
 
-    return CPUExecutor(model, config)
+    return CPUExecutor(model, config, group)

@@ -25,9 +25,10 @@ from engine.backends.memory import (
 from engine.backends.step_dispatch import StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.model_runner import ModelRunner, ModuleSwaps, restore_modes
+from engine.model_runner import ModelRunner, ModuleSwaps, StepInputs, restore_modes
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import ScheduledBatch
+from engine.tp_group import TPGroup
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -35,8 +36,11 @@ logger = logging.getLogger("cbserve.engine")
 class Executor:
     """Placement, sizing, the KV cache, module swaps, step dispatch (graphs or compiled) and sampling."""
 
-    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
-        self.model, self.config = model, config
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig, group: TPGroup | None = None) -> None:
+        """`group`: the tensor-parallel group when `model` is one rank's shard (engine/tensor_parallel.py):
+        the KV cache holds the rank's heads, rank 0's sizes are every rank's, and rank 0 sends each
+        step's inputs to the others before its forward."""
+        self.model, self.config, self.group = model, config, group
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if config.cpu_packed_weights and self.device.type != "cpu":
@@ -44,13 +48,22 @@ class Executor:
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
+        world = group.world if group else 1
+        num_kv_heads //= world  # a rank's share (tensor_parallel.check_divisible made it whole)
         self.backend = get_backend(self.device, config.attn_backend)
         self.block_size: int = config.block_size or DEFAULT_BLOCK_SIZE.get(self.device.type, 256)
         self.backend.check_config(self.block_size)
         self.graph_flags = normalize_cuda_graph_flag(config.use_cuda_graph, self.device.type, self.backend.supports_graphs)
+        if group and any(self.graph_flags):
+            logger.info("cbserve: CUDA graphs off under tensor parallel (its steps run eagerly)")
+            self.graph_flags = (False, False)
         extra_blocks = reserved_blocks(self.graph_flags)  # the padding block of graphs, never handed out
         swaps = self.module_swaps()  # before sizing: packed weights take memory
-        self.sizes: CachePlan = self._plan(num_layers, num_kv_heads, head_dim, extra_blocks)
+        # ranks sharing one host's memory plan for all of them: the whole model's KV heads
+        plan_heads = num_kv_heads * world if self.device.type == "cpu" else num_kv_heads
+        self.sizes: CachePlan = self._plan(num_layers, plan_heads, head_dim, extra_blocks)
+        if group:
+            self.sizes = group.broadcast(self.sizes)  # rank 0's, on every rank
         logger.info("cbserve engine: %s", self.placement_line())
         self.cache = PagedKVCache(num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads,
                                   head_dim, self.dtype, self.device)  # fmt: skip
@@ -120,15 +133,19 @@ class Executor:
     def execute_model(self, batch: ScheduledBatch, default_logprobs: bool = False) -> SampleResult:
         """Copy-on-write copies, one forward over the batch's tokens (in eval mode), and the sampled
         tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
-        if batch.copies:
-            self.cache.copy_blocks(batch.copies)
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
+        step = StepInputs.of(batch, rows)
+        if self.group:
+            self.group.check()
+            self.group.broadcast(step)  # the other ranks run the same step (engine/tp_worker.py)
+        if step.copies:
+            self.cache.copy_blocks(step.copies)
         modes = None
         if self.model.training:  # an RL trainer switches train() on between generations
             modes = [m.training for m in self.model.modules()]
             self.model.eval()
         try:
-            logits = self.runner.run(batch, rows, self.dispatch)
+            logits = self.runner.run_inputs(step, self.dispatch)
         finally:
             if modes is not None:
                 restore_modes(self.model, modes)
@@ -140,3 +157,10 @@ class Executor:
         t2 = time.perf_counter()
         self.last_times = {"prepare": self.runner.last_prepare_s, "sample": t2 - t1}
         return result
+
+    @torch.inference_mode()
+    def execute_inputs(self, step: StepInputs) -> None:
+        """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (no logits, no sampling)."""
+        if step.copies:
+            self.cache.copy_blocks(step.copies)
+        self.runner.run_inputs(step, self.dispatch)

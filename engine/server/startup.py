@@ -39,6 +39,12 @@ class Startup:
         self.on_failure: Callable[[], None] = lambda: None
         self._lifespan: Any = None
 
+    def engine_died(self, exc: BaseException) -> None:
+        """The engine ended for good (a broken tensor-parallel group; any thread): /ready and /health
+        are 503 already (the engine loop ended), and the server exits with the error."""
+        self.error = exc
+        self.on_failure()
+
     @property
     def state(self):
         """The running app's ServerState, or None while loading."""

@@ -1,0 +1,240 @@
+"""The ranks of one tensor-parallel engine, and what crosses between them.
+
+Rank 0 is the engine itself (scheduler, sampling, the server); ranks 1..N-1 run `engine.tp_worker`,
+spawned on this host or started by `cbserve worker` on others. They meet at a torch.distributed
+TCPStore on rank 0 and open two process groups over it:
+
+- "step": the all-reduce after each row-parallel layer of every forward (gloo on the CPU, NCCL on
+  GPUs), with `cpu_group_timeout` as its timeout;
+- "control" (gloo, no practical timeout: ranks wait there while the server is idle): rank 0's
+  messages, the KV-cache sizes once at start-up, then each step's inputs (`StepInputs`), and `None`
+  to stop.
+
+A rank that dies closes its sockets, and the next collective on the others fails at once; rank 0
+also watches the processes it spawned, so a death while idle is noticed too. Either way the group is
+broken for good: `GroupBroken` from then on, and the server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("cbserve.engine")
+
+IDLE_TIMEOUT = timedelta(days=365)  # the control group: an idle server sends nothing for hours
+JOIN_POLL_S = 0.2  # while waiting for ranks to join, how often rank 0 looks at the processes it spawned
+
+
+class GroupBroken(RuntimeError):
+    """A rank of the tensor-parallel group is gone (or never came): the engine cannot step any more."""
+
+
+@dataclass
+class Launch:
+    """How rank 0 starts and meets the other ranks (`ContinuousBatchingManager(..., tensor_parallel=)`).
+
+    `load`: a picklable callable that returns the model in a spawned rank (the server passes its
+    loader: each rank reads the checkpoint itself); None sends the model's class, config and tensors
+    (through shared memory: engine/tp_worker.ModelCopy). `nnodes` > 1: ranks beyond this host's come from `cbserve worker` on other
+    hosts, which reach rank 0 at `addr:port`. `device`: "cpu" or "cuda" for the ranks' shards; None: the
+    model's device type."""
+
+    load: Callable[[], torch.nn.Module] | None = None
+    nnodes: int = 1
+    addr: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (one host only)
+    device: str | None = None
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    world: int
+    store: Any
+    step_group: Any
+    control: Any
+    processes: list[Any] = field(default_factory=list)  # spawned by rank 0, with their ranks
+    failure: str | None = None
+    on_failure: list[Callable[[str], None]] = field(default_factory=list)
+
+    # -- collectives --------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` across the ranks, in place (a row-parallel layer's partial outputs)."""
+        try:
+            self.step_group.allreduce([t]).wait()
+        except RuntimeError as exc:
+            raise self.broken(f"an all-reduce failed: {exc}") from None
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (pickled; a size, then the bytes)."""
+        try:
+            if self.rank == 0:
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                size = torch.tensor([len(data)], dtype=torch.int64)
+                self.control.broadcast(size, 0).wait()
+                self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+                return obj
+            size = torch.zeros(1, dtype=torch.int64)
+            self.control.broadcast(size, 0).wait()
+            buf = torch.empty(int(size), dtype=torch.uint8)
+            self.control.broadcast(buf, 0).wait()
+            return pickle.loads(buf.numpy().tobytes())
+        except RuntimeError as exc:
+            raise self.broken(f"a message from rank 0 failed: {exc}") from None
+
+    # -- failure ------------------------------------------------------------------------------
+    def broken(self, reason: str) -> GroupBroken:
+        """Record the first failure, tell whoever listens, and return the error to raise. A failed
+        collective names the spawned rank that exited, when one did."""
+        reason = reason.split(". This is typically")[0]  # gloo's advice after its one-line cause
+        for rank, p in self.processes:
+            p.join(1.0)  # a peer that closed its sockets is exiting: its code names the cause
+            if p.exitcode is not None:
+                reason = f"rank {rank} exited with code {p.exitcode} ({reason})"
+                break
+        if self.failure is None:
+            self.failure = reason
+            logger.error("tensor-parallel group broken: %s", reason)
+            for callback in self.on_failure:
+                callback(reason)
+        return GroupBroken(f"tensor-parallel group broken: {self.failure}")
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise GroupBroken(f"tensor-parallel group broken: {self.failure}")
+
+    def _watch(self) -> None:
+        """Rank 0: wait on the spawned ranks; the first that exits breaks the group."""
+        sentinels = {p.sentinel: (rank, p) for rank, p in self.processes}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        rank, p = sentinels[ready[0]]
+        p.join(1.0)
+        self.broken(f"rank {rank} exited with code {p.exitcode}")
+
+    _closing = False
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop and wait for the ones it spawned."""
+        if self.rank != 0 or self._closing:
+            return
+        self._closing = True
+        if self.failure is None and self.control is not None:
+            try:
+                self.broadcast(None)
+            except GroupBroken:
+                pass
+        for _, p in self.processes:
+            p.join(30.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+
+
+def _groups(store: Any, rank: int, world: int, timeout: timedelta, device_type: str) -> tuple[Any, Any]:
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, IDLE_TIMEOUT)
+    if device_type == "cuda":  # lazy: NCCL only on GPUs
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        step = dist.ProcessGroupNCCL(dist.PrefixStore("step", store), rank, world, options)
+    else:
+        step = dist.ProcessGroupGloo(dist.PrefixStore("step", store), rank, world, timeout)
+    return step, control
+
+
+def join(rank: int, world: int, addr: str, port: int, timeout_s: float | None, device_type: str) -> TPGroup:
+    """A rank other than 0: meet rank 0's store and open the groups."""
+    timeout = timedelta(seconds=timeout_s or 1800)
+    store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+    store.set(f"joined/{rank}", "1")
+    step, control = _groups(store, rank, world, timeout, device_type)
+    return TPGroup(rank, world, store, step, control)
+
+
+def start(world: int, launch: Launch, timeout_s: float | None, device_type: str,
+          spawn: Callable[[int, str, int], Any]) -> TPGroup:  # fmt: skip
+    """Rank 0: open the store, spawn this host's other ranks with `spawn(rank, addr, port)` (a started
+    process), wait until every rank has joined (a spawned one that exits first is a GroupBroken
+    naming its code), and open the groups."""
+    timeout = timedelta(seconds=timeout_s or 1800)
+    host = "0.0.0.0" if launch.nnodes > 1 else launch.addr
+    store = dist.TCPStore(host, launch.port, world, True, timeout=timeout, wait_for_workers=False)
+    per_node = world // launch.nnodes
+    group = TPGroup(0, world, store, None, None)
+    group.processes = [(rank, spawn(rank, launch.addr, store.port)) for rank in range(1, per_node)]
+    waiting = [f"joined/{rank}" for rank in range(1, world)]
+    deadline = timeout.total_seconds()
+    waited = 0.0
+    while not store.check(waiting):
+        dead = [(rank, p) for rank, p in group.processes if p.exitcode is not None]
+        if dead:
+            rank, p = dead[0]
+            group.close()
+            raise GroupBroken(f"tensor-parallel rank {rank} exited with code {p.exitcode} before joining")
+        if waited >= deadline:
+            group.close()
+            missing = [key.split("/")[1] for key in waiting if not store.check([key])]
+            raise GroupBroken(f"tensor-parallel ranks {', '.join(missing)} did not join within {deadline:.0f} s "
+                              f"(rank 0 at {launch.addr}:{store.port})")
+        multiprocessing.connection.wait([p.sentinel for _, p in group.processes], timeout=JOIN_POLL_S) \
+            if group.processes else threading.Event().wait(JOIN_POLL_S)  # fmt: skip
+        waited += JOIN_POLL_S
+    group.step_group, group.control = _groups(store, 0, world, timeout, device_type)
+    if group.processes:
+        threading.Thread(target=group._watch, name="cbserve-tp-watch", daemon=True).start()
+    logger.info("cbserve: tensor parallel over %d ranks (%d on this host), rank 0 at %s:%d", world, per_node,
+                launch.addr, store.port)  # fmt: skip
+    return group
+
+
+def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -> tuple[TPGroup, torch.nn.Module]:
+    """Rank 0 of an engine with config.tensor_parallel_size ranks: check that the model splits, start
+    and meet the other ranks, and return the group and rank 0's shard. Each rank of a host gets an
+    equal share of its CPU threads."""
+    from engine import tp_worker
+    from engine.tensor_parallel import check_divisible, resolve_plan, shard_model
+
+    world = config.tensor_parallel_size
+    check_divisible(model.config, world)  # before any process starts: the errors are the caller's
+    _, plan_source = resolve_plan(model)
+    if launch.nnodes < 1 or world % launch.nnodes:
+        raise ValueError(f"tensor_parallel_size {world} must be a multiple of the number of nodes ({launch.nnodes})")
+    if config.cpu_offload_space:
+        raise ValueError("cpu_offload_space needs tensor_parallel_size 1: preempted requests are recomputed "
+                         "under tensor parallel (each rank would swap its own share)")
+    per_node = world // launch.nnodes
+    device_type = launch.device or next(model.parameters()).device.type
+    source = launch.load or tp_worker.ModelCopy.of(model)
+    ctx = torch.multiprocessing.get_context("spawn")
+    level = logging.getLogger("cbserve").getEffectiveLevel()
+
+    def spawn(rank: int, addr: str, port: int) -> Any:
+        p = ctx.Process(target=tp_worker.spawned, name=f"cbserve-tp-rank-{rank}", daemon=True,
+                        args=(source, config, rank, world, addr, port, device_type, per_node, level))  # fmt: skip
+        p.start()
+        return p
+
+    group = start(world, launch, config.cpu_group_timeout, device_type, spawn)
+    try:
+        if device_type == "cpu":
+            threads = max(1, torch.get_num_threads() // per_node)
+            torch.set_num_threads(threads)
+            logger.info("cbserve: %d CPU thread(s) per rank", threads)
+        shard = shard_model(model, 0, world, group.all_reduce, tp_worker.rank_device(device_type, 0, per_node))
+    except BaseException:
+        group.close()
+        raise
+    logger.info("cbserve: shards split by %s's tensor-parallel plan", "cbserve" if plan_source == "cbserve" else "the model")
+    return group, shard

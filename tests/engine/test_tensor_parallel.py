@@ -1,0 +1,165 @@
+"""Tensor parallel on the CPU: two gloo ranks, the second spawned by the engine under test.
+
+Greedy output is token-identical to transformers' model.generate (and so to the one-process engine,
+which the other engine tests hold to the same reference) for every test architecture, under
+chunked prefill, preemption and prefix hits; a rank that dies or never comes ends the engine with an
+error that names it, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine
+from engine.request import RequestStatus
+from engine.tensor_parallel import resolve_plan, shard_model
+from engine.testing import ARCHITECTURES, build_test_model
+from engine.tp_group import GroupBroken, Launch
+from tests.engine.conftest import MAX_NEW, VOCAB, model_for, prompts_for, reference
+
+# a small cache and budget: prompts go in chunks, and requests are preempted
+TIGHT = dict(block_size=16, num_blocks=16, max_batch_tokens=64, tensor_parallel_size=2)
+DEATH_WAIT_S = 60.0  # generous: a rank's death is noticed in well under a second
+
+
+def run_to_end(engine: LLMEngine, prompts: list[list[int]]) -> list:
+    reqs = [engine.make_request(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def check_two_ranks(model, arch: str) -> None:
+    engine = LLMEngine(model, ContinuousBatchingConfig(**TIGHT))
+    try:
+        assert engine.tp is not None and engine.tp.world == 2
+        assert engine.cache.k[0].shape[2] == 1  # one of the two KV heads on this rank
+        prompts = [list(p) for p in prompts_for()]
+        for p, r in zip(prompts, run_to_end(engine, prompts)):
+            assert tuple(r.generated_ids) == reference(arch, tuple(p)), r.request_id
+        # a shared prefix of three full blocks, asked again after the first request that wrote it
+        shared = list(prompts_for(1, 48, 48, seed=7)[0])
+        tails = [list(t) for t in prompts_for(3, 2, 9, seed=8)]
+        later = [shared + t for t in tails]
+        for group in ([later[0]], later[1:]):
+            for p, r in zip(group, run_to_end(engine, group)):
+                assert tuple(r.generated_ids) == reference(arch, tuple(p)), r.request_id
+        stats = engine.stats()
+        assert stats["num_preemptions_total"] > 0
+        assert stats["prefix_cache_hits_total"] > 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        engine.close()
+    assert all(p.exitcode == 0 for _, p in engine.tp.processes)  # told to stop, and stopped
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_ranks_match_model_generate_with_chunks_preemption_and_prefix_hits(arch: str) -> None:
+    check_two_ranks(model_for(arch), arch)
+
+
+def test_a_model_without_transformers_plan_is_split_by_projection_names() -> None:
+    model = build_test_model("llama", vocab_size=VOCAB, base_model_tp_plan={})
+    plan, source = resolve_plan(model)
+    assert source == "cbserve"
+    assert plan["model.layers.0.self_attn.o_proj"] == "rowwise" and plan["model.layers.1.mlp.up_proj"] == "colwise"
+    assert resolve_plan(model_for("llama"))[1] == "transformers"
+    check_two_ranks(model, "llama")  # the same weights as model_for("llama"): the same reference
+
+
+def test_a_shard_holds_its_slice_and_leaves_the_callers_model_whole() -> None:
+    model = model_for("qwen2")  # q/k/v biases
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    shards = [shard_model(model, rank, 2, lambda t: None) for rank in (0, 1)]
+    q = "model.layers.0.self_attn.q_proj"
+    for rank, shard in enumerate(shards):
+        layers = dict(shard.named_modules())
+        assert layers[q].weight.shape == (32, 64) and layers[q].out_features == 32
+        torch.testing.assert_close(layers[q].weight, model.get_submodule(q).weight[rank * 32 : (rank + 1) * 32])
+        torch.testing.assert_close(layers[q].bias, model.get_submodule(q).bias[rank * 32 : (rank + 1) * 32])
+        assert layers["model.layers.0.mlp.down_proj"].weight.shape == (64, 64)
+        assert shard.lm_head.weight is model.lm_head.weight  # replicated: shared, not copied
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert not model.model.layers[0].mlp.down_proj._forward_hooks  # the hooks are on the shards only
+
+
+@pytest.mark.parametrize(
+    ("model", "config", "message"),
+    [
+        (lambda: model_for("llama"), dict(tensor_parallel_size=3), "must divide the model's attention heads"),
+        (lambda: model_for("llama"), dict(tensor_parallel_size=2, cpu_offload_space=0.01), "cpu_offload_space"),
+        (lambda: __import__("transformers").AutoModelForCausalLM.from_config(__import__("transformers").GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)),
+         dict(tensor_parallel_size=2), "no tensor-parallel plan"),
+    ],
+    ids=["heads-do-not-divide", "swap-pool", "no-plan-no-projections"],
+)
+def test_what_cannot_be_split_is_refused_before_any_rank_starts(model, config, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(model(), ContinuousBatchingConfig(block_size=16, num_blocks=16, **config))
+
+
+def test_tensor_parallel_size_is_checked_as_a_setting() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ContinuousBatchingConfig(tensor_parallel_size=0)
+
+
+def failing_load() -> torch.nn.Module:
+    raise OSError("the checkpoint is unreadable here")
+
+
+def test_a_rank_that_fails_to_load_ends_the_start_with_an_error_naming_it() -> None:
+    with pytest.raises(GroupBroken, match="rank 1"):
+        LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT), tensor_parallel=Launch(load=failing_load))
+
+
+def kill_rank_1(engine: LLMEngine) -> None:
+    (rank, process), = engine.tp.processes
+    assert rank == 1
+    os.kill(process.pid, signal.SIGKILL)
+
+
+def test_a_rank_that_dies_mid_request_fails_it_and_ends_the_manager() -> None:
+    manager = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(**TIGHT))
+    died = threading.Event()
+    manager.on_fatal.append(lambda exc: died.set())
+    manager.start()
+    try:
+        rid = manager.add_request([5, 6, 7], max_new_tokens=250, streaming=True, ignore_eos=True)
+        outputs = manager.request_id_iter(rid)
+        first = next(outputs)
+        assert first.status != RequestStatus.FAILED
+        kill_rank_1(manager.engine)
+        last = list(outputs)[-1]
+        assert last.status == RequestStatus.FAILED
+        assert "tensor-parallel group broken" in last.error
+        assert died.wait(DEATH_WAIT_S)
+        manager.join(timeout=DEATH_WAIT_S)
+        assert not manager.is_running()  # the server's /ready and /health answer 503 from here
+        with pytest.raises(RuntimeError):
+            manager.add_request([5, 6, 7], max_new_tokens=2)
+    finally:
+        manager.stop(block=True, timeout=DEATH_WAIT_S)
+
+
+def test_a_rank_that_dies_while_idle_ends_the_manager() -> None:
+    manager = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(**TIGHT))
+    died = threading.Event()
+    manager.on_fatal.append(lambda exc: died.set())
+    manager.start()
+    try:
+        rid = manager.add_request(list(prompts_for()[1]), max_new_tokens=3)
+        assert manager.get_result(rid, timeout=DEATH_WAIT_S).status == RequestStatus.FINISHED
+        kill_rank_1(manager.engine)
+        assert died.wait(DEATH_WAIT_S)
+        assert "rank 1 exited with code -9" in str(manager._fatal)
+    finally:
+        manager.stop(block=True, timeout=DEATH_WAIT_S)

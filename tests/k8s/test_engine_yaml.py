@@ -3,6 +3,7 @@ the server's own parser and loader, give back the values the manifest set."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,56 @@ def test_a_setting_left_out_takes_the_servers_default(tmp_path: Path) -> None:
     alone = load_settings(vars(build_parser().parse_args(["serve"])), environ={}, queue_default=DEFAULT_SERVER_QUEUE)
     assert settings.engine == alone.engine and settings.dtype == alone.dtype == "auto"
     assert settings.device == "cpu"  # no GPU asked for
+
+
+def _engine_runs_groups() -> bool:
+    """Whether this tree's engine has the tensor-parallel command lines (issue 22's engine half, written
+    alongside): `cbserve worker` and --tensor-parallel-size. Until it has, the two tests below skip."""
+    try:
+        build_parser().parse_args(["worker", "--node-rank", "1", "--dist-addr", "a", "--tensor-parallel-size", "2"])
+    except SystemExit:
+        return False
+    return True
+
+
+needs_groups = pytest.mark.skipif(not _engine_runs_groups(), reason="the engine has no `cbserve worker` yet")
+
+
+def expand(command: list[str], env: dict[str, str]) -> list[str]:
+    """`$(VAR)` in a container's command, as the kubelet expands it from the container's environment."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), arg) for arg in command]
+
+
+@needs_groups
+def test_a_groups_commands_are_the_engines(tmp_path: Path) -> None:
+    """resources.nodes: 2 with 2 GPUs each: the leader's `cbserve serve` and the worker's `cbserve worker`,
+    with the variables LeaderWorkerSet puts in the pods (LWS_WORKER_INDEX 1 on the first worker), read by
+    the engine's own parser and loader: one engine of 4 ranks over 2 hosts, meeting at the leader, with
+    the same engine settings from the one ConfigMap."""
+    manifest = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
+    manifest["spec"]["resources"].update(gpu=2, nodes=2)
+    objs, _ = render_children(parse_spec("llama-8b", manifest["spec"]), "ns")
+    config = tmp_path / "engine.yaml"
+    config.write_text(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["engine.yaml"])
+    templates = next(o for o in objs if o["kind"] == "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    address = "llama-8b-group-0.llama-8b-group.ns"
+    read = {}
+    for role, index in (("leader", "0"), ("worker", "1")):
+        command = templates[f"{role}Template"]["spec"]["containers"][0]["command"]
+        args = vars(build_parser().parse_args(expand(command, {"LWS_LEADER_ADDRESS": address,
+                                                                "LWS_WORKER_INDEX": index})[1:]))  # fmt: skip
+        assert (args["nnodes"], args["dist_addr"], args["dist_port"]) == (2, address, 29500)
+        read[role] = (args, load_settings({**args, "config": str(config)}, environ={},
+                                          queue_default=DEFAULT_SERVER_QUEUE))  # fmt: skip
+    assert read["worker"][0]["node_rank"] == 1 and "node_rank" not in read["leader"][0]  # the leader is rank 0
+    for args, settings in read.values():
+        assert settings.engine.tensor_parallel_size == 4 and settings.device == "cuda"
+    assert read["worker"][1].engine == read["leader"][1].engine
+
+
+@needs_groups
+def test_a_pods_gpus_are_the_engines_tensor_parallel_size(tmp_path: Path) -> None:
+    manifest = yaml.safe_load((REPO / "examples" / "cbdeployment.yaml").read_text())
+    manifest["spec"]["resources"]["gpu"] = 4
+    settings = served_settings(manifest, tmp_path)
+    assert settings.engine.tensor_parallel_size == 4 and settings.device == "cuda"

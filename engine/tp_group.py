@@ -67,6 +67,7 @@ class TPGroup:
     processes: list[Any] = field(default_factory=list)  # spawned by rank 0, with their ranks
     failure: str | None = None
     on_failure: list[Callable[[str], None]] = field(default_factory=list)
+    threads_before: int | None = None  # rank 0's torch threads before the group took its share
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -141,6 +142,8 @@ class TPGroup:
             if p.exitcode is None:
                 p.kill()
                 p.join()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
 
 
 def _groups(store: Any, rank: int, world: int, timeout: timedelta, device_type: str) -> tuple[Any, Any]:
@@ -229,7 +232,8 @@ def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -
     group = start(world, launch, config.cpu_group_timeout, device_type, spawn)
     try:
         if device_type == "cpu":
-            threads = max(1, torch.get_num_threads() // per_node)
+            group.threads_before = torch.get_num_threads()
+            threads = max(1, group.threads_before // per_node)
             torch.set_num_threads(threads)
             logger.info("cbserve: %d CPU thread(s) per rank", threads)
         shard = shard_model(model, 0, world, group.all_reduce, tp_worker.rank_device(device_type, 0, per_node))

@@ -10,6 +10,9 @@
    (one prompt at a time) on the test architectures, with CUDA graphs off and on.
 3. W1 throughput (64 prompts of 16-256 random tokens, 64 new tokens, greedy, EOS ignored, the W1
    Llama): cbserve with graphs off and on against transformers' own `model.generate_batch`.
+4. Two GPUs, when there are two (or two CPU ranks with `--device cpu --two-ranks`): tensor parallel
+   (tensor_parallel_size=2, NCCL) against one device: greedy tokens on the test Llama, and W1
+   throughput of each.
 
 It prints markdown tables to paste into docs/benchmarks.md (with the date and the GPU). Half
 precision can flip a greedy choice between two near-equal logits, so equality is reported as exact
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--w1-new-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
+    p.add_argument("--two-ranks", action="store_true", help="with --device cpu: run the two-GPU line on two CPU "
+                                                            "ranks (with CUDA it runs whenever two GPUs are there)")
     return p.parse_args(argv)
 
 
@@ -227,6 +232,41 @@ def throughput(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     return results
 
 
+def two_ranks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[list[list[str]], bool]:
+    """Tensor parallel over two ranks against one: exact greedy matches on the test Llama (and the
+    common prefix), and W1 output tok/s of each. Returns the table's rows and whether the equality
+    is below --min-exact."""
+    import dataclasses
+
+    from engine import generate_batch
+    from engine.testing import build_test_model, random_prompts
+
+    def config(ranks: int):
+        return dataclasses.replace(cb_config(device, args.block_size, False), tensor_parallel_size=ranks)
+
+    def run(model, prompts, ranks: int, new: int) -> list[list[int]]:
+        outs = generate_batch(model, prompts, continuous_batching_config=config(ranks), max_new_tokens=new,
+                              ignore_eos=True, progress_bar=False)  # fmt: skip
+        return [o.generated_tokens for o in outs.values()]
+
+    model = build_test_model("llama", vocab_size=512).to(device=device, dtype=dtype)
+    prompts = random_prompts(args.prompts, 3, 200, 512, seed=0)
+    one, two = run(model, prompts, 1, args.max_new_tokens), run(model, prompts, 2, args.max_new_tokens)
+    exact = sum(a == b for a, b in zip(one, two))
+    prefix = statistics.mean(common_prefix(a, b) for a, b in zip(one, two))
+    rows = [["greedy tokens, 2 ranks against 1 (test Llama)", f"{exact}/{len(prompts)} exact",
+             f"mean common prefix {prefix:.1f}/{args.max_new_tokens}"]]  # fmt: skip
+    if not args.skip_throughput:
+        w1 = w1_model(device, dtype)
+        w1_prompts = random_prompts(args.w1_prompts, 16, 256, W1["vocab_size"], seed=0)
+        tokens = len(w1_prompts) * args.w1_new_tokens
+        rates = {ranks: tokens / _timed(lambda r=ranks: run(w1, w1_prompts, r, args.w1_new_tokens), args.runs, device)
+                 for ranks in (1, 2)}  # fmt: skip
+        rows.append(["W1 output tok/s (engine start-up timed too)", f"1 rank {rates[1]:.0f}, 2 ranks {rates[2]:.0f}",
+                     f"2 ranks are {rates[2] / rates[1]:.2f}x"])  # fmt: skip
+    return rows, exact < args.min_exact * len(prompts)
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -260,6 +300,15 @@ def main(argv: list[str] | None = None) -> int:
               f"median of {args.runs})\n")  # fmt: skip
         cells = [[name, f"{tps:.0f}", f"{tps / peer:.2f}x" if peer else "-"] for name, tps in results]
         print(table(["system", "output tok/s", "vs transformers generate_batch"], cells))
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus >= 2 or (device.type == "cpu" and args.two_ranks):
+        rows, below = two_ranks(args, device, dtype)
+        where = "two GPUs (NCCL)" if gpus >= 2 else "two CPU ranks (gloo)"
+        print(f"\n### Tensor parallel on {where}, {args.dtype}\n")
+        print(table(["check", "result", ""], rows))
+        failed = failed or below
+    elif device.type == "cuda":
+        print(f"\nTensor parallel: not checked ({gpus} GPU here; it needs two)")
     if failed:
         print(f"\nFAILED: an equality check is below {args.min_exact:.0%} exact matches", file=sys.stderr)
     return 1 if failed else 0

@@ -50,3 +50,13 @@ def test_table_and_prefix_helpers():
     gpu_check = load()
     assert gpu_check.common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert gpu_check.table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_the_two_gpu_line_runs_on_two_cpu_ranks(capsys):
+    gpu_check = load()
+    code = gpu_check.main(["--device", "cpu", "--dtype", "float32", "--archs", "llama", "--prompts", "2",
+                           "--max-new-tokens", "4", "--skip-throughput", "--skip-equality", "--two-ranks"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "### Tensor parallel on two CPU ranks (gloo), float32" in out
+    assert "| greedy tokens, 2 ranks against 1 (test Llama) | 2/2 exact | mean common prefix 4.0/4 |" in out

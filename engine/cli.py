@@ -112,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
     device, dtype = _placement(settings)  # a device that is not there stops here, before the port is bound
-    launch, load_device = _tensor_parallel(args, settings, device, dtype)
+    launch, load_device = _tensor_parallel(args, settings, device, dtype, settings.model)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who reaches the port can use it "
@@ -144,27 +144,29 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tensor_parallel(args: argparse.Namespace, settings: Any, device: str, dtype: str) -> tuple[Any, str]:
+def _tensor_parallel(args: argparse.Namespace, settings: Any, device: str, dtype: str,
+                     model: str | None) -> tuple[Any, str]:  # fmt: skip
     """The Launch of the other ranks (None for one rank) and where this process loads the model: with
     several ranks, into host memory, each rank then moving its share to its device."""
     from engine.loader import ModelSource
     from engine.tp_group import Launch
 
     world = settings.engine.tensor_parallel_size
+    nnodes, dist_addr, dist_port = getattr(args, "nnodes", 1), getattr(args, "dist_addr", None), getattr(args, "dist_port", 0)
     if world == 1:
-        if args.nnodes != 1:
-            raise ValueError(f"--nnodes {args.nnodes} needs --tensor-parallel-size of at least {args.nnodes}")
+        if nnodes != 1:
+            raise ValueError(f"--nnodes {nnodes} needs --tensor-parallel-size of at least {nnodes}")
         return None, device
     if ":" in device:
         raise ValueError(f"--device {device} names one GPU; {world} tensor-parallel ranks take cuda:0.."
-                         f"{world // max(args.nnodes, 1) - 1} of each host (use --device cuda)")
-    if args.nnodes < 1 or world % args.nnodes:
-        raise ValueError(f"--tensor-parallel-size {world} must be a multiple of --nnodes ({args.nnodes})")
-    if args.nnodes > 1 and not args.dist_addr:
+                         f"{world // max(nnodes, 1) - 1} of each host (use --device cuda)")
+    if nnodes < 1 or world % nnodes:
+        raise ValueError(f"--tensor-parallel-size {world} must be a multiple of --nnodes ({nnodes})")
+    if nnodes > 1 and not dist_addr:
         raise ValueError("--nnodes > 1 needs --dist-addr: the address the other hosts reach this one at")
-    source = ModelSource(settings.model, dtype, settings.attn_implementation)
-    port = args.dist_port if args.nnodes > 1 else 0
-    return Launch(load=source, nnodes=args.nnodes, addr=args.dist_addr or "127.0.0.1", port=port, device=device), "cpu"
+    source = ModelSource(model, dtype, settings.attn_implementation)
+    port = dist_port if nnodes > 1 else 0
+    return Launch(load=source, nnodes=nnodes, addr=dist_addr or "127.0.0.1", port=port, device=device), "cpu"
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -273,7 +275,13 @@ def generate(args: argparse.Namespace) -> int:
     if not todo:
         print(f"nothing to do: all {len(items)} ids are in {out_path}")
         return 0
-    loaded = load_model(args.model, dtype, settings.attn_implementation, device=device)
+    launch, load_device = _tensor_parallel(args, settings, device, dtype, args.model)
+    loaded = load_model(args.model, dtype, settings.attn_implementation, device=load_device)
+    if launch is not None:  # the engine kept across chunks, its ranks started once
+        from engine import ContinuousBatchingManager
+
+        setattr(loaded.model, CACHED, ContinuousBatchingManager(loaded.model, None, settings.engine,
+                                                                tokenizer=loaded.tokenizer, tensor_parallel=launch))
     try:
         _generate_chunks(args, loaded, settings, todo, out_path)
         engine = getattr(loaded.model, CACHED).engine  # the one engine of every chunk: its own counters

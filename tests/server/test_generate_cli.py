@@ -70,3 +70,20 @@ def test_generate_stop_ends_each_sequence_at_its_stop_string(model_dir, tmp_path
     # own count of generated tokens (stderr's summary) is the usage reported
     assert 0 < record["usage"]["completion_tokens"] < 24
     assert f"generated {record['usage']['completion_tokens']} tokens" in r.stderr
+
+
+def test_generate_over_two_ranks_writes_what_one_rank_writes(model_dir, tmp_path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "prompt": f"Number {i} is"}) + "\n" for i in range(3)))
+    config = tmp_path / "tp.yaml"
+    config.write_text("tensor_parallel_size: 2\nblock_size: 16\nnum_blocks: 64\n")
+    texts = {}
+    for name, extra in (("one", []), ("two", ["--config", str(config)])):
+        out = tmp_path / f"{name}.jsonl"
+        r = run("--model", str(model_dir), "--input", str(src), "--output", str(out), "--max-new-tokens", "8",
+                "--chunk", "1", *extra)
+        assert r.returncode == 0, r.stderr
+        texts[name] = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+        if name == "two":
+            assert r.stderr.count("tensor parallel over 2 ranks") == 1  # the ranks start once, not per chunk
+    assert texts["two"] == texts["one"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import threading
 from collections.abc import Callable
@@ -127,8 +128,8 @@ class TPGroup:
 
     _closing = False
 
-    def close(self) -> None:
-        """Rank 0: tell the other ranks to stop and wait for the ones it spawned."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Rank 0: tell the other ranks to stop and wait for the ones it spawned (killed after `wait_s`)."""
         if self.rank != 0 or self._closing:
             return
         self._closing = True
@@ -138,7 +139,7 @@ class TPGroup:
             except GroupBroken:
                 pass
         for _, p in self.processes:
-            p.join(30.0)
+            p.join(wait_s)
             if p.exitcode is None:
                 p.kill()
                 p.join()
@@ -146,14 +147,26 @@ class TPGroup:
             torch.set_num_threads(self.threads_before)
 
 
+def _gloo(store: Any, rank: int, world: int, timeout: timedelta) -> Any:
+    """A gloo group on the interface GLOO_SOCKET_IFNAME names (torch's variable), else on the address
+    this host's name resolves to (gloo's default)."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not interface:
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=name) for name in interface.split(",")]
+    return dist.ProcessGroupGloo(store, rank, world, options)
+
+
 def _groups(store: Any, rank: int, world: int, timeout: timedelta, device_type: str) -> tuple[Any, Any]:
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, IDLE_TIMEOUT)
+    control = _gloo(dist.PrefixStore("control", store), rank, world, IDLE_TIMEOUT)
     if device_type == "cuda":  # lazy: NCCL only on GPUs
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         step = dist.ProcessGroupNCCL(dist.PrefixStore("step", store), rank, world, options)
     else:
-        step = dist.ProcessGroupGloo(dist.PrefixStore("step", store), rank, world, timeout)
+        step = _gloo(dist.PrefixStore("step", store), rank, world, timeout)
     return step, control
 
 
@@ -194,7 +207,11 @@ def start(world: int, launch: Launch, timeout_s: float | None, device_type: str,
         multiprocessing.connection.wait([p.sentinel for _, p in group.processes], timeout=JOIN_POLL_S) \
             if group.processes else threading.Event().wait(JOIN_POLL_S)  # fmt: skip
         waited += JOIN_POLL_S
-    group.step_group, group.control = _groups(store, 0, world, timeout, device_type)
+    try:
+        group.step_group, group.control = _groups(store, 0, world, timeout, device_type)
+    except RuntimeError:
+        group.close(wait_s=0.0)  # the others wait for rank 0 in vain: stop them now
+        raise
     if group.processes:
         threading.Thread(target=group._watch, name="cbserve-tp-watch", daemon=True).start()
     logger.info("cbserve: tensor parallel over %d ranks (%d on this host), rank 0 at %s:%d", world, per_node,

@@ -163,3 +163,18 @@ def test_a_rank_that_dies_while_idle_ends_the_manager() -> None:
         assert "rank 1 exited with code -9" in str(manager._fatal)
     finally:
         manager.stop(block=True, timeout=DEATH_WAIT_S)
+
+
+def test_gloo_socket_ifname_picks_the_interface_the_ranks_talk_on(monkeypatch) -> None:
+    """torch's GLOO_SOCKET_IFNAME, as a pod sets it where its hostname resolves to the wrong interface."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT))
+    try:
+        prompts = [list(p) for p in prompts_for()[:4]]
+        for p, r in zip(prompts, run_to_end(engine, prompts)):
+            assert tuple(r.generated_ids) == reference("llama", tuple(p))
+    finally:
+        engine.close()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
+    with pytest.raises(RuntimeError, match="no-such-if0"):
+        LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT))

@@ -35,6 +35,8 @@ logger = logging.getLogger("cbserve.engine")
 
 IDLE_TIMEOUT = timedelta(days=365)  # the control group: an idle server sends nothing for hours
 JOIN_POLL_S = 0.2  # while waiting for ranks to join, how often rank 0 looks at the processes it spawned
+# how long ranks wait for each other to come: pods of a group start apart (scheduling, image pulls)
+JOIN_TIMEOUT = timedelta(minutes=30)
 
 
 class GroupBroken(RuntimeError):
@@ -173,7 +175,7 @@ def _groups(store: Any, rank: int, world: int, timeout: timedelta, device_type: 
 def join(rank: int, world: int, addr: str, port: int, timeout_s: float | None, device_type: str) -> TPGroup:
     """A rank other than 0: meet rank 0's store and open the groups."""
     timeout = timedelta(seconds=timeout_s or 1800)
-    store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+    store = dist.TCPStore(addr, port, world, False, timeout=JOIN_TIMEOUT)
     store.set(f"joined/{rank}", "1")
     step, control = _groups(store, rank, world, timeout, device_type)
     return TPGroup(rank, world, store, step, control)
@@ -183,15 +185,15 @@ def start(world: int, launch: Launch, timeout_s: float | None, device_type: str,
           spawn: Callable[[int, str, int], Any]) -> TPGroup:  # fmt: skip
     """Rank 0: open the store, spawn this host's other ranks with `spawn(rank, addr, port)` (a started
     process), wait until every rank has joined (a spawned one that exits first is a GroupBroken
-    naming its code), and open the groups."""
+    naming its code; ranks of other hosts get JOIN_TIMEOUT), and open the groups."""
     timeout = timedelta(seconds=timeout_s or 1800)
     host = "0.0.0.0" if launch.nnodes > 1 else launch.addr
-    store = dist.TCPStore(host, launch.port, world, True, timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(host, launch.port, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     per_node = world // launch.nnodes
     group = TPGroup(0, world, store, None, None)
     group.processes = [(rank, spawn(rank, launch.addr, store.port)) for rank in range(1, per_node)]
     waiting = [f"joined/{rank}" for rank in range(1, world)]
-    deadline = timeout.total_seconds()
+    deadline = JOIN_TIMEOUT.total_seconds()
     waited = 0.0
     while not store.check(waiting):
         dead = [(rank, p) for rank, p in group.processes if p.exitcode is not None]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,8 +81,15 @@ def run_rank(source: Callable[[], torch.nn.Module], config, rank: int, world: in
 
 def spawned(source, config, rank: int, world: int, addr: str, port: int, device_type: str,
             ranks_per_node: int, log_level: int) -> None:  # fmt: skip
-    """The target of a rank spawned by rank 0 (engine/llm_engine.py): exit 0 on a stop, 1 on a failure."""
+    """The target of a rank spawned by rank 0 (engine/tp_group.py) or by `cbserve worker`: exit 0 on a
+    stop, 1 on a failure. Ctrl-C and SIGTERM reach a terminal's or a timeout's whole process group:
+    a rank leaves its stop to rank 0 (which drains its requests first) or to the group breaking."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing new
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
     try:
         code = run_rank(source, config, rank, world, addr, port, device_type, ranks_per_node)

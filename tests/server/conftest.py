@@ -24,7 +24,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, tmp: Path, engine: dict, extra_args: list[str] = (), env: dict | None = None):
+    def __init__(self, model: Path, tmp: Path, engine: dict, extra_args: list[str] = (), env: dict | None = None,
+                 own_group: bool = False):  # fmt: skip
+        """`own_group`: the server leads a process group of its own, as a terminal's foreground job does."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"engine-{self.port}.yaml"
@@ -33,7 +35,7 @@ class Server:
         cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "--config", str(config), "--log-level", "warning", *extra_args]
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=own_group)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120) -> None:

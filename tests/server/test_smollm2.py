@@ -81,6 +81,25 @@ def test_default_model_through_cbserve_equals_model_generate() -> None:
         assert o.generated_tokens == ref[0, len(p):].tolist()
 
 
+def test_default_model_over_three_tensor_parallel_ranks_equals_model_generate() -> None:
+    """SmolLM2-135M has 9 heads and 3 KV heads: three ranks of 3 heads and 1 KV head each."""
+    from engine import ContinuousBatchingConfig, generate_batch
+    from engine.loader import load_model
+
+    loaded = load_model()
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Name three colours.")]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    config = ContinuousBatchingConfig(tensor_parallel_size=3, block_size=16, num_blocks=64)
+    out = generate_batch(loaded.model, prompts, max_new_tokens=16, ignore_eos=True, progress_bar=False,
+                         continuous_batching_config=config)  # fmt: skip
+    for p, o in zip(prompts, out.values()):
+        ref = loaded.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    max_new_tokens=16, do_sample=False, eos_token_id=None)
+        assert o.generated_tokens == ref[0, len(p):].tolist()
+
+
 def test_the_converted_checkpoint_is_a_plain_transformers_one(tmp_path) -> None:
     """Its weights are float32 safetensors: no GGUF quantization_config, so other servers (vLLM)
     and transformers load the folder as it is; a cache converted before this holds gets repaired."""

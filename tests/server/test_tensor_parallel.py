@@ -62,6 +62,16 @@ def test_one_host_two_ranks_answer_as_generate_and_a_dead_rank_exits_the_server(
         server.stop()
 
 
+def test_sigterm_to_the_whole_process_group_drains_and_exits_0(model_dir, tmp_path) -> None:
+    """Ctrl-C or a `timeout` signals every process of the group: ranks leave the stop to rank 0."""
+    server = Server(model_dir, tmp_path, ENGINE, own_group=True)
+    [rank1] = spawned_ranks(server.proc.pid)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(EXIT_WAIT_S) == 0
+    rank1.wait(EXIT_WAIT_S)  # stopped by rank 0, not by the signal
+    assert "broken" not in server.log.read_text()
+
+
 def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_server_dies(model_dir, tmp_path,
                                                                                          expected) -> None:  # fmt: skip
     port = free_port()

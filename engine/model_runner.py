@@ -68,6 +68,23 @@ class ModuleSwaps(Protocol):
     def active(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+def one_copy(parts: list[torch.Tensor], device: torch.device, staging: torch.Tensor | None
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    """Integer host tensors on `device` in one non-blocking copy: packed as int64 into `staging` (a
+    pinned buffer on CUDA, grown when too small and returned for the next step), copied, then viewed
+    back in their shapes and dtypes on the device. Reusing the buffer next step is safe: every step
+    ends in a host sync (its sampled tokens come back to the host) after this copy."""
+    sizes = [p.numel() for p in parts]
+    total = sum(sizes)
+    if staging is None or staging.numel() < total:
+        staging = torch.empty(max(total, 2 * (0 if staging is None else staging.numel())), dtype=torch.long,
+                              pin_memory=device.type == "cuda")  # fmt: skip
+    torch.cat([p.reshape(-1).long() for p in parts], out=staging[:total])
+    flat = staging[:total].to(device, non_blocking=True)
+    moved = [piece.view(p.shape).to(p.dtype) for piece, p in zip(flat.split(sizes), parts)]
+    return staging, moved
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
@@ -82,8 +99,14 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
+        self._staging: torch.Tensor | None = None  # pinned host buffer of a step's integers (accelerators)
 
-    def build_metadata(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build_metadata(
+        self, step: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's tensors on the device: input ids, positions, the attention metadata and the rows
+        of the logits to keep. Built on the host; on an accelerator they travel in one non-blocking
+        copy from a pinned buffer (`one_copy`), never as a blocking copy per tensor."""
         q_lens, starts, token_ids = step.q_lens, step.starts, step.token_ids
         k_lens = [s + n for s, n in zip(starts, q_lens)]
 
@@ -103,15 +126,25 @@ class ModelRunner:
         bs = self.block_size
         blocks = block_tables[seq_idx, torch.div(positions, bs, rounding_mode="floor")].long()
         slot_mapping = blocks * bs + positions % bs
+        input_ids = torch.tensor(token_ids, dtype=torch.long)
+        seq_lens_k = torch.tensor(k_lens, dtype=torch.int32)
+        last = (cu_seqlens_q[1:] - 1).long()
+        logits_rows = last[torch.tensor(step.sample_rows, dtype=torch.long)]
+        if self.device.type != "cpu":
+            self._staging, moved = one_copy(
+                [input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_rows],
+                self.device, self._staging,
+            )  # fmt: skip
+            input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_rows = moved
 
         num_decodes = 0
         while num_decodes < num_seqs and q_lens[num_decodes] == 1:
             num_decodes += 1
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            cu_seqlens_q=cu_seqlens_q.to(self.device),
-            seq_lens_k=torch.tensor(k_lens, dtype=torch.int32, device=self.device),
-            block_tables=block_tables.to(self.device),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens_k=seq_lens_k,
+            block_tables=block_tables,
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_seqlen_q=max(q_lens),
@@ -120,8 +153,7 @@ class ModelRunner:
             q_lens=q_lens,
             k_lens=k_lens,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return input_ids, positions.to(self.device), meta
+        return input_ids, positions, meta, logits_rows
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
@@ -151,8 +183,6 @@ class ModelRunner:
     def run_inputs(self, step: StepInputs, dispatch: StepForward | None = None) -> torch.Tensor:
         """`run` for a step given as plain lists (a tensor-parallel rank's)."""
         start = time.perf_counter()
-        input_ids, positions, meta = self.build_metadata(step)
-        last = (meta.cu_seqlens_q[1:] - 1).long()
-        logits_rows = last[torch.tensor(step.sample_rows, dtype=torch.long, device=last.device)]
+        input_ids, positions, meta, logits_rows = self.build_metadata(step)
         self.last_prepare_s = time.perf_counter() - start
         return (dispatch or self.forward)(input_ids, positions, meta, logits_rows)

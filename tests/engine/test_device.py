@@ -86,3 +86,47 @@ def test_the_engine_reports_its_placement_in_one_line_and_on_v1_models(caplog) -
     assert model["engine"] == placement
     assert {k: model["engine"][k] for k in ("device", "dtype", "attn_backend", "block_size", "kv_cache_blocks")} == {
         "device": "cpu", "dtype": "float32", "attn_backend": "cpu", "block_size": 16, "kv_cache_blocks": 64}
+
+
+def _step():
+    from engine.model_runner import StepInputs
+
+    # a decode, then a prompt chunk with history; blocks of 16
+    return StepInputs(token_ids=[7, 8, 9, 10, 11], q_lens=[1, 4], starts=[20, 16], block_tables=[[3, 5], [2, 4]],
+                      sample_rows=[0, 1], copies=[])  # fmt: skip
+
+
+def _runner(model):
+    from engine.backends import get_backend
+    from engine.kv_cache import PagedKVCache
+    from engine.model_runner import ModelRunner
+
+    return ModelRunner(model, PagedKVCache(0, 8, 16, 1, 8, torch.float32), get_backend("cpu"))
+
+
+def test_a_steps_tensors_reach_an_accelerator_in_one_copy_with_the_host_paths_values() -> None:
+    """On torch's meta device (no GPU needed), a tensor left on the host or made on it and mixed in
+    would show: every tensor of the step is on the model's device, in the CPU path's shapes and dtypes."""
+    host = _runner(build_test_model("llama"))
+    away = _runner(build_test_model("llama").to("meta"))
+    for a, b in zip(host.build_metadata(_step()), away.build_metadata(_step())):
+        pairs = [(getattr(a, f), getattr(b, f)) for f in ("slot_mapping", "cu_seqlens_q", "seq_lens_k",
+                 "block_tables")] if hasattr(a, "slot_mapping") else [(a, b)]  # fmt: skip
+        for x, y in pairs:
+            assert y.device.type == "meta" and (x.shape, x.dtype) == (y.shape, y.dtype)
+    input_ids, positions, meta, rows = host.build_metadata(_step())
+    assert positions.tolist() == [20, 16, 17, 18, 19] and meta.slot_mapping.tolist() == [84, 64, 65, 66, 67]
+    assert rows.tolist() == [0, 4] and meta.seq_lens_k.tolist() == [21, 20]
+
+
+def test_one_copy_keeps_values_shapes_and_dtypes_and_reuses_its_buffer() -> None:
+    from engine.model_runner import one_copy
+
+    parts = [torch.arange(5), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([], dtype=torch.long)]
+    staging, moved = one_copy(parts, torch.device("cpu"), None)
+    for p, m in zip(parts, moved):
+        assert torch.equal(p, m) and p.dtype == m.dtype
+    again, _ = one_copy(parts[:1], torch.device("cpu"), staging)
+    assert again is staging  # big enough: the same pinned buffer next step
+    bigger, moved = one_copy([torch.arange(20)], torch.device("cpu"), staging)
+    assert bigger.numel() >= 20 and moved[0].tolist() == list(range(20))

@@ -16,11 +16,15 @@ import torch
 
 from engine.backends import get_backend
 from engine.backends.memory import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_REQUESTS,
     CachePlan,
     kv_bytes_per_block,
     plan_for_device,
     profile_activation_peak,
+    profile_forward,
     read_device_memory,
+    step_reserve_bytes,
 )
 from engine.backends.step_dispatch import StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
@@ -106,15 +110,13 @@ class Executor:
         cfg, model, device = self.config, self.model, self.device
         bytes_per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, self.dtype)
         peak = 0
-        if cfg.num_blocks is None:
-            budget = cfg.max_batch_tokens or 8192
-
-            def forward() -> None:  # a full-budget step without a cache: what every step needs again
-                with torch.inference_mode():
-                    model(input_ids=torch.zeros(1, budget, dtype=torch.long, device=device), use_cache=False,
-                          logits_to_keep=1)  # fmt: skip
-
-            peak = profile_activation_peak(device, forward)
+        if cfg.num_blocks is None:  # a full step without a cache (all tokens, every row sampled) on accelerators
+            tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 2048)
+            rows = min(cfg.max_requests_per_batch or DEFAULT_MAX_REQUESTS, tokens)
+            forward = profile_forward(model, tokens, rows, self.max_context, device)
+            if device.type != "cpu":
+                vocab = model.config.get_text_config().vocab_size
+                peak = step_reserve_bytes(profile_activation_peak(device, forward), rows, vocab, any(self.graph_flags))
         return plan_for_device(
             read_device_memory(device),
             cfg.max_memory_percent,

@@ -5,8 +5,10 @@ numbers; only `read_device_memory` and `profile_activation_peak` touch a device.
 
 How a CUDA pod sizes its cache at start-up:
 
-1. load the model, then `profile_activation_peak(device, run)` runs one forward at the step's
-   token budget and returns the extra memory it peaked at (activations, workspace, logits);
+1. load the model, then `profile_activation_peak(device, profile_forward(...))` runs one forward
+   shaped as a full step (every token of the budget, every sampled row) and returns the extra memory
+   it peaked at (activations, workspace, logits); `step_reserve_bytes` adds the sampler's working
+   set and, with CUDA graphs, their private pool;
 2. `read_device_memory(device)` reads the memory free after that (torch.cuda.mem_get_info);
 3. `plan_kv_cache(...)` gives the cache `max_memory_percent` of the free memory, less the activation
    peak that every later step needs again, and turns the rest into whole blocks.
@@ -183,6 +185,35 @@ def read_device_memory(device: torch.device | str) -> DeviceMemory:
         vm = psutil.virtual_memory()
         return cpu_memory(vm.available, vm.total)
     raise ValueError(f"cannot size a KV cache on device type {device.type!r} (expected 'cuda' or 'cpu')")
+
+
+SAMPLER_FLOAT_COPIES = 6  # float32 [rows, vocab] copies a sampling step holds at once (logits, softmax,
+# noise, masks, a sort's values and its int64 indices); the profile does not run the sampler
+
+
+def profile_forward(model: torch.nn.Module, tokens: int, rows: int, max_context: int | None,
+                    device: torch.device) -> Callable[[], None]:  # fmt: skip
+    """The profiling forward: a step of `tokens` tokens, as the engine packs it, with `rows` rows of
+    logits. Its positions restart at the model's position limit, as separate sequences' do: a model
+    with learned positions (GPT-2's 1,024) never indexes past them."""
+    limit = min(max_context or tokens, tokens)
+    positions = (torch.arange(tokens, device=device) % limit)[None]
+    keep = torch.arange(min(rows, tokens), device=device)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device), position_ids=positions,
+                  use_cache=False, logits_to_keep=keep)  # fmt: skip
+
+    return forward
+
+
+def step_reserve_bytes(forward_peak: int, rows: int, vocab_size: int, graphs: bool) -> int:
+    """What every later step needs beside the KV cache: the profiled forward's peak, the sampler's
+    float32 working set over `rows` rows, and with CUDA graphs their private memory pool once more (a
+    captured step keeps its own activations, at most a full step's)."""
+    sampler = SAMPLER_FLOAT_COPIES * rows * vocab_size * 4
+    return forward_peak * (2 if graphs else 1) + sampler
 
 
 def profile_activation_peak(device: torch.device | str, run_forward: Callable[[], object]) -> int:

@@ -111,3 +111,30 @@ def test_reading_this_machine():
     assert profile_activation_peak("cpu", lambda: None) == 0
     with pytest.raises(ValueError, match="meta"):
         read_device_memory("meta")
+
+
+def test_the_profiling_step_stays_within_learned_positions_and_keeps_every_sampled_row():
+    """GPT-2 learns 256 positions here; a 1,024-token profile step restarts its positions as separate
+    sequences' do, and its LM head runs on the `rows` rows a full step samples."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from engine.backends.memory import profile_forward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                        n_positions=256, bos_token_id=0, eos_token_id=0)).eval()
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
+    profile_forward(model, 1024, 96, model.config.n_positions, torch.device("cpu"))()
+    assert seen == [(1, 96, 64)]
+    with pytest.raises(IndexError):  # what the profile did before: one sequence of all the step's tokens
+        with torch.inference_mode():
+            model(input_ids=torch.zeros(1, 1024, dtype=torch.long), use_cache=False, logits_to_keep=1)
+
+
+def test_a_step_reserves_the_forward_the_sampler_and_with_graphs_their_pool():
+    from engine.backends.memory import SAMPLER_FLOAT_COPIES, step_reserve_bytes
+
+    sampler = SAMPLER_FLOAT_COPIES * 256 * 128_256 * 4  # 256 sampled rows of a Llama-3 vocabulary: ~788 MB
+    assert step_reserve_bytes(2 * GiB, 256, 128_256, graphs=False) == 2 * GiB + sampler
+    assert step_reserve_bytes(2 * GiB, 256, 128_256, graphs=True) == 4 * GiB + sampler

@@ -5,20 +5,31 @@
 #
 # The engine image runs what the operator's Deployment runs: `cbserve serve --model ... --port 8000
 # --config /etc/cbserve/engine.yaml` as uid 1000 on a read-only root filesystem, probed on /health
-# and /ready, port 8000. Keep CUDA_VERSION's major version equal to the CUDA of the torch wheel
-# (python -c "import torch; print(torch.version.cuda)"): flash-attn is compiled against both.
+# and /ready, port 8000.
+#
+# CUDA_VERSION's major version must equal the CUDA of the torch wheel: torch 2.13.0's Linux wheel on
+# PyPI is a CUDA 13.0 build (it requires cuda-toolkit==13.0.3), and torch's extension builder refuses
+# an nvcc of another major version. A CUDA 13 image needs an NVIDIA driver of branch 580 or newer on
+# the node. tests/test_dockerfile.py holds the torch-to-CUDA table and checks these pins.
+#
+# FLASH_ATTN_CUDA_ARCHS: the GPU architectures flash-attn is compiled for, `;`-separated, from the
+# values flash-attn 2.8.3's setup.py knows: 80 (A100, A10, L4, RTX 30/40: sm_80 code runs on 8.x),
+# 90 (H100, H200), 100 (B200), 120 (RTX 50). One architecture compiles once, several multiply the
+# build time. flash-attn is built as a wheel in its own stage, which reads nothing of cbserve's
+# source: editing cbserve rebuilds only the last layers, not flash-attn.
 
-ARG CUDA_VERSION=12.8.1
+ARG CUDA_VERSION=13.0.3
 ARG UBUNTU=ubuntu24.04
 ARG TORCH_VERSION=2.13.0
 ARG FLASH_ATTN_VERSION=2.8.3
+ARG FLASH_ATTN_CUDA_ARCHS=90
 ARG PYTHON_SLIM=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------------------------
-# engine-build: compilers and the CUDA toolkit; builds flash-attn and installs cbserve into a venv.
-FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS engine-build
+# torch-build: compilers, the CUDA toolkit (nvcc) and a venv with the pinned torch. The two build
+# stages below start from it.
+FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS torch-build
 ARG TORCH_VERSION
-ARG FLASH_ATTN_VERSION
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -28,18 +39,35 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/cbserve
 ENV PATH=/opt/cbserve/bin:$PATH
-# torch first and pinned (PyPI's Linux wheel is the CUDA build), then flash-attn against it.
-# MAX_JOBS bounds the compiler's memory; raise it on a big build machine.
-RUN pip install --no-cache-dir torch==${TORCH_VERSION} packaging==25.0 wheel==0.45.1 setuptools==80.9.0 psutil==7.0.0 \
-    && MAX_JOBS=4 pip install --no-cache-dir --no-build-isolation flash-attn==${FLASH_ATTN_VERSION}
+# torch pinned (PyPI's Linux wheel is the CUDA build), and what flash-attn's setup.py imports.
+RUN pip install --no-cache-dir torch==${TORCH_VERSION} packaging==25.0 wheel==0.45.1 setuptools==80.9.0 psutil==7.0.0
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn-wheel: flash-attn compiled once, for FLASH_ATTN_CUDA_ARCHS, into /wheels.
+# FLASH_ATTENTION_FORCE_BUILD=TRUE: compile here instead of fetching a prebuilt wheel from GitHub
+# (there is none for torch 2.13, and a guessed one would not be for these architectures).
+# MAX_JOBS bounds the compiler's memory (several GB a job); raise it on a big build machine.
+FROM torch-build AS flash-attn-wheel
+ARG FLASH_ATTN_VERSION
+ARG FLASH_ATTN_CUDA_ARCHS
+ARG MAX_JOBS=4
+RUN FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+    pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels flash-attn==${FLASH_ATTN_VERSION}
+
+# ---------------------------------------------------------------------------------------------
+# engine-build: cbserve and its gpu extra installed into the venv, flash-attn from the wheel above
+# (--only-binary: never compiled again here).
+FROM torch-build AS engine-build
+COPY --from=flash-attn-wheel /wheels /wheels
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY operator ./operator
 COPY loadtest ./loadtest
-# DL3013: this is cbserve itself, from the build context; its dependencies keep pyproject's ranges.
+# DL3013: this is cbserve itself, from the build context; its dependencies keep pyproject's ranges
+# (the gpu extra pins flash-attn to FLASH_ATTN_VERSION).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[gpu]" \
+RUN pip install --no-cache-dir --find-links /wheels --only-binary flash-attn ".[gpu]" \
     && python -c "import engine.backends.cuda, flash_attn; print('flash-attn', flash_attn.__version__)"
 
 # ---------------------------------------------------------------------------------------------

@@ -60,6 +60,14 @@ def dockerfile() -> dict[str, list[tuple[str, str]]]:
     return stages(DOCKERFILE.read_text())
 
 
+def runs(stage: list[tuple[str, str]]) -> str:
+    return " ".join(rest for w, rest in stage if w == "RUN")
+
+
+def copies(stage: list[tuple[str, str]]) -> list[str]:
+    return [rest for w, rest in stage if w == "COPY"]
+
+
 def only(stage: list[tuple[str, str]], word: str) -> str:
     found = [rest for w, rest in stage if w == word]
     assert len(found) == 1, f"expected one {word}, found {found}"
@@ -131,11 +139,76 @@ def test_engine_final_image_has_no_build_tools(dockerfile):
 
 
 def test_engine_build_installs_pinned_torch_and_flash_attn(dockerfile):
+    base = dockerfile["torch-build"]
+    assert base[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-"), base[0][1]
+    assert "torch==${TORCH_VERSION}" in runs(base)
     build = dockerfile["engine-build"]
-    assert "-devel-" in build[0][1]
-    runs = " ".join(rest for w, rest in build if w == "RUN")
-    assert "torch==${TORCH_VERSION}" in runs and "flash-attn==${FLASH_ATTN_VERSION}" in runs
-    assert '".[gpu]"' in runs
+    assert build[0][1] == "torch-build AS engine-build"
+    assert '".[gpu]"' in runs(build)
+    # flash-attn comes from the wheel stage, never compiled here
+    assert "--from=flash-attn-wheel /wheels /wheels" in copies(build)
+    assert "--find-links /wheels --only-binary flash-attn" in runs(build)
+    assert "FLASH_ATTN" not in runs(build)
+
+
+# The CUDA major version of each torch release's default Linux wheel on PyPI. Source: the wheel's
+# metadata (`pip install --dry-run --report - --no-deps torch==2.13.0` for manylinux_2_28_x86_64):
+# torch 2.13.0 requires `cuda-toolkit[...]==13.0.3`. Add a row when the Dockerfile moves to another torch.
+TORCH_CUDA_MAJOR = {"2.13.0": 13}
+
+# flash-attn 2.8.3's setup.py: FLASH_ATTN_CUDA_ARCHS is split on ";" and compiles sm_80, sm_90,
+# sm_100 and sm_120 when those values are in it; any other value compiles nothing for flash-attn.
+FLASH_ATTN_ARCHS = {"80", "90", "100", "120"}
+
+
+def build_args(text: str) -> dict[str, str]:
+    """The defaults of the Dockerfile's ARGs (global or in a stage)."""
+    found: dict[str, str] = {}
+    for word, rest in instructions(text):
+        if word == "ARG" and "=" in rest:
+            name, _, value = rest.partition("=")
+            assert found.setdefault(name, value) == value, f"ARG {name} has two defaults"
+    return found
+
+
+@pytest.fixture(scope="module")
+def args() -> dict[str, str]:
+    return build_args(DOCKERFILE.read_text())
+
+
+def test_cuda_major_is_the_major_torch_is_built_for(dockerfile, args):
+    torch_version = args["TORCH_VERSION"]
+    assert torch_version in TORCH_CUDA_MAJOR, f"add torch {torch_version}'s CUDA major to TORCH_CUDA_MAJOR"
+    assert int(args["CUDA_VERSION"].split(".")[0]) == TORCH_CUDA_MAJOR[torch_version]
+    # the toolkit that compiles flash-attn and the runtime the image runs are the same CUDA
+    assert dockerfile["torch-build"][0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} ")
+    assert dockerfile["engine"][0][1].startswith("nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} ")
+    # the torch of `make install` is the torch the image pins
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.findall(r"pip install -q torch==(\S+)", makefile) == [torch_version]
+
+
+def test_flash_attn_version_is_the_gpu_extra_pin(args):
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert extra == [f"flash-attn=={args['FLASH_ATTN_VERSION']}"]
+
+
+def test_flash_attn_is_compiled_once_in_its_own_stage_for_the_arg_architectures(dockerfile, args):
+    stage = dockerfile["flash-attn-wheel"]
+    assert stage[0][1] == "torch-build AS flash-attn-wheel"
+    # it reads nothing of cbserve's source: a code change does not invalidate its cache
+    assert copies(stage) == []
+    run = only(stage, "RUN")
+    assert "pip wheel" in run and "--wheel-dir /wheels" in run and "flash-attn==${FLASH_ATTN_VERSION}" in run
+    assert "--no-build-isolation" in run  # compiled against the stage's pinned torch
+    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in run
+    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in run  # not a guessed prebuilt wheel
+    assert {"FLASH_ATTN_VERSION", "FLASH_ATTN_CUDA_ARCHS"} <= {rest.split("=")[0] for w, rest in stage if w == "ARG"}
+    archs = args["FLASH_ATTN_CUDA_ARCHS"].split(";")
+    assert archs == ["90"], "one architecture by default (H100), so the build compiles once"
+    assert set(archs) <= FLASH_ATTN_ARCHS
+    # the only stage that compiles flash-attn
+    assert [name for name, st in dockerfile.items() if "flash-attn==" in runs(st)] == ["flash-attn-wheel"]
 
 
 def test_operator_image_has_only_the_operator_dependencies(dockerfile):

@@ -7,6 +7,7 @@ instructions of each target, checked against what the operator's Deployment runs
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -15,9 +16,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from cbserve_operator import naming, workload
-from cbserve_operator.spec import parse_spec
+from cbserve_operator.spec import DEFAULT_IMAGE, parse_spec
+from engine.server.guard import OPEN_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -127,6 +131,41 @@ def test_engine_port_health_and_user_match_the_pod(dockerfile):
     assert "HF_HOME=/cache/huggingface" in env and "HOME=/tmp" in env  # writable mounts under a read-only root
 
 
+def test_chart_default_image_and_operator_deployment_agree_with_the_engine_target(dockerfile):
+    """The chart's default server image, the Deployment the operator renders with it, and the
+    Dockerfile's engine target: one command, one port, probes the image answers."""
+    chart = yaml.safe_load((ROOT / "charts" / "cbserve" / "Chart.yaml").read_text())
+    server_image = yaml.safe_load((ROOT / "charts" / "cbserve" / "values.yaml").read_text())["serverImage"]
+    # templates/_helpers.tpl's cbserve.image: repository:tag, the chart's appVersion when tag is empty
+    chart_default = f"{server_image['repository']}:{server_image['tag'] or chart['appVersion']}"
+    assert chart_default == DEFAULT_IMAGE
+
+    engine = dockerfile["engine"]
+    spec = parse_spec("demo", {"model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, "resources": {"gpu": 1}},
+                      default_image=chart_default)  # fmt: skip
+    container = workload.server_container(spec)
+    assert container["image"] == DEFAULT_IMAGE
+    assert container["command"][:2] == json.loads(only(engine, "ENTRYPOINT"))
+    assert container["command"][container["command"].index("--port") + 1] == only(engine, "EXPOSE")
+    assert container["ports"] == [{"name": "http", "containerPort": int(only(engine, "EXPOSE")), "protocol": "TCP"}]
+    health = only(engine, "HEALTHCHECK")
+    for kind in ("startup", "readiness", "liveness"):
+        probe = container[f"{kind}Probe"]["httpGet"]
+        assert probe["port"] == "http", kind
+        assert probe["path"] in OPEN_PATHS, f"the {kind} probe's path needs an API key on the server"
+    assert f"127.0.0.1:{only(engine, 'EXPOSE')}{container['livenessProbe']['httpGet']['path']}'" in health
+    # uid 1000 on a read-only root: the image's writable paths are the pod's mounts
+    assert only(engine, "USER") == f"{workload.RUN_AS_USER}:{workload.RUN_AS_USER}"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {naming.CACHE_DIR, "/tmp"} <= mounts
+    env = " ".join(rest for w, rest in engine if w == "ENV")
+    for path in re.findall(r"=(/\S+)", env):
+        if path.startswith("/opt/cbserve"):  # PATH: read-only, the venv
+            continue
+        assert any(path == m or path.startswith(m + "/") for m in (naming.CACHE_DIR, "/tmp")), path
+
+
 def test_engine_final_image_has_no_build_tools(dockerfile):
     engine = dockerfile["engine"]
     base = engine[0][1]
@@ -209,6 +248,20 @@ def test_flash_attn_is_compiled_once_in_its_own_stage_for_the_arg_architectures(
     assert set(archs) <= FLASH_ATTN_ARCHS
     # the only stage that compiles flash-attn
     assert [name for name, st in dockerfile.items() if "flash-attn==" in runs(st)] == ["flash-attn-wheel"]
+
+
+def test_engine_without_flash_attn_serves_with_sdpa_and_says_so(monkeypatch, caplog):
+    """The image's flash-attn is optional: without it the CUDA backend is SDPA, logged when the engine starts."""
+    from engine.backends import get_backend
+    from engine.backends import cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "flash_attn_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="cbserve.backends.cuda"):
+        backend = get_backend("cuda:0")
+    assert isinstance(backend, cuda.SDPACudaBackend)
+    (record,) = [r for r in caplog.records if r.name == "cbserve.backends.cuda"]
+    assert "flash-attn is not installed" in record.getMessage() and "SDPA" in record.getMessage()
 
 
 def test_operator_image_has_only_the_operator_dependencies(dockerfile):

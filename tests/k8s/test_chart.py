@@ -13,7 +13,7 @@ import yaml
 
 from cbserve_operator.children import render_children
 from cbserve_operator.model_cache import render_job
-from cbserve_operator.spec import parse_spec
+from cbserve_operator.spec import DEFAULT_IMAGE, parse_spec
 
 from .conftest import CHART, CRD_FILE, LWS_CRD_FILE, REPO, Cluster, Tools
 
@@ -90,6 +90,16 @@ def test_operator_deployment_runs_the_wrapper_hardened(tools: Tools) -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_default_server_image_is_the_operators_default(tools: Tools) -> None:
+    """What the chart tells the operator to run when a CBDeployment names no image is the image the
+    operator itself defaults to (tests/test_dockerfile.py checks that image's contract)."""
+    docs = [d for d in yaml.safe_load_all(template(tools)) if d]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CBSERVE_SERVER_IMAGE"] == DEFAULT_IMAGE
 
 
 def test_values_schema_rejects_bad_values(tools: Tools) -> None:

@@ -347,12 +347,12 @@ class LLMEngine:
         """One iteration: schedule, run the model once and sample, take the tokens back. Returns the
         requests that got a token (some of them finished by it)."""
         t0 = time.perf_counter()
-        if self._weights_version() != self._weights_seen:
+        if self._weights_version() != self._weights_seen or self.executor.weights_moved():
             if self.tp:
                 raise RuntimeError("the model's weights changed, but tensor-parallel ranks hold their own copies: "
                                    "build a new engine for new weights (tensor_parallel_size > 1)")
             self.reset_prefix_cache()
-            logger.info("cbserve: model weights changed in place; prefix cache cleared, weights packed again")
+            logger.info("cbserve: model weights changed; prefix cache cleared, packed weights and graphs refreshed")
         batch = self.scheduler.schedule()
         if not batch:
             return []

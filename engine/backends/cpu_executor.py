@@ -33,6 +33,7 @@ class CPUExecutor(Executor):
         return [s for s in (self.packed_linears, self.fused_modules) if s]
 
     def weights_replaced(self) -> None:
+        super().weights_replaced()
         if self.packed_linears:
             self.packed_linears.refresh()
 

@@ -79,6 +79,7 @@ class Executor:
         )  # fmt: skip
         self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode)
         self.last_times = {"prepare": 0.0, "sample": 0.0}  # of the last execute_model (the engine times the rest)
+        self._graph_weights: list[int] | None = None  # the weights' addresses when graphs were captured
 
     def placement(self) -> dict:
         """Where the engine runs and how big its KV cache is."""
@@ -102,7 +103,21 @@ class Executor:
         return []
 
     def weights_replaced(self) -> None:
-        """The model's weights changed (in place, or new tensors): refresh copies made of them."""
+        """The model's weights changed (in place, or new tensors): refresh what was made of them. Graphs
+        captured over tensors that are no longer the model's are captured again (in-place changes keep
+        the graphs: they read the same memory)."""
+        if self._graph_weights is not None and self._weight_ptrs() != self._graph_weights:
+            logger.info("cbserve: the model's weights are new tensors: capturing its CUDA graphs again")
+            self.dispatch.recapture()
+            self._graph_weights = self._weight_ptrs()
+
+    def weights_moved(self) -> bool:
+        """Captured graphs read weights that are no longer the model's (tensors replaced, not changed
+        in place); checked each step only while graphs are captured."""
+        return self._graph_weights is not None and self._weight_ptrs() != self._graph_weights
+
+    def _weight_ptrs(self) -> list[int]:
+        return [p.data_ptr() for p in self.model.parameters()]
 
     # -- sizing -----------------------------------------------------------------------------------
     def _plan(self, num_layers: int, num_kv_heads: int, head_dim: int, extra_blocks: int) -> CachePlan:
@@ -113,10 +128,10 @@ class Executor:
         if cfg.num_blocks is None:  # a full step without a cache (all tokens, every row sampled) on accelerators
             tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 2048)
             rows = min(cfg.max_requests_per_batch or DEFAULT_MAX_REQUESTS, tokens)
-            forward = profile_forward(model, tokens, rows, self.max_context, device)
-            if device.type != "cpu":
+            forward_peak = profile_activation_peak(device, profile_forward(model, tokens, rows, self.max_context, device))
+            if device.type != "cpu":  # on the CPU the cache is capped far below the memory instead
                 vocab = model.config.get_text_config().vocab_size
-                peak = step_reserve_bytes(profile_activation_peak(device, forward), rows, vocab, any(self.graph_flags))
+                peak = step_reserve_bytes(forward_peak, rows, vocab, any(self.graph_flags))
         return plan_for_device(
             read_device_memory(device),
             cfg.max_memory_percent,
@@ -131,8 +146,9 @@ class Executor:
 
     # -- per step ---------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Capture what the device captures ahead of time (decode graphs); nothing on the CPU."""
+        """Capture what the device captures ahead of time (every graph); nothing on the CPU."""
         self.dispatch.warmup()
+        self._graph_weights = self._weight_ptrs() if self.dispatch.captured else None
 
     @torch.inference_mode()
     def execute_model(self, batch: ScheduledBatch, default_logprobs: bool = False) -> SampleResult:

@@ -180,8 +180,23 @@ class StepDispatcher:
         return sum(r.replays for r in (self.graphs, self.varlen_graphs) if r is not None)
 
     def warmup(self) -> None:
+        """Capture every graph now (decode buckets, then the varlen grid): none is captured while serving."""
         if self.graphs is not None and not self.graphs.graphs:
             self.graphs.warmup()
+        if self.varlen_graphs is not None and not self.varlen_graphs.graphs:
+            self.varlen_graphs.warmup()
+
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far, both kinds."""
+        return sum(len(r.graphs) for r in (self.graphs, self.varlen_graphs) if r is not None)
+
+    def recapture(self) -> None:
+        """Capture again what was captured (the model's weights are new tensors: graphs read the old ones)."""
+        for runner in (self.graphs, self.varlen_graphs):
+            if runner is not None and runner.graphs:
+                runner.graphs.clear()
+                runner.warmup()
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor

@@ -68,3 +68,52 @@ def test_decode_and_varlen_graphs_in_the_engine_loop_change_no_token():
     graphed, dispatch = run_engine(model, FlashAttnBackend(ref.varlen, ref.kvcache), config, prompts, (True, True))
     assert dispatch.graphs.replays > 0 and dispatch.varlen_graphs.replays > 0
     assert graphed == eager
+
+
+def test_weights_replaced_by_new_tensors_are_captured_again_and_forget_cached_prefixes():
+    """Graphs read the memory they were captured over: a weight that is a new tensor (not changed in
+    place) is noticed at the next step, the graphs are captured again and the prefix cache, whose K/V
+    came from the old weights, is forgotten; the tokens follow the new weights."""
+    model = build_test_model("qwen3", vocab_size=512)
+    prompts = random_prompts(4, 40, 80, 512, seed=5)
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=96, max_requests_per_batch=4)
+    engine = LLMEngine(model, config)
+    n, bs = engine.sizes.num_blocks, config.block_size
+    layers, hkv, hd = kv_geometry(model.config)
+    ex = engine.executor
+    ex.cache = ex.runner.cache = PagedKVCache(layers, n + 1, bs, hkv, hd, torch.float32)
+    ex.backend = ex.runner.backend = backend = SDPACudaBackend()
+    ex.dispatch = dispatch = StepDispatcher(
+        hf_forward(model, backend, ex.cache), graph_flags=(False, True), device="cpu",
+        max_requests=engine.sizes.max_requests, max_batch_tokens=engine.sizes.max_batch_tokens,
+        max_blocks_per_seq=graph_table_width(n, bs, engine.max_context), block_size=bs, pad_block=n,
+        capturer=EagerCapturer(),
+    )  # fmt: skip
+    ex.warmup()
+
+    def run() -> list[list[int]]:
+        reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
+        for r in reqs:
+            engine.add_request(r)
+        with torch.inference_mode():
+            while engine.has_unfinished():
+                engine.step()
+        return [r.generated_ids for r in reqs]
+
+    def expected() -> list[list[int]]:
+        with torch.no_grad():
+            return [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                   pad_token_id=3)[0, len(p):].tolist() for p in prompts]  # fmt: skip
+
+    assert run() == expected()
+    captured = dict(dispatch.graphs.graphs)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * 1.5)  # a new tensor: the graphs' memory is stale
+    assert ex.weights_moved()
+    hits = engine.stats()["prefix_cache_hits_total"]
+    assert run() == expected()  # the same prompts: cached prefixes from the old weights would change the tokens
+    assert engine.stats()["prefix_cache_hits_total"] == hits  # forgotten, not hit
+    assert set(dispatch.graphs.graphs) == set(captured)
+    assert all(dispatch.graphs.graphs[b] is not captured[b] for b in captured)  # captured again
+    assert not ex.weights_moved()
+    engine.close()

@@ -82,6 +82,13 @@ def test_mixed_steps_replay_their_graph_and_equal_the_eager_step():
         max_blocks_per_seq=2, block_size=BS, pad_block=NUM_BLOCKS, capturer=EagerCapturer(),
     )  # fmt: skip
     assert dispatch.reserved_blocks == 1 and dispatch.graphs is None
+    with torch.inference_mode():
+        dispatch.warmup()  # start-up: the whole grid, over the padding block only
+    grid = {VarlenKey(t, n) for t in (128, 64) for n in (5, 4, 2, 1)}
+    assert set(dispatch.varlen_graphs.graphs) == grid
+    for t in cache.k + cache.v:
+        assert not t[:NUM_BLOCKS].any(), "warm-up wrote outside the padding block"
+        t[NUM_BLOCKS].zero_()
 
     tables = [[3], [0, 5], [2]]
     # step 1: prompts of 40 and 30 tokens: 70 tokens, 2 sequences + padding -> key (128, 4)
@@ -114,8 +121,34 @@ def test_mixed_steps_replay_their_graph_and_equal_the_eager_step():
         assert not graph_k0[1].any() and not graph_k0[4].any(), "blocks of no request were written"
         assert graph_k0[NUM_BLOCKS].any(), "the padding tokens write into the padding block"
     assert dispatch.replays == 3
-    assert set(dispatch.varlen_graphs.graphs) == {VarlenKey(128, 4), VarlenKey(64, 4)}  # captured once each
+    assert set(dispatch.varlen_graphs.graphs) == grid  # nothing captured while serving
     assert {name for name, _ in ref.calls} == {"varlen"}
+
+
+def test_warmup_captures_the_grid_largest_first_within_the_cap_and_steps_outside_it_run_eagerly():
+    def runner(max_graphs: int) -> VarlenGraphRunner:
+        return VarlenGraphRunner(
+            lambda ids, pos, meta, rows: torch.zeros(len(rows), 4), max_batch_tokens=256, max_requests=4,
+            max_blocks_per_seq=2, block_size=16, pad_block=9, device="cpu", capturer=EagerCapturer(),
+            max_graphs=max_graphs,
+        )  # fmt: skip
+
+    whole, capped = runner(96), runner(3)
+    with torch.inference_mode():
+        whole.warmup()
+        capped.warmup()
+    # a sequence's table reaches 32 tokens (2 blocks of 16): 256 tokens would need 8 sequences, and
+    # 128 at least 4; sequences never outnumber tokens
+    assert list(whole.graphs) == [VarlenKey(128, 5), VarlenKey(128, 4), VarlenKey(64, 5), VarlenKey(64, 4),
+                                  VarlenKey(64, 2)]  # fmt: skip
+    assert list(capped.graphs) == list(whole.graphs)[:3]
+    step = meta_for([[1, 2], [3, 4]], [30, 30], [30, 30], 16)  # 60 tokens, 2 sequences + padding: (64, 4)
+    ids = torch.arange(60)
+    with torch.inference_mode():
+        assert whole.key_for(step, 60) == VarlenKey(64, 4)
+        assert whole.run(ids, ids, step) is not None and whole.replays == 1
+        assert capped.key_for(step, 60) is None  # left out at start-up: eagerly, not captured now
+        assert capped.run(ids, ids, step) is None and len(capped.graphs) == 3 and capped.replays == 0
 
 
 def test_graph_count_is_capped_then_steps_run_eagerly():

@@ -12,9 +12,11 @@ flash-attn's varlen kernel takes `max_seqlen_q` and `max_seqlen_k` as host integ
 them in as the key's token count and the table width (upper bounds). The graph computes the logits
 of every sequence's last token; the caller picks the rows it samples.
 
-A key's graph is captured the first time a step needs it (the buffers already hold that step: the
-warm-up runs before capture repeat the step's own idempotent cache writes), up to `max_graphs`;
-past that, steps with a new key run eagerly.
+Every key of the grid (sequences no more than tokens) is captured in `warmup`, at start-up, largest
+first (the shared pool is sized by the first), up to `max_graphs`: each over a step that lives in the
+padding block alone (its tokens spread over the key's sequences, every block-table entry the padding
+block), so the warm-up runs before capture write nowhere else. While serving nothing is captured: a
+step whose key has no graph runs eagerly.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from engine.backends.cuda.graphs import (
 logger = logging.getLogger("cbserve.varlen_graphs")
 
 SMALLEST_TOKEN_BUCKET = 64
-DEFAULT_MAX_GRAPHS = 64
+DEFAULT_MAX_GRAPHS = 96  # the whole grid of an 8,192-token budget and 256 requests: 8 x 10 keys
 
 
 def varlen_token_sizes(max_batch_tokens: int, smallest: int = SMALLEST_TOKEN_BUCKET) -> list[int]:
@@ -138,6 +140,32 @@ def fill_varlen_buffers(
         buf.seq_lens_k[n_seq] = num_pad
 
 
+def padding_step(key: VarlenKey, block_size: int, pad_block: int, width: int, device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:  # fmt: skip
+    """A step of exactly `key`'s tokens and sequences that reads and writes the padding block only:
+    the tokens split as evenly as the sequences allow, each a sequence's whole history, every table
+    entry the padding block (what warm-up captures over)."""
+    base, extra = divmod(key.num_tokens, key.num_seqs)
+    q_lens = [base + (1 if i < extra else 0) for i in range(key.num_seqs)]
+    positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
+    cu = torch.zeros(key.num_seqs + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    meta = AttentionMetadata(
+        slot_mapping=pad_block * block_size + positions % block_size,
+        cu_seqlens_q=cu.to(device),
+        seq_lens_k=torch.tensor(q_lens, dtype=torch.int32, device=device),
+        block_tables=torch.full((key.num_seqs, width), pad_block, dtype=torch.int32, device=device),
+        num_decodes=0,
+        num_decode_tokens=0,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(q_lens),
+        block_size=block_size,
+        q_lens=q_lens,
+        k_lens=list(q_lens),
+    )
+    return torch.zeros(key.num_tokens, dtype=torch.long, device=device), positions, meta
+
+
 def graph_metadata(buf: VarlenBuffers, key: VarlenKey, block_size: int) -> AttentionMetadata:
     """The metadata a key's graph is captured with: views of the buffers, host bounds fixed."""
     width = buf.block_tables.shape[1]
@@ -197,10 +225,29 @@ class VarlenGraphRunner:
         return step
 
     def key_for(self, meta: AttentionMetadata, num_tokens: int) -> VarlenKey | None:
+        """The captured key this step pads to, or None (run it eagerly)."""
         key = choose_varlen_graph(meta, num_tokens, self.token_sizes, self.seq_sizes, self.max_blocks_per_seq)
-        if key is None or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
-            return None
-        return key
+        return key if key in self.graphs else None
+
+    def warmup_keys(self) -> list[VarlenKey]:
+        """The keys `warmup` captures: the grid's, largest first, each a step the padding block holds
+        (its tokens fit its sequences' tables), at most `max_graphs`."""
+        room = self.max_blocks_per_seq * self.block_size  # tokens one sequence's table reaches
+        keys = [VarlenKey(t, s) for t in reversed(self.token_sizes) for s in reversed(self.seq_sizes)
+                if s <= t and t <= s * room]  # fmt: skip
+        return keys[: self.max_graphs]
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Capture every key of `warmup_keys` (see the module docstring); none is captured later."""
+        self.graphs.clear()
+        for key in self.warmup_keys():
+            ids, positions, meta = padding_step(key, self.block_size, self.pad_block, self.max_blocks_per_seq,
+                                                self.buffers.input_ids.device)  # fmt: skip
+            fill_varlen_buffers(self.buffers, key, ids, positions, meta, self.pad_block)
+            self.graphs[key] = self.capturer.capture(self._graph_step(key))
+        logger.info("captured %d varlen graphs (tokens x sequences, up to %s)", len(self.graphs),
+                    max(self.graphs, key=lambda k: (k.num_tokens, k.num_seqs), default=None))  # fmt: skip
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -208,11 +255,10 @@ class VarlenGraphRunner:
         key = self.key_for(meta, input_ids.shape[0])
         if key is None:
             return None
-        fill_varlen_buffers(self.buffers, key, input_ids, positions, meta, self.pad_block)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = self.capturer.capture(self._graph_step(key))
-            logger.info("captured a varlen graph for %d tokens x %d sequences", key.num_tokens, key.num_seqs)
+            return None  # not captured at start-up (over max_graphs, or no warmup): eagerly
+        fill_varlen_buffers(self.buffers, key, input_ids, positions, meta, self.pad_block)
         graph.replay()
         self.replays += 1
         return graph.output[: meta.num_seqs]

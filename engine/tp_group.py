@@ -23,6 +23,7 @@ import multiprocessing.connection
 import os
 import pickle
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -118,15 +119,6 @@ class TPGroup:
         if self.failure is not None:
             raise GroupBroken(f"tensor-parallel group broken: {self.failure}")
 
-    def _watch(self) -> None:
-        """Rank 0: wait on the spawned ranks; the first that exits breaks the group."""
-        sentinels = {p.sentinel: (rank, p) for rank, p in self.processes}
-        ready = multiprocessing.connection.wait(list(sentinels))
-        if self._closing:
-            return
-        rank, p = sentinels[ready[0]]
-        p.join(1.0)
-        self.broken(f"rank {rank} exited with code {p.exitcode}")
 
     _closing = False
 
@@ -147,6 +139,25 @@ class TPGroup:
                 p.join()
         if self.threads_before is not None:
             torch.set_num_threads(self.threads_before)
+
+
+def _watch(ref: weakref.ref, processes: list[tuple[int, Any]]) -> None:
+    """Rank 0's watcher thread: the first spawned rank that exits breaks the group. It holds the group
+    weakly, so an engine dropped without close() can still be collected (and its ranks killed)."""
+    sentinels = {p.sentinel: (rank, p) for rank, p in processes}
+    ready = multiprocessing.connection.wait(list(sentinels))
+    group = ref()
+    if group is None or group._closing:
+        return
+    rank, p = sentinels[ready[0]]
+    p.join(1.0)
+    group.broken(f"rank {rank} exited with code {p.exitcode}")
+
+
+def _kill(processes: list[Any]) -> None:
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
 
 
 def _gloo(store: Any, rank: int, world: int, timeout: timedelta) -> Any:
@@ -215,7 +226,10 @@ def start(world: int, launch: Launch, timeout_s: float | None, device_type: str,
         group.close(wait_s=0.0)  # the others wait for rank 0 in vain: stop them now
         raise
     if group.processes:
-        threading.Thread(target=group._watch, name="cbserve-tp-watch", daemon=True).start()
+        threading.Thread(target=_watch, args=(weakref.ref(group), list(group.processes)), name="cbserve-tp-watch",
+                         daemon=True).start()  # fmt: skip
+        # an engine dropped without close(): its ranks go with it, not at interpreter exit
+        weakref.finalize(group, _kill, [p for _, p in group.processes])
     logger.info("cbserve: tensor parallel over %d ranks (%d on this host), rank 0 at %s:%d", world, per_node,
                 launch.addr, store.port)  # fmt: skip
     return group

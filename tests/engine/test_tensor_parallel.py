@@ -178,3 +178,14 @@ def test_gloo_socket_ifname_picks_the_interface_the_ranks_talk_on(monkeypatch) -
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
     with pytest.raises(RuntimeError, match="no-such-if0"):
         LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT))
+
+
+def test_an_engine_dropped_without_close_takes_its_ranks_with_it() -> None:
+    import gc
+
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT))
+    (_, process), = engine.tp.processes
+    del engine
+    gc.collect()  # the engine, its shard and group form cycles: a collection finds them
+    process.join(DEATH_WAIT_S)
+    assert process.exitcode is not None

@@ -1,317 +1,113 @@
 #!/usr/bin/env python
-"""One command for anyone with an NVIDIA GPU: check cbserve's GPU path and measure it.
+"""One command on one GPU machine: check cbserve's GPU path end to end and measure it.
 
-    python scripts/gpu_check.py                      # everything, on cuda:0, bfloat16
-    python scripts/gpu_check.py --skip-throughput    # equality only (a minute)
-    python scripts/gpu_check.py --device cpu --dtype float32 --prompts 4 --w1-prompts 8   # smoke run, no GPU
+    python scripts/gpu_check.py --out results/                  # every check on cuda:0, bfloat16
+    python scripts/gpu_check.py --small --vllm off              # a 1B throughput model, no vLLM line
+    python scripts/gpu_check.py --only kernels,graphs           # some checks
+    python scripts/gpu_check.py --device cpu --quick --out /tmp/gc   # the CPU smoke run (stand-ins)
 
-1. Environment: torch, CUDA, the GPU, flash-attn, the attention backend cbserve picks.
-2. Equality: greedy tokens of cbserve's `generate_batch` against transformers' `model.generate`
-   (one prompt at a time) on the test architectures, with CUDA graphs off and on.
-3. W1 throughput (64 prompts of 16-256 random tokens, 64 new tokens, greedy, EOS ignored, the W1
-   Llama): cbserve with graphs off and on against transformers' own `model.generate_batch`.
-4. Two GPUs, when there are two (or two CPU ranks with `--device cpu --two-ranks`): tensor parallel
-   (tensor_parallel_size=2, NCCL) against one device: greedy tokens on the test Llama, and W1
-   throughput of each.
-
-It prints markdown tables to paste into docs/benchmarks.md (with the date and the GPU). Half
-precision can flip a greedy choice between two near-equal logits, so equality is reported as exact
-matches and the mean length of the common prefix, not as pass/fail alone. Exit status 1 when an
-equality check is below --min-exact.
+Runs the checks of scripts/gpu_checks/ in order (each module's docstring says what it asserts), each
+timed, each a row: pass, fail (why) or skipped (why). Prints the markdown table and, with --out,
+writes gpu_check.json and gpu_check.md there (the table to paste into docs/benchmarks.md, with the
+GPU, driver, CUDA, torch and flash-attn versions and the date). Exit status 1 when any check failed.
+No network is needed, except `pip install vllm` for the vLLM line (skipped when it cannot install).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import platform
-import statistics
 import sys
-import time
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from scripts.gpu_checks import (  # noqa: E402
+    equality,
+    graphs,
+    kernels,
+    memory,
+    report,
+    sampling,
+    serve,
+    sync,
+    tensor_parallel,
+    throughput,
+    vllm_peer,
+)
+from scripts.gpu_checks.common import Context  # noqa: E402
+from scripts.gpu_checks.environment import environment  # noqa: E402
+
+# in this order: memory before throughput (both use the big model), vLLM after it (frees it), serve last
+CHECKS = {"kernels": kernels, "equality": equality, "graphs": graphs, "sampling": sampling, "sync": sync,
+          "memory": memory, "throughput": throughput, "vllm": vllm_peer, "serve": serve,
+          "tensor-parallel": tensor_parallel}  # fmt: skip
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-W1 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="gpu_check.py",
-        description="Check cbserve's GPU path (equality with model.generate, CUDA graphs on/off) and measure W1.",
-    )
-    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; 'cpu' for a smoke run)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="model dtype (flash-attn needs bfloat16 or float16)")  # fmt: skip
-    p.add_argument("--archs", default=",".join(ARCHS), help="test architectures, comma-separated")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per architecture for equality")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt for equality")
-    p.add_argument("--block-size", type=int, default=256, help="KV block size (multiple of 256 for flash-attn)")
-    p.add_argument("--min-exact", type=float, default=0.9, help="share of exact matches below which the check fails")
-    p.add_argument("--skip-equality", action="store_true")
-    p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--w1-prompts", type=int, default=64)
-    p.add_argument("--w1-new-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
-    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
-    p.add_argument("--two-ranks", action="store_true", help="with --device cpu: run the two-GPU line on two CPU "
-                                                            "ranks (with CUDA it runs whenever two GPUs are there)")
+    p = argparse.ArgumentParser(prog="gpu_check.py", description="Check cbserve's GPU path and measure it.")
+    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; 'cpu' for the smoke run)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="models' dtype (auto: bfloat16 on CUDA, float32 on the CPU)")  # fmt: skip
+    p.add_argument("--out", type=Path, help="write gpu_check.json and gpu_check.md into this folder")
+    p.add_argument("--only", help=f"comma-separated checks to run, of: {', '.join(CHECKS)}")
+    p.add_argument("--skip", default="", help="comma-separated checks to leave out (shown as skipped)")
+    p.add_argument("--archs", default=",".join(ARCHS), help="test architectures of the equality check")
+    p.add_argument("--block-size", type=int, default=256, help="KV block size on CUDA (a multiple of 256)")
+    p.add_argument("--min-exact", type=float, default=0.9,
+                   help="share of exact greedy matches a half-precision row needs (float32 on the CPU: all)")  # fmt: skip
+    p.add_argument("--small", action="store_true", help="throughput and memory on a 1B-shaped Llama, not 8B")
+    p.add_argument("--quick", action="store_true", help="the smallest sizes (the CPU smoke test's)")
+    p.add_argument("--vllm", default="auto", help="auto: pip install vllm into a venv if the registry has a "
+                                                 "build that runs here; off; or the folder of such a venv")  # fmt: skip
+    p.add_argument("--two-ranks", action="store_true", help="with --device cpu: run the tensor-parallel line on two "
+                                                            "CPU ranks (with CUDA it runs whenever two GPUs are there)")  # fmt: skip
     return p.parse_args(argv)
 
 
-def environment(device: torch.device) -> list[tuple[str, str]]:
-    from engine.backends.cuda import flash_attn_available
-
-    rows = [("date (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
-            ("python", platform.python_version()), ("torch", torch.__version__),
-            ("torch CUDA", str(torch.version.cuda))]  # fmt: skip
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        rows += [("GPU", f"{props.name}, {props.total_memory / (1 << 30):.0f} GiB, sm_{props.major}{props.minor}")]
-    else:
-        rows += [("CPU", f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")]
-    if flash_attn_available():
-        import flash_attn
-
-        rows.append(("flash-attn", flash_attn.__version__))
-    else:
-        rows.append(("flash-attn", "not installed (SDPA on CUDA, no CUDA graphs)"))
-    return rows
-
-
-def cb_config(device: torch.device, block_size: int, graphs: bool):
-    from engine import ContinuousBatchingConfig
-
-    if device.type != "cuda":
-        return ContinuousBatchingConfig(block_size=16, use_cuda_graph=False)
-    return ContinuousBatchingConfig(block_size=block_size, attn_backend="cuda", use_cuda_graph=graphs)
-
-
-def graph_status(model, device: torch.device, block_size: int) -> str:
-    """What an engine built with use_cuda_graph=True actually captured (its step dispatcher's graphs)."""
-    from engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(model, cb_config(device, block_size, True))
-    try:
-        dispatch = engine.executor.dispatch
-        runner = dispatch.graphs
-        if runner is None or not runner.graphs:
-            return f"none captured (flags {dispatch.graph_flags})"
-        return f"decode graphs for batch sizes {sorted(runner.graphs)}; varlen graphs on first use: {dispatch.graph_flags[0]}"
-    finally:
-        engine.close()
-
-
-def reference_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=model.device)
-            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-@dataclass
-class EqualityRow:
-    arch: str
-    graphs: bool
-    exact: int
-    total: int
-    mean_prefix: float
-    max_new_tokens: int
-
-    def cells(self) -> list[str]:
-        return [self.arch, "on" if self.graphs else "off", f"{self.exact}/{self.total}",
-                f"{self.mean_prefix:.1f}/{self.max_new_tokens}"]  # fmt: skip
-
-
-def check_equality(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[EqualityRow]:
-    from engine import generate_batch
-    from engine.testing import build_test_model, random_prompts
-
-    rows = []
-    for arch in [a.strip() for a in args.archs.split(",") if a.strip()]:
-        model = build_test_model(arch, vocab_size=512).to(device=device, dtype=dtype)
-        prompts = random_prompts(args.prompts, 3, 200, 512, seed=0)
-        expected = reference_tokens(model, prompts, args.max_new_tokens)
-        for graphs in (False, True):
-            outs = generate_batch(
-                model, prompts, continuous_batching_config=cb_config(device, args.block_size, graphs),
-                max_new_tokens=args.max_new_tokens, ignore_eos=True, progress_bar=False,
-            )  # fmt: skip
-            got = [o.generated_tokens for o in outs.values()]
-            prefixes = [common_prefix(g, e) for g, e in zip(got, expected)]
-            exact = sum(g == e for g, e in zip(got, expected))
-            rows.append(EqualityRow(arch, graphs, exact, len(prompts), statistics.mean(prefixes), args.max_new_tokens))
-            if device.type != "cuda":
-                break  # graphs need CUDA: one row per architecture on the CPU
-    return rows
-
-
-def w1_model(device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**W1), dtype=torch.float32)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def _timed(fn, runs: int, device: torch.device) -> float:
-    """Median seconds of `runs` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def throughput(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[tuple[str, float]]:
-    from transformers import GenerationConfig
-
-    from engine import generate_batch
-    from engine.testing import random_prompts
-
-    model = w1_model(device, dtype)
-    prompts = random_prompts(args.w1_prompts, 16, 256, W1["vocab_size"], seed=0)
-    new = args.w1_new_tokens
-    total_tokens = len(prompts) * new
-    results = []
-
-    def run_cbserve(graphs: bool):
-        def go():
-            outs = generate_batch(
-                model, prompts, continuous_batching_config=cb_config(device, args.block_size, graphs),
-                max_new_tokens=new, ignore_eos=True, progress_bar=False,
-            )  # fmt: skip
-            assert all(len(o.generated_tokens) == new for o in outs.values()), "a request stopped early"
-
-        return go
-
-    graph_settings = (False, True) if device.type == "cuda" else (False,)
-    for graphs in graph_settings:
-        seconds = _timed(run_cbserve(graphs), args.runs, device)
-        results.append((f"cbserve, CUDA graphs {'on' if graphs else 'off'}", total_tokens / seconds))
-
-    if not args.no_peer:
-        gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-        peer_cfg = None
-        if device.type != "cuda":  # its CPU default takes 60% of RAM on every call; its best CPU sizing instead
-            from transformers import ContinuousBatchingConfig as PeerConfig
-
-            peer_cfg = PeerConfig(num_blocks=1024, max_batch_tokens=1024, page_size=32)
-
-        def run_peer():
-            # transformers' own method, called on the class: `use_cbserve` may have replaced the instance's
-            outs = type(model).generate_batch(
-                model, prompts, generation_config=gen_cfg, continuous_batching_config=peer_cfg, progress_bar=False
-            )
-            assert all(len(o.generated_tokens) == new for o in outs.values()), "a peer request stopped early"
-
-        seconds = _timed(run_peer, args.runs, device)
-        results.append(("transformers generate_batch", total_tokens / seconds))
-    return results
-
-
-def two_ranks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[list[list[str]], bool]:
-    """Tensor parallel over two ranks against one: exact greedy matches on the test Llama (and the
-    common prefix), and W1 output tok/s of each. Returns the table's rows and whether the equality
-    is below --min-exact."""
-    import dataclasses
-
-    from engine import generate_batch
-    from engine.testing import build_test_model, random_prompts
-
-    def config(ranks: int):
-        return dataclasses.replace(cb_config(device, args.block_size, False), tensor_parallel_size=ranks)
-
-    def run(model, prompts, ranks: int, new: int) -> list[list[int]]:
-        outs = generate_batch(model, prompts, continuous_batching_config=config(ranks), max_new_tokens=new,
-                              ignore_eos=True, progress_bar=False)  # fmt: skip
-        return [o.generated_tokens for o in outs.values()]
-
-    model = build_test_model("llama", vocab_size=512).to(device=device, dtype=dtype)
-    prompts = random_prompts(args.prompts, 3, 200, 512, seed=0)
-    one, two = run(model, prompts, 1, args.max_new_tokens), run(model, prompts, 2, args.max_new_tokens)
-    exact = sum(a == b for a, b in zip(one, two))
-    prefix = statistics.mean(common_prefix(a, b) for a, b in zip(one, two))
-    rows = [["greedy tokens, 2 ranks against 1 (test Llama)", f"{exact}/{len(prompts)} exact",
-             f"mean common prefix {prefix:.1f}/{args.max_new_tokens}"]]  # fmt: skip
-    if not args.skip_throughput:
-        w1 = w1_model(device, dtype)
-        w1_prompts = random_prompts(args.w1_prompts, 16, 256, W1["vocab_size"], seed=0)
-        tokens = len(w1_prompts) * args.w1_new_tokens
-        rates = {ranks: tokens / _timed(lambda r=ranks: run(w1, w1_prompts, r, args.w1_new_tokens), args.runs, device)
-                 for ranks in (1, 2)}  # fmt: skip
-        rows.append(["W1 output tok/s (engine start-up timed too)", f"1 rank {rates[1]:.0f}, 2 ranks {rates[2]:.0f}",
-                     f"2 ranks are {rates[2] / rates[1]:.2f}x"])  # fmt: skip
-    return rows, exact < args.min_exact * len(prompts)
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+def selected(args: argparse.Namespace) -> dict[str, str]:
+    """Each check's name and, for one left out, why."""
+    names = list(CHECKS)
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else names
+    skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+    unknown = (set(only) | skip) - set(names)
+    if unknown:
+        raise SystemExit(f"unknown check(s): {', '.join(sorted(unknown))}; the checks are {', '.join(names)}")
+    return {n: ("" if n in only and n not in skip else "left out (--only/--skip)") for n in names}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
     if device.type == "cuda":
         from engine.backends.cuda import require_cuda
 
         require_cuda()
-    failed = False
-    print("## cbserve GPU check\n")
-    print(table(["what", "value"], [[k, v] for k, v in environment(device)]))
-    if not args.skip_equality:
-        from engine.testing import build_test_model
-
-        status = graph_status(build_test_model("llama", vocab_size=512).to(device=device, dtype=dtype), device, args.block_size)
-        print(f"\nCUDA graphs with use_cuda_graph=True: {status}")
-        rows = check_equality(args, device, dtype)
-        print(f"\n### Equality with model.generate ({args.dtype}, {args.prompts} prompts, greedy)\n")
-        print(table(["arch", "CUDA graphs", "exact matches", "mean common prefix"], [r.cells() for r in rows]))
-        failed = any(r.exact < args.min_exact * r.total for r in rows)
-    if not args.skip_throughput:
-        results = throughput(args, device, dtype)
-        peer = dict(results).get("transformers generate_batch")
-        print(f"\n### W1 throughput ({args.dtype}, {args.w1_prompts} prompts x {args.w1_new_tokens} new tokens, "
-              f"median of {args.runs})\n")  # fmt: skip
-        cells = [[name, f"{tps:.0f}", f"{tps / peer:.2f}x" if peer else "-"] for name, tps in results]
-        print(table(["system", "output tok/s", "vs transformers generate_batch"], cells))
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    if gpus >= 2 or (device.type == "cpu" and args.two_ranks):
-        rows, below = two_ranks(args, device, dtype)
-        where = "two GPUs (NCCL)" if gpus >= 2 else "two CPU ranks (gloo)"
-        print(f"\n### Tensor parallel on {where}, {args.dtype}\n")
-        print(table(["check", "result", ""], rows))
-        failed = failed or below
-    elif device.type == "cuda":
-        print(f"\nTensor parallel: not checked ({gpus} GPU here; it needs two)")
-    if failed:
-        print(f"\nFAILED: an equality check is below {args.min_exact:.0%} exact matches", file=sys.stderr)
-    return 1 if failed else 0
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    choice = selected(args)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
+        ctx = Context(device, dtype, args.block_size, args.min_exact, [a.strip() for a in args.archs.split(",") if a.strip()],
+                      quick=args.quick, small=args.small, vllm=args.vllm, two_ranks=args.two_ranks, work=Path(work))  # fmt: skip
+        env = environment(device)
+        rows = []
+        for name, module in CHECKS.items():
+            if choice[name]:
+                rows.append(report.Row(module.NAME, report.SKIPPED, choice[name]))
+                continue
+            print(f"[gpu_check] {module.NAME} ...", file=sys.stderr, flush=True)
+            rows.append(report.run_check(module.NAME, lambda m=module: m.run(ctx), ctx.sync))
+            print(f"[gpu_check] {rows[-1].status} in {rows[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+        ctx.release("big_model")
+    title = f"cbserve GPU check, {datetime.date.today().isoformat()}, {args.device}, {str(dtype).removeprefix('torch.')}"
+    print(report.markdown(env, rows, title))
+    if args.out:
+        paths = report.write(args.out, env, rows, sys.argv[1:] if argv is None else argv, title)
+        print(f"wrote {paths[0]} and {paths[1]}", file=sys.stderr)
+    return 1 if any(r.status == report.FAIL for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""Sampling on the model's device, through the engine, each parameter by a property it must have.
+
+- top_k=1, top_p near 0 and min_p=1 at temperature 1 leave one token: equal to greedy;
+- a seed gives the same tokens twice, alone or batched with unseeded requests; another seed differs;
+- top_k=5 at temperature 1.5: every sampled token is among the 5 most likely (logprobs=5 lists them);
+- logit_bias +100 on one token: every token is that one;
+- repetition, presence and frequency penalties and a negative bias, greedy: equal to a loop written
+  here that applies them to the full forward's logits (bias, repetition over prompt and output,
+  presence and frequency over the output, as engine/sampler.py documents);
+- logprobs=2 greedy: each token's logprob equals log_softmax of that loop's logits, and is the top one.
+Exact on the CPU in float32; in half precision the token rows pass at --min-exact (near-ties flip)
+and logprobs within 0.1.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from scripts.gpu_checks.common import Context, matches, serve_all
+from scripts.gpu_checks.report import require
+
+NAME = "sampling on the device"
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7, logit_bias={7: -5.0, 11: -3.0})
+
+
+def penalized_greedy(model, prompt: list[int], new: int, p: dict) -> tuple[list[int], list[float]]:
+    """Greedy tokens with bias and penalties applied to the last logits of a full forward, and each
+    token's raw logprob."""
+    ids, gen, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(new):
+            raw = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+            x = raw.clone()
+            for token, bias in p.get("logit_bias", {}).items():
+                x[token] += bias
+            rep = p.get("repetition_penalty", 1.0)
+            if rep != 1.0:
+                seen = torch.tensor(sorted(set(ids)), device=x.device)
+                vals = x[seen]
+                x[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+            for token, count in Counter(gen).items():
+                x[token] -= p.get("frequency_penalty", 0.0) * count + p.get("presence_penalty", 0.0)
+            token = int(x.argmax())
+            logprobs.append(float(torch.log_softmax(raw, -1)[token]))
+            ids.append(token)
+            gen.append(token)
+    return gen, logprobs
+
+
+def run(ctx: Context) -> dict:
+    from engine.llm_engine import LLMEngine
+    from engine.testing import random_prompts
+
+    model = ctx.test_model("qwen3")
+    prompts = random_prompts(4, 10, 60, 512, seed=21)
+    new = 8 if ctx.quick else 16
+    engine = LLMEngine(model, ctx.config(max_requests_per_batch=8))
+    engine.warmup()
+    problems: list[str] = []
+    need = (lambda total: total) if ctx.exact_required else (lambda total: ctx.min_exact * total)
+
+    def firsts(out):
+        return [seqs[0] for seqs in out]
+
+    try:
+        greedy = firsts(serve_all(engine, prompts, new))
+        for name, kw in {"top_k=1": dict(top_k=1), "top_p=1e-6": dict(top_p=1e-6), "min_p=1": dict(min_p=1.0)}.items():
+            m = matches(firsts(serve_all(engine, prompts, new, temperature=1.0, **kw)), greedy)
+            if m["exact"] < need(m["total"]):
+                problems.append(f"{name} is not greedy: {m['exact']}/{m['total']}")
+
+        seeded = dict(temperature=1.0, seed=7)
+        alone = firsts(serve_all(engine, prompts[:1], new, **seeded))
+        again = firsts(serve_all(engine, prompts[:1], new, **seeded))
+        batched = firsts(serve_all(engine, prompts, new, per_prompt=[seeded] + [dict(temperature=1.0)] * 3))
+        other = firsts(serve_all(engine, prompts[:1], new, temperature=1.0, seed=8))
+        if not alone == again == batched[:1]:
+            problems.append("a seed's tokens changed between runs or with the batch")
+        if other == alone:
+            problems.append("seeds 7 and 8 gave the same tokens")
+
+        reqs = [engine.make_request(p, max_new_tokens=new, ignore_eos=True, temperature=1.5, top_k=5, logprobs=5)
+                for p in prompts]  # fmt: skip
+        for r in reqs:
+            engine.add_request(r)
+        with torch.inference_mode():
+            while engine.has_unfinished():
+                engine.step()
+        outside = sum(tok not in top for r in reqs for tok, top in zip(r.generated_ids, r.top_logprobs))
+        if outside:
+            problems.append(f"{outside} top_k=5 tokens outside the 5 most likely")
+
+        biased = firsts(serve_all(engine, prompts, new, temperature=1.0, logit_bias={42: 100.0}))
+        if any(t != 42 for seq in biased for t in seq):
+            problems.append("logit_bias +100 did not force its token")
+
+        want = [penalized_greedy(model, p, new, PENALTIES) for p in prompts]
+        got = firsts(serve_all(engine, prompts, new, temperature=0.0, **PENALTIES))
+        pen = matches(got, [w[0] for w in want])
+        if pen["exact"] < need(pen["total"]):
+            problems.append(f"penalties: {pen['exact']}/{pen['total']} equal to the reference loop")
+
+        plain = [penalized_greedy(model, p, new, {}) for p in prompts]
+        reqs = [engine.make_request(p, max_new_tokens=new, ignore_eos=True, temperature=0.0, logprobs=2) for p in prompts]
+        for r in reqs:
+            engine.add_request(r)
+        with torch.inference_mode():
+            while engine.has_unfinished():
+                engine.step()
+        diffs = [abs(a - b) for r, (toks, lps) in zip(reqs, plain) if r.generated_ids == toks
+                 for a, b in zip(r.logprobs, lps)]  # fmt: skip
+        worst = max(diffs, default=float("nan"))
+        tops = all(max(top, key=top.get) == tok for r in reqs for tok, top in zip(r.generated_ids, r.top_logprobs))
+        if not diffs or not worst <= (1e-3 if ctx.dtype == torch.float32 else 0.1) or not tops:
+            problems.append(f"logprobs: {len(diffs)} compared, largest difference {worst:.3g}, top token first: {tops}")
+    finally:
+        engine.close()
+    changed = sum(w[0] != g[0] for w, g in zip(want, plain))
+    figures = {"penalties exact": f"{pen['exact']}/{pen['total']}", "prompts the penalties changed": changed,
+               "max logprob diff": worst,
+               "requests": "greedy, top-k/p, min-p, seeded, biased, penalised, logprobs",
+               "device": str(ctx.device)}  # fmt: skip
+    require(changed > 0, "the penalties changed no greedy token: the comparison shows nothing", figures)
+    require(not problems, "; ".join(problems), figures)
+    return figures

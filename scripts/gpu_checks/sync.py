@@ -1,0 +1,89 @@
+"""No host sync inside decode steps but the one that brings the sampled tokens back.
+
+A warmed engine with decode graphs serves 8 requests; once every one is decoding, each step runs
+under `torch.cuda.set_sync_debug_mode("warn")`, which makes every synchronizing CUDA call (a
+device-to-host read, a blocking host-to-device copy from pageable memory, a stream synchronize)
+raise a warning attributed to the Python line that made it. The warnings are recorded per step.
+A step must end in one sync, the sampled tokens' `.tolist()` in engine/sampler.py (the scheduler
+needs them on the host before the next step), and have no other: at most one sync per step, in
+engine/sampler.py. Greedy steps and sampled steps (temperature, top-p, seeds) are checked apart.
+"warn" rather than "error": an error would stop the step at the intended sync, and counting is what
+tells the one intended sync from another.
+
+On the CPU the steps run (the code path), but nothing can be observed: skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from scripts.gpu_checks.common import Context
+from scripts.gpu_checks.report import Skipped, require
+
+NAME = "no host sync inside decode steps"
+ALLOWED_FILE = "sampler.py"
+
+
+def decode_steps(ctx: Context, engine, prompts, steps: int, **request) -> list[list[str]]:
+    """Add the requests, step until all decode, then `steps` steps each under the sync debug mode:
+    per step, the file:line of every sync."""
+    from engine.request import RequestStatus
+
+    reqs = [engine.make_request(p, max_new_tokens=steps + 64, ignore_eos=True, **request) for p in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    per_step = []
+    with torch.inference_mode():
+        while engine.scheduler.waiting or any(r.status != RequestStatus.DECODING for r in reqs):
+            engine.step()
+        for _ in range(steps):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if ctx.cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    engine.step()
+                finally:
+                    if ctx.cuda:
+                        torch.cuda.set_sync_debug_mode(0)
+            per_step.append([f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)])
+    for r in reqs:
+        engine.abort_request(r.request_id)
+    return per_step
+
+
+def run(ctx: Context) -> dict:
+    from engine.llm_engine import LLMEngine
+    from engine.testing import random_prompts
+
+    model = ctx.test_model("llama")
+    engine = LLMEngine(model, ctx.config(max_requests_per_batch=8, num_blocks=64))
+    engine.warmup()
+    prompts = random_prompts(8, 20, 200, 512, seed=31)
+    steps = 4 if ctx.quick else 8
+    try:
+        greedy = decode_steps(ctx, engine, prompts, steps, temperature=0.0)
+        sampled = decode_steps(ctx, engine, prompts, steps, temperature=0.8, top_p=0.9, seed=5)
+        replays = engine.executor.dispatch.replays
+    finally:
+        engine.close()
+    figures = {}
+    for name, per_step in (("greedy", greedy), ("sampled", sampled)):
+        sites = Counter(site for step in per_step for site in step)
+        figures[f"{name} steps"] = len(per_step)
+        figures[f"{name} most syncs in a step"] = max(map(len, per_step), default=0)
+        figures[f"{name} sync sites"] = ", ".join(f"{s} x{n}" for s, n in sites.most_common()) or "none"
+    figures["graph replays"] = replays
+    if not ctx.cuda:
+        raise Skipped("torch.cuda.set_sync_debug_mode needs CUDA: the steps ran on the CPU, no sync can be seen", figures)
+    bad = [site for per_step in (greedy, sampled) for step in per_step for site in step
+           if not site.startswith(ALLOWED_FILE)]  # fmt: skip
+    require(replays > 0, "no decode step replayed a graph", figures)
+    require(not bad, f"syncs outside {ALLOWED_FILE}: {sorted(set(bad))}", figures)
+    require(all(len(step) <= 1 for per_step in (greedy, sampled) for step in per_step),
+            "a decode step synchronised more than once", figures)  # fmt: skip
+    return figures

@@ -9,7 +9,8 @@
   presence and frequency over the output, as engine/sampler.py documents);
 - logprobs=2 greedy: each token's logprob equals log_softmax of that loop's logits, and is the top one.
 Exact on the CPU in float32; in half precision the token rows pass at --min-exact (near-ties flip)
-and logprobs within 0.1.
+and logprobs within 0.5 (a bfloat16 logit of 30 is
+rounded to 0.125).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def run(ctx: Context) -> dict:
                  for a, b in zip(r.logprobs, lps)]  # fmt: skip
         worst = max(diffs, default=float("nan"))
         tops = all(max(top, key=top.get) == tok for r in reqs for tok, top in zip(r.generated_ids, r.top_logprobs))
-        if not diffs or not worst <= (1e-3 if ctx.dtype == torch.float32 else 0.1) or not tops:
+        if not diffs or not worst <= (1e-3 if ctx.dtype == torch.float32 else 0.5) or not tops:
             problems.append(f"logprobs: {len(diffs)} compared, largest difference {worst:.3g}, top token first: {tops}")
     finally:
         engine.close()

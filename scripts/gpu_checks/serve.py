@@ -86,6 +86,7 @@ def run(ctx: Context) -> dict:
 
     from engine.testing import save_test_model
 
+    ctx.release("big_model")  # the server is another process: the throughput model leaves the GPU first
     folder = save_test_model(ctx.work / "serve-model" / "tiny-llama", "llama")
     config = ctx.work / "engine.yaml"  # the operator's ConfigMap: engine settings only
     config.write_text(yaml.safe_dump({"max_memory_percent": 0.3, "max_requests_per_batch": 8}))

@@ -6,7 +6,7 @@ device-to-host read, a blocking host-to-device copy from pageable memory, a stre
 raise a warning attributed to the Python line that made it. The warnings are recorded per step.
 A step must end in one sync, the sampled tokens' `.tolist()` in engine/sampler.py (the scheduler
 needs them on the host before the next step), and have no other: at most one sync per step, in
-engine/sampler.py. Greedy steps and sampled steps (temperature, top-p, seeds) are checked apart.
+engine/sampler.py. Greedy steps and sampled steps (temperature, top-p, half the rows seeded) are checked apart.
 "warn" rather than "error": an error would stop the step at the intended sync, and counting is what
 tells the one intended sync from another.
 
@@ -28,12 +28,12 @@ NAME = "no host sync inside decode steps"
 ALLOWED_FILE = "sampler.py"
 
 
-def decode_steps(ctx: Context, engine, prompts, steps: int, **request) -> list[list[str]]:
+def decode_steps(ctx: Context, engine, prompts, steps: int, per_prompt: list[dict]) -> list[list[str]]:
     """Add the requests, step until all decode, then `steps` steps each under the sync debug mode:
     per step, the file:line of every sync."""
     from engine.request import RequestStatus
 
-    reqs = [engine.make_request(p, max_new_tokens=steps + 64, ignore_eos=True, **request) for p in prompts]
+    reqs = [engine.make_request(p, max_new_tokens=steps + 64, ignore_eos=True, **kw) for p, kw in zip(prompts, per_prompt)]
     for r in reqs:
         engine.add_request(r)
     per_step = []
@@ -66,8 +66,9 @@ def run(ctx: Context) -> dict:
     prompts = random_prompts(8, 20, 200, 512, seed=31)
     steps = 4 if ctx.quick else 8
     try:
-        greedy = decode_steps(ctx, engine, prompts, steps, temperature=0.0)
-        sampled = decode_steps(ctx, engine, prompts, steps, temperature=0.8, top_p=0.9, seed=5)
+        greedy = decode_steps(ctx, engine, prompts, steps, [dict(temperature=0.0)] * len(prompts))
+        sampled = decode_steps(ctx, engine, prompts, steps, [dict(temperature=0.8, top_p=0.9, seed=i) if i % 2 else
+                                                             dict(temperature=0.8, top_p=0.9) for i in range(len(prompts))])
         replays = engine.executor.dispatch.replays
     finally:
         engine.close()

@@ -31,14 +31,19 @@ class SampleResult:
     top_logprobs: list[dict[int, float] | None] | None
 
 
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small host list as a tensor on `device`: on CUDA through pinned memory, without blocking."""
-    tensor = torch.tensor(values, dtype=dtype)
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on CUDA through pinned memory (torch caches pinned blocks), without
+    blocking; a copy from pageable memory, or indexing a CUDA tensor with a Python list, waits."""
     if device.type == "cpu":
         return tensor
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device` (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -139,10 +144,10 @@ class Sampler:
                 n = _on(x.device, list(counts.values()), x.dtype)
                 x.index_add_(0, _on(x.device, list(counts), torch.long), -(sp.frequency_penalty * n + sp.presence_penalty))
             if ban_eos:
-                ends = list(req.eos_token_ids)
+                ends = _on(x.device, list(req.eos_token_ids), torch.long)
                 if req.matcher is not None:
-                    banned_ends[row] = x[ends].clone()
-                x[ends] = float("-inf")
+                    banned_ends[row] = x.index_select(0, ends)
+                x.index_fill_(0, ends, float("-inf"))
         if constrained:
             if not cloned:
                 logits = logits.clone()
@@ -152,7 +157,8 @@ class Sampler:
             apply_bitmask(logits, bitmask, constrained)
             for row, saved in banned_ends.items():  # a grammar that may only end, with the end banned: it ends
                 if torch.isinf(logits[row]).all():
-                    logits[row, list(reqs[row].eos_token_ids)] = saved.clamp(min=torch.finfo(logits.dtype).min)
+                    ends = _on(logits.device, list(reqs[row].eos_token_ids), torch.long)
+                    logits[row].index_copy_(0, ends, saved.clamp(min=torch.finfo(logits.dtype).min))
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,10 +187,11 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [row for row, r in enumerate(reqs) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self._generator(device))
+            drawn = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self._generator(device))
+            noise.index_copy_(0, _on(device, unseeded, torch.long), drawn)
         for row, req in enumerate(reqs):
             if req.generator is not None and not greedy[row]:
                 # drawn on the host from the request's own generator: the same tokens on any device
-                noise[row] = torch.empty(vocab).exponential_(generator=req.generator).to(device, non_blocking=True)
+                noise[row] = to_device(torch.empty(vocab).exponential_(generator=req.generator), device)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(_on(device, greedy, torch.bool), logits.argmax(dim=-1), sampled), probs

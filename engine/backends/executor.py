@@ -30,7 +30,7 @@ from engine.backends.step_dispatch import StepDispatcher, normalize_cuda_graph_f
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner, ModuleSwaps, StepInputs, restore_modes
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Sampler, SampleResult, to_device
 from engine.scheduler import ScheduledBatch
 from engine.tp_group import TPGroup
 
@@ -172,7 +172,8 @@ class Executor:
                 restore_modes(self.model, modes)
         if len(rows) != len(batch.sample_rows):
             where = {row: i for i, row in enumerate(rows)}
-            logits = logits[[where[row] for row in batch.sample_rows]]
+            order = to_device(torch.tensor([where[row] for row in batch.sample_rows]), logits.device)
+            logits = logits.index_select(0, order)  # a Python list as the index would wait for a copy
         t1 = time.perf_counter()
         result = self.sampler(logits, batch.samples, default_logprobs)
         t2 = time.perf_counter()

@@ -234,6 +234,9 @@ class LLMEngine:
         n = self.defaults.num_return_sequences if num_return_sequences is None else num_return_sequences
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ParamError("num_return_sequences", f"num_return_sequences (n) must be an integer >= 1, got {n!r}")
+        if n > self.sizes.max_requests:
+            raise ParamError("num_return_sequences", f"num_return_sequences (n) is {n}, more sequences than run at "
+                                                     f"once (max_requests_per_batch {self.sizes.max_requests})")
         req = Request(request_id, list(input_ids), max_new_tokens, params, eos, stops, streaming, record_timestamps)
         req.num_children = n - 1
         req.otel_context = telemetry.current_context()

@@ -159,6 +159,10 @@ class Scheduler:
             if self.running and self.bm.num_free < self.reserve_blocks:
                 break
             req = self.waiting[0]
+            # n > 1: siblings join the running sequences at their parent's first token; count them now
+            sequences = len(self.running) + sum(r.num_children for r in self.running)
+            if self.running and sequences + 1 + req.num_children > self.max_running:
+                break
             swapped = self.swap is not None and self.swap.holds(req)
             if swapped:
                 start = self.swap.saved_tokens(req)

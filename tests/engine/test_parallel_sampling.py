@@ -56,3 +56,22 @@ def test_bad_n_is_refused() -> None:
     engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=16))
     with pytest.raises(ValueError, match="num_return_sequences"):
         engine.make_request([1, 2, 3], max_new_tokens=4, num_return_sequences=0)
+    with pytest.raises(ValueError, match=r"num_return_sequences \(n\) is 5, more sequences than run at once"):
+        LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=16, max_requests_per_batch=4)
+                  ).make_request([1, 2, 3], max_new_tokens=4, num_return_sequences=5)
+
+
+def test_siblings_count_against_the_request_cap() -> None:
+    """n > 1 requests are admitted only where their siblings fit under max_requests_per_batch: a step
+    never runs more sequences than the cap (the graphs' largest bucket, the sampler's planned rows)."""
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=128,
+                                                                    max_requests_per_batch=4))  # fmt: skip
+    reqs = [engine.make_request(list(p)[:20], max_new_tokens=8, ignore_eos=True, num_return_sequences=n)
+            for p, n in zip(prompts_for(), (3, 2, 1, 4))]
+    for r in reqs:
+        engine.add_request(r)
+    done = []
+    while engine.has_unfinished():
+        done += [r for r in engine.step() if r.is_finished]
+        assert len(engine.scheduler.running) <= 4
+    assert len(done) == 3 + 2 + 1 + 4

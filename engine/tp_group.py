@@ -50,9 +50,9 @@ class Launch:
 
     `load`: a picklable callable that returns the model in a spawned rank (the server passes its
     loader: each rank reads the checkpoint itself); None sends the model's class, config and tensors
-    (through shared memory: engine/tp_worker.ModelCopy). `nnodes` > 1: ranks beyond this host's come from `cbserve worker` on other
-    hosts, which reach rank 0 at `addr:port`. `device`: "cpu" or "cuda" for the ranks' shards; None: the
-    model's device type."""
+    (through shared memory: engine/tp_worker.ModelCopy). `nnodes` > 1: ranks beyond this host's come
+    from `cbserve worker` on other hosts, which reach rank 0 at `addr:port`. `device`: "cpu" or "cuda"
+    for the ranks' shards; None: the model's device type."""
 
     load: Callable[[], torch.nn.Module] | None = None
     nnodes: int = 1
@@ -72,6 +72,7 @@ class TPGroup:
     failure: str | None = None
     on_failure: list[Callable[[str], None]] = field(default_factory=list)
     threads_before: int | None = None  # rank 0's torch threads before the group took its share
+    closing: bool = False
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -119,14 +120,11 @@ class TPGroup:
         if self.failure is not None:
             raise GroupBroken(f"tensor-parallel group broken: {self.failure}")
 
-
-    _closing = False
-
     def close(self, wait_s: float = 30.0) -> None:
         """Rank 0: tell the other ranks to stop and wait for the ones it spawned (killed after `wait_s`)."""
-        if self.rank != 0 or self._closing:
+        if self.rank != 0 or self.closing:
             return
-        self._closing = True
+        self.closing = True
         if self.failure is None and self.control is not None:
             try:
                 self.broadcast(None)
@@ -147,7 +145,7 @@ def _watch(ref: weakref.ref, processes: list[tuple[int, Any]]) -> None:
     sentinels = {p.sentinel: (rank, p) for rank, p in processes}
     ready = multiprocessing.connection.wait(list(sentinels))
     group = ref()
-    if group is None or group._closing:
+    if group is None or group.closing:
         return
     rank, p = sentinels[ready[0]]
     p.join(1.0)

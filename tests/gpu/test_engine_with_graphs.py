@@ -22,29 +22,41 @@ from tests.gpu.helpers import EagerCapturer, FlashReference, hf_forward
 NEW = 12
 
 
-def run_engine(model, backend, config, prompts, graph_flags):
+def graphed_engine(model, backend, config, graph_flags) -> LLMEngine:
+    """An engine whose executor's cache (with the padding block), backend and dispatch are replaced:
+    the engine's own step runs them, graphs captured (by the eager stand-in) in its warm-up."""
     engine = LLMEngine(model, config)
     n, bs = engine.sizes.num_blocks, config.block_size
     layers, hkv, hd = kv_geometry(model.config)
     dtype = next(model.parameters()).dtype
-    ex = engine.executor  # its cache (with the padding block), backend and dispatch replaced: the engine's own step runs them
+    ex = engine.executor
     ex.cache = ex.runner.cache = PagedKVCache(layers, n + 1, bs, hkv, hd, dtype)
     ex.backend = ex.runner.backend = backend
-    ex.dispatch = dispatch = StepDispatcher(
+    ex.dispatch = StepDispatcher(
         hf_forward(model, backend, ex.cache), graph_flags=graph_flags, device="cpu",
         max_requests=engine.sizes.max_requests, max_batch_tokens=engine.sizes.max_batch_tokens,
         max_blocks_per_seq=graph_table_width(n, bs, engine.max_context), block_size=bs, pad_block=n,
         capturer=EagerCapturer(),
     )  # fmt: skip
-    dispatch.warmup()
+    ex.warmup()
+    return engine
+
+
+def serve(engine: LLMEngine, prompts) -> list[list[int]]:
     reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
     for r in reqs:
         engine.add_request(r)
     with torch.inference_mode():
         while engine.has_unfinished():
             engine.step()
+    return [r.generated_ids for r in reqs]
+
+
+def run_engine(model, backend, config, prompts, graph_flags):
+    engine = graphed_engine(model, backend, config, graph_flags)
+    out = serve(engine, prompts)
     engine.close()
-    return [r.generated_ids for r in reqs], dispatch
+    return out, engine.executor.dispatch
 
 
 def test_decode_graphs_in_the_engine_loop_equal_model_generate():
@@ -77,28 +89,11 @@ def test_weights_replaced_by_new_tensors_are_captured_again_and_forget_cached_pr
     model = build_test_model("qwen3", vocab_size=512)
     prompts = random_prompts(4, 40, 80, 512, seed=5)
     config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=96, max_requests_per_batch=4)
-    engine = LLMEngine(model, config)
-    n, bs = engine.sizes.num_blocks, config.block_size
-    layers, hkv, hd = kv_geometry(model.config)
-    ex = engine.executor
-    ex.cache = ex.runner.cache = PagedKVCache(layers, n + 1, bs, hkv, hd, torch.float32)
-    ex.backend = ex.runner.backend = backend = SDPACudaBackend()
-    ex.dispatch = dispatch = StepDispatcher(
-        hf_forward(model, backend, ex.cache), graph_flags=(False, True), device="cpu",
-        max_requests=engine.sizes.max_requests, max_batch_tokens=engine.sizes.max_batch_tokens,
-        max_blocks_per_seq=graph_table_width(n, bs, engine.max_context), block_size=bs, pad_block=n,
-        capturer=EagerCapturer(),
-    )  # fmt: skip
-    ex.warmup()
+    engine = graphed_engine(model, SDPACudaBackend(), config, (False, True))
+    ex, dispatch = engine.executor, engine.executor.dispatch
 
     def run() -> list[list[int]]:
-        reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
-        for r in reqs:
-            engine.add_request(r)
-        with torch.inference_mode():
-            while engine.has_unfinished():
-                engine.step()
-        return [r.generated_ids for r in reqs]
+        return serve(engine, prompts)
 
     def expected() -> list[list[int]]:
         with torch.no_grad():

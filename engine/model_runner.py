@@ -173,15 +173,10 @@ class ModelRunner:
         return out.logits[0]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int], dispatch: StepForward | None = None) -> torch.Tensor:
-        """Forward the step; returns logits [len(sample_rows), vocab] for those sequences (model dtype).
-        `dispatch` runs the forward (a graph replay or a compiled forward: engine/backends/step_dispatch.py);
-        None: `self.forward`, eagerly."""
-        return self.run_inputs(StepInputs.of(batch, sample_rows), dispatch)
-
-    @torch.inference_mode()
-    def run_inputs(self, step: StepInputs, dispatch: StepForward | None = None) -> torch.Tensor:
-        """`run` for a step given as plain lists (a tensor-parallel rank's)."""
+    def run(self, step: StepInputs, dispatch: StepForward | None = None) -> torch.Tensor:
+        """Forward the step; returns logits [len(step.sample_rows), vocab] for those sequences (model
+        dtype). `dispatch` runs the forward (a graph replay or a compiled forward:
+        engine/backends/step_dispatch.py); None: `self.forward`, eagerly."""
         start = time.perf_counter()
         input_ids, positions, meta, logits_rows = self.build_metadata(step)
         self.last_prepare_s = time.perf_counter() - start

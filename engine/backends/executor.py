@@ -106,7 +106,7 @@ class Executor:
         """The model's weights changed (in place, or new tensors): refresh what was made of them. Graphs
         captured over tensors that are no longer the model's are captured again (in-place changes keep
         the graphs: they read the same memory)."""
-        if self._graph_weights is not None and self._weight_ptrs() != self._graph_weights:
+        if self.weights_moved():
             logger.info("cbserve: the model's weights are new tensors: capturing its CUDA graphs again")
             self.dispatch.recapture()
             self._graph_weights = self._weight_ptrs()
@@ -166,7 +166,7 @@ class Executor:
             modes = [m.training for m in self.model.modules()]
             self.model.eval()
         try:
-            logits = self.runner.run_inputs(step, self.dispatch)
+            logits = self.runner.run(step, self.dispatch)
         finally:
             if modes is not None:
                 restore_modes(self.model, modes)
@@ -185,4 +185,4 @@ class Executor:
         """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (no logits, no sampling)."""
         if step.copies:
             self.cache.copy_blocks(step.copies)
-        self.runner.run_inputs(step, self.dispatch)
+        self.runner.run(step, self.dispatch)

@@ -137,7 +137,7 @@ def test_failed_request_span_has_error_status(manager, spans, monkeypatch) -> No
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(manager.engine.runner, "run_inputs", boom)
+    monkeypatch.setattr(manager.engine.runner, "run", boom)
     rid = manager.add_request([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     out = manager.get_result(rid, timeout=60)
     assert out.finish_reason == "error" and "boom" in out.error

@@ -8,9 +8,11 @@ error that names it, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -127,12 +129,21 @@ def kill_rank_1(engine: LLMEngine) -> None:
     os.kill(process.pid, signal.SIGKILL)
 
 
-def test_a_rank_that_dies_mid_request_fails_it_and_ends_the_manager() -> None:
+@contextlib.contextmanager
+def two_rank_manager() -> Iterator[tuple[ContinuousBatchingManager, threading.Event]]:
+    """A started manager over two ranks, and an event its on_fatal callback sets."""
     manager = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(**TIGHT))
     died = threading.Event()
     manager.on_fatal.append(lambda exc: died.set())
     manager.start()
     try:
+        yield manager, died
+    finally:
+        manager.stop(block=True, timeout=DEATH_WAIT_S)
+
+
+def test_a_rank_that_dies_mid_request_fails_it_and_ends_the_manager() -> None:
+    with two_rank_manager() as (manager, died):
         rid = manager.add_request([5, 6, 7], max_new_tokens=250, streaming=True, ignore_eos=True)
         outputs = manager.request_id_iter(rid)
         first = next(outputs)
@@ -146,23 +157,15 @@ def test_a_rank_that_dies_mid_request_fails_it_and_ends_the_manager() -> None:
         assert not manager.is_running()  # the server's /ready and /health answer 503 from here
         with pytest.raises(RuntimeError):
             manager.add_request([5, 6, 7], max_new_tokens=2)
-    finally:
-        manager.stop(block=True, timeout=DEATH_WAIT_S)
 
 
 def test_a_rank_that_dies_while_idle_ends_the_manager() -> None:
-    manager = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(**TIGHT))
-    died = threading.Event()
-    manager.on_fatal.append(lambda exc: died.set())
-    manager.start()
-    try:
+    with two_rank_manager() as (manager, died):
         rid = manager.add_request(list(prompts_for()[1]), max_new_tokens=3)
         assert manager.get_result(rid, timeout=DEATH_WAIT_S).status == RequestStatus.FINISHED
         kill_rank_1(manager.engine)
         assert died.wait(DEATH_WAIT_S)
         assert "rank 1 exited with code -9" in str(manager._fatal)
-    finally:
-        manager.stop(block=True, timeout=DEATH_WAIT_S)
 
 
 def test_gloo_socket_ifname_picks_the_interface_the_ranks_talk_on(monkeypatch) -> None:

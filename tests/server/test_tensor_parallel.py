@@ -104,3 +104,15 @@ def test_worker_arguments_that_cannot_work_are_one_line_and_exit_2(model_dir) ->
                          capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("cbserve: error: cbserve worker needs --nnodes >= 2")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nnodes", "2"], "--nnodes 2 needs --tensor-parallel-size of at least 2"),
+    (["--tensor-parallel-size", "3", "--nnodes", "2"], "--tensor-parallel-size 3 must be a multiple of --nnodes (2)"),
+    (["--tensor-parallel-size", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-addr: the address the other hosts reach this one at"),
+])
+def test_serve_group_arguments_that_cannot_work_are_one_line_and_exit_2(model_dir, args, message, capsys) -> None:
+    from engine.cli import main
+
+    assert main(["serve", "--model", str(model_dir), "--device", "cpu", *args]) == 2  # before the port is bound
+    assert capsys.readouterr().err.strip() == f"cbserve: error: {message}"

@@ -17,21 +17,12 @@ logger = logging.getLogger("cbserve")
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", help="local checkpoint folder or hf://org/name[@revision] "
-                                    "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--config", help="YAML file of settings (engine/settings_table.py; docs/engine.md)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for in-flight requests (default 30)")
     p.add_argument("--api-key", action="append", dest="api_key",
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
                         "(repeatable; or CBSERVE_API_KEY, comma-separated)")  # fmt: skip
-    p.add_argument("--body-timeout", type=float, dest="body_timeout",
-                   help="seconds a request body may pause before the request gets 408 (default 30)")  # fmt: skip
     _group_flags(p)
-    add_setting_flags(p)  # every setting with a flag in engine/settings_table.py
+    add_setting_flags(p, "serve")  # every setting engine/settings_table.py gives `cbserve serve` a flag
 
 
 def _group_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
@@ -47,26 +38,22 @@ def _group_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
 
 def _worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run this host's ranks of a tensor-parallel engine served from another host")
-    p.add_argument("--model", help="the same --model the serving host loads")
     p.add_argument("--config", help="the same YAML settings file the serving host reads")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _group_flags(p, worker=True)
-    add_setting_flags(p)
+    add_setting_flags(p, "worker")  # give it the serving host's --model and engine settings
 
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="run a JSONL dataset of prompts or chats through the engine")
-    p.add_argument("--model", help="local checkpoint folder or hf://org/name[@revision] "
-                                    "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     p.add_argument("--input", required=True, help='JSONL: {"id", "prompt"} or {"id", "messages"} per line')
     p.add_argument("--output", required=True, help="JSONL results, in input order; existing ids are skipped")
     p.add_argument("--config", help="YAML file of settings (engine/settings_table.py; docs/engine.md)")
-    add_setting_flags(p, ["device", "dtype"])
+    add_setting_flags(p, "generate")  # the engine's settings and --model, as `cbserve serve` has them
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, dest="request_seed", help="each request's sampling seed (reproducible samples)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--chunk", type=int, default=256, help="prompts per batch written at once (resume granularity)")
 
@@ -182,7 +169,7 @@ def worker(args: argparse.Namespace) -> int:
 
     settings = load_settings(vars(args))
     device, dtype = _placement(settings)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     world, nnodes = settings.engine.tensor_parallel_size, args.nnodes
     if nnodes < 2 or world % nnodes or not 1 <= args.node_rank < nnodes:
         raise ValueError(f"cbserve worker needs --nnodes >= 2 dividing --tensor-parallel-size ({world}) and "
@@ -265,7 +252,7 @@ def generate(args: argparse.Namespace) -> int:
     from engine.manager import CACHED
     from engine.server.settings import load_settings
 
-    settings = load_settings({"config": args.config, "device": args.device, "dtype": args.dtype})
+    settings = load_settings(vars(args))
     device, dtype = _placement(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     items = _read_jsonl(Path(args.input))
@@ -275,8 +262,8 @@ def generate(args: argparse.Namespace) -> int:
     if not todo:
         print(f"nothing to do: all {len(items)} ids are in {out_path}")
         return 0
-    launch, load_device = _tensor_parallel(args, settings, device, dtype, args.model)
-    loaded = load_model(args.model, dtype, settings.attn_implementation, device=load_device)
+    launch, load_device = _tensor_parallel(args, settings, device, dtype, settings.model)
+    loaded = load_model(settings.model, dtype, settings.attn_implementation, device=load_device)
     if launch is not None:  # the engine kept across chunks, its ranks started once
         from engine import ContinuousBatchingManager
 
@@ -304,7 +291,7 @@ def _generate_chunks(args: argparse.Namespace, loaded: Any, settings: Any, todo:
     tok = loaded.tokenizer
     vocab = loaded.model.config.get_text_config().vocab_size
     sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                                  "seed": args.seed}.items() if v is not None}  # fmt: skip
+                                  "seed": args.request_seed}.items() if v is not None}  # fmt: skip
     with out_path.open("a") as out, tqdm(total=len(todo), desc="generate", unit="prompt") as bar:
         for start in range(0, len(todo), args.chunk):
             chunk = todo[start : start + args.chunk]

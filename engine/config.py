@@ -79,6 +79,9 @@ class ContinuousBatchingConfig:
     cpu_offload_space: float = 0.0
     # The pool is clamped to this share of the host's total RAM (1.0: no clamp), as transformers does.
     cpu_offload_space_safety_threshold: float = 0.8
+    # CPU only: GiB the KV cache takes at most (within max_memory_percent of the available memory and half
+    # the machine's, engine/backends/memory.py). A CPU serves far fewer tokens at once than 1 GiB holds.
+    cpu_kv_cache_space: float = 1.0
     # Waiting requests accepted before `add_request` refuses with QueueFullError; 0 = unbounded.
     max_queue_size: int = 0
     # Accepted for transformers compatibility: per-request sampling parameters always work.

@@ -51,6 +51,7 @@ class Setting:
     crd_choices: tuple[Any, ...] = ()  # where the CRD accepts fewer values than the engine
     crd_deprecated: tuple[str, ...] = ()  # older CRD spellings, still accepted with a warning
     aliases: tuple[str, ...] = ()  # other YAML/keyword names (transformers')
+    commands: tuple[str, ...] = ("serve", "generate", "worker")  # the `cbserve` commands that have its flag
 
     @property
     def env(self) -> str:
@@ -161,6 +162,20 @@ def _num(x: float) -> str:
 GRAPH_PARTS = ("varlen", "decode")  # use_cuda_graph's pair; the CRD has one boolean field per part
 
 SETTINGS: tuple[Setting, ...] = (
+    # ---- the process: what to serve and where (cbserve serve; --model and --log-level for every command) ----
+    Setting("model", "str", None, "local checkpoint folder, GGUF file or hf://org/name[@revision]; unset: the "
+            "embedded SmolLM2-135M-Instruct", section="process", nullable=True),
+    Setting("served_model_name", "str", None, "the model's name in the API; unset: the folder's name",
+            section="process", nullable=True, commands=("serve",)),
+    Setting("host", "str", "0.0.0.0", "the address the server listens on", section="process", commands=("serve",)),
+    Setting("port", "int", 8000, "the port the server listens on", section="process", minimum=1, maximum=65535,
+            commands=("serve",)),
+    Setting("log_level", "str", "info", "the log level", section="process",
+            choices=("critical", "error", "warning", "info", "debug")),
+    Setting("drain_timeout", "float", 30.0, "seconds SIGTERM waits for in-flight requests before they are cut",
+            section="process", minimum=0, commands=("serve",)),
+    Setting("body_timeout", "float", 30.0, "seconds a request body may pause before the request gets 408",
+            section="process", minimum=0, exclusive_minimum=True, commands=("serve",)),
     # ---- the KV cache and the step ----
     Setting("block_size", "int", None, "tokens per KV block; unset: 16 on the CPU, 256 on CUDA (flash-attn's paged "
             "kernels want multiples of 256)", nullable=True, minimum=1, power_of_two=True, operator=True,
@@ -186,10 +201,14 @@ SETTINGS: tuple[Setting, ...] = (
             "0 recomputes them", minimum=0, operator=True, crd_deprecated=("cpuOffloadGiB",)),
     Setting("cpu_offload_space_safety_threshold", "float", 0.8, "the swap pool is clamped to this share of the "
             "host's RAM (1: no clamp)", minimum=0, exclusive_minimum=True, maximum=1),
+    Setting("cpu_kv_cache_space", "float", 1.0, "CPU: GiB the KV cache takes at most (it also stays within "
+            "max_memory_percent of the memory available and half the machine's); more holds more tokens, not more "
+            "speed", minimum=0, exclusive_minimum=True, operator=True),
     Setting("max_queue_size", "int", 0, "waiting requests accepted before refusing (QueueFullError; the server's "
             "503); 0: unbounded; cbserve serve: 4096 unless set", minimum=0, operator=True),
     # ---- sampling and outputs ----
-    Setting("seed", "int", None, "seed of the sampler for requests without their own; unset: random", nullable=True),
+    Setting("seed", "int", None, "seed of the sampler for requests without their own; unset: random", nullable=True,
+            commands=("serve", "worker")),  # cbserve generate's own --seed seeds each request
     Setting("return_logprobs", "bool", False, "the sampled token's logprob for every request"),
     Setting("logprobs_mode", "str", "raw_logprobs", "raw_logprobs: the model's own distribution; "
             "processed_logprobs: the one each token was drawn from (after bias, penalties, grammar, temperature, "
@@ -243,7 +262,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("compile", "bool", False, "torch.compile both step kinds with default compile configs", section="server",
             operator=True),
     Setting("max_body_bytes", "int", 4 * 1024 * 1024, "larger request bodies get 413 before they are read",
-            section="server", minimum=1024),
+            section="server", minimum=1024, commands=("serve",)),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -259,7 +278,13 @@ def engine_settings() -> list[Setting]:
 
 
 def server_settings() -> list[Setting]:
-    return [s for s in SETTINGS if s.section == "server"]
+    """The server's and the process's settings: fields of `ServeSettings`, not of the engine's config."""
+    return [s for s in SETTINGS if s.section in ("server", "process")]
+
+
+def command_settings(command: str) -> list[Setting]:
+    """The settings that `cbserve <command>` has a flag for."""
+    return [s for s in SETTINGS if s.flag and command in s.commands]
 
 
 def known_names() -> set[str]:

@@ -17,15 +17,25 @@ from engine import settings_render
 from engine.cli import build_parser
 from engine.config import ContinuousBatchingConfig
 from engine.server.settings import ServeSettings, SettingsError, load_settings
-from engine.settings_table import SETTINGS, camel, check_value, crd_fields, engine_settings, server_settings
+from engine.settings_table import (
+    SETTINGS,
+    camel,
+    check_value,
+    command_settings,
+    crd_fields,
+    engine_settings,
+    server_settings,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = yaml.safe_load((REPO / "charts" / "cbserve" / "crds" / "cbdeployments.cbserve.io.yaml").read_text())
 ENGINE_SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
-# `cbserve serve` flags that run the process rather than set the engine or the server's handling
-PROCESS_FLAGS = {"--model", "--served-model-name", "--host", "--port", "--config", "--log-level", "--drain-timeout",
-                 "--api-key", "--body-timeout", "--help", "-h",
-                 "--nnodes", "--dist-addr", "--dist-port"}  # fmt: skip  # where tensor-parallel ranks meet
+# `cbserve serve` flags that are no row of the table: the settings file, the API keys (never in a YAML file)
+# and where tensor-parallel ranks meet (no variables: the operator renders them as flags)
+OWN_FLAGS = {"--config", "--api-key", "--help", "-h", "--nnodes", "--dist-addr", "--dist-port"}
+# `cbserve generate`'s own: the dataset and its sampling (its ranks, if any, are all on this host)
+GENERATE_FLAGS = {"--input", "--output", "--config", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
+                  "--seed", "--stop", "--chunk", "--help", "-h"}
 
 
 def test_every_config_field_is_a_row_with_the_same_default() -> None:
@@ -48,20 +58,27 @@ def test_every_server_setting_is_a_serve_settings_field_with_the_same_default() 
             assert s.check(s.default) == s.default, s.name
 
 
-def test_serve_has_a_flag_for_each_row_that_says_so_and_no_other_setting_flag() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    flags = {opt: action for action in serve._actions for opt in action.option_strings}
-    wanted = {s.cli_flag: s for s in SETTINGS if s.flag}
+def _flags(command: str) -> dict[str, Any]:
+    parser = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    return {opt: action for action in parser._actions for opt in action.option_strings}
+
+
+@pytest.mark.parametrize("command, own", [("serve", OWN_FLAGS), ("generate", GENERATE_FLAGS)])
+def test_each_command_has_a_flag_for_each_of_its_rows_and_no_other_setting_flag(command: str, own: set[str]) -> None:
+    flags = _flags(command)
+    wanted = {s.cli_flag: s for s in command_settings(command)}
     for flag, s in wanted.items():
         assert flags[flag].dest == s.name, flag
+        assert (s.env in flags[flag].help) and (s.default is None or f"default {s.default}" in flags[flag].help)
     negated = {f"--no-{f[2:]}" for f, s in wanted.items() if s.kind == "bool"}
-    assert set(flags) - set(wanted) - negated == PROCESS_FLAGS
-    generate = build_parser()._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
-    assert {"--device", "--dtype"} <= {o for a in generate._actions for o in a.option_strings}
+    assert set(flags) - set(wanted) - negated == own
+    engine_flags = {s.cli_flag for s in engine_settings() if s.flag} - {"--seed"}  # generate's --seed: per request
+    assert engine_flags <= set(flags) and "--tensor-parallel-size" in flags
 
 
 SAMPLES = {"int": 2, "float": 0.5, "bool": False}
-EXPLICIT = {"block_size": 32, "max_body_bytes": 2048, "device": "cuda:1", "attn_implementation": "sdpa"}
+EXPLICIT = {"block_size": 32, "max_body_bytes": 2048, "device": "cuda:1", "attn_implementation": "sdpa",
+            "model": "models/mine", "served_model_name": "mine", "host": "127.0.0.1", "port": 8080}
 SCALARS = [s for s in SETTINGS if s.kind in ("int", "float", "bool", "str")]
 
 

@@ -18,6 +18,7 @@ from engine.backends import get_backend
 from engine.backends.memory import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_REQUESTS,
+    GiB,
     CachePlan,
     kv_bytes_per_block,
     plan_for_device,
@@ -133,7 +134,7 @@ class Executor:
                 vocab = model.config.get_text_config().vocab_size
                 peak = step_reserve_bytes(forward_peak, rows, vocab, any(self.graph_flags))
         return plan_for_device(
-            read_device_memory(device),
+            read_device_memory(device, cpu_cap_bytes=int(cfg.cpu_kv_cache_space * GiB)),
             cfg.max_memory_percent,
             bytes_per_block,
             self.block_size,

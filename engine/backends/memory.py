@@ -13,9 +13,9 @@ How a CUDA pod sizes its cache at start-up:
 3. `plan_kv_cache(...)` gives the cache `max_memory_percent` of the free memory, less the activation
    peak that every later step needs again, and turns the rest into whole blocks.
 
-On CPU the free memory is psutil's available memory, never more than `cpu_fraction_of_total` of the
-machine and capped at `CPU_CACHE_CAP_BYTES`: a CPU pod shares its node, and a 1 GiB cache already
-holds far more tokens than a CPU can serve.
+On CPU the free memory is psutil's available memory, never more than `CPU_FRACTION_OF_TOTAL` of the
+machine, and the cache is capped at the `cpu_kv_cache_space` setting (1 GiB unless set): a CPU pod shares
+its node, and a 1 GiB cache already holds far more tokens than a CPU can serve at once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 GiB = 1 << 30
 MiB = 1 << 20
-CPU_CACHE_CAP_BYTES = 1 * GiB
+CPU_CACHE_CAP_BYTES = 1 * GiB  # the cpu_kv_cache_space setting's default
 CPU_FRACTION_OF_TOTAL = 0.5
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
 DEFAULT_MAX_REQUESTS = 256
@@ -173,8 +173,9 @@ def cpu_memory(
     return DeviceMemory("cpu", free_bytes=free, total_bytes=total_bytes, cap_bytes=cap_bytes)
 
 
-def read_device_memory(device: torch.device | str) -> DeviceMemory:
-    """The device's memory now: torch.cuda.mem_get_info on CUDA, psutil on CPU."""
+def read_device_memory(device: torch.device | str, cpu_cap_bytes: int = CPU_CACHE_CAP_BYTES) -> DeviceMemory:
+    """The device's memory now: torch.cuda.mem_get_info on CUDA, psutil on CPU (the cache capped at
+    `cpu_cap_bytes`)."""
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -183,7 +184,7 @@ def read_device_memory(device: torch.device | str) -> DeviceMemory:
         import psutil
 
         vm = psutil.virtual_memory()
-        return cpu_memory(vm.available, vm.total)
+        return cpu_memory(vm.available, vm.total, cap_bytes=cpu_cap_bytes)
     raise ValueError(f"cannot size a KV cache on device type {device.type!r} (expected 'cuda' or 'cpu')")
 
 

@@ -11,6 +11,7 @@ Any bad value becomes one `SettingsError` line naming it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import yaml
 
 from engine.config import ContinuousBatchingConfig
 from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, split_keys
-from engine.settings_table import BY_NAME, ENV_PREFIX, SETTINGS, known_names, server_settings
+from engine.settings_table import ENV_PREFIX, SETTINGS, command_settings, known_names, server_settings
 
 API_KEY_ENV = "CBSERVE_API_KEY"
 # the server bounds its admission queue unless told otherwise (max_queue_size; 0 in the YAML or the
@@ -33,13 +34,14 @@ PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_MODEL_DIR", "CBSERVE_CPU_
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
-    """One flag per table setting that has one (or the `names` given), defaulting to None (not given)."""
-    for item in SETTINGS if names is None else [BY_NAME[n] for n in names]:
+def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per table setting that `cbserve <command>` has, defaulting to None (not given); the help
+    shows the setting's default and its variable."""
+    for item in command_settings(command):
         flag = item.cli_flag
-        if flag is None:
-            continue
-        help = f"{item.doc} (env {item.env})"
+        assert flag is not None
+        default = "" if item.default is None else f"default {item.default}; "
+        help = f"{item.doc} ({default}env {item.env})".replace("%", "%%")
         if item.kind == "bool":
             parser.add_argument(flag, dest=item.name, action=argparse.BooleanOptionalAction, help=help)
         else:
@@ -53,19 +55,22 @@ class SettingsError(ValueError):
 
 @dataclass
 class ServeSettings:
+    """The table's process and server settings (a test ties each default to its row), the API keys and
+    the engine's config."""
+
     model: str | None = None
     served_model_name: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
+    log_level: str = "info"
+    drain_timeout: float = 30.0
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
     device: str = "auto"
     dtype: str = "auto"
     attn_implementation: str | None = None
     compile: bool = False
-    log_level: str = "info"
-    drain_timeout: float = 30.0
-    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    api_keys: tuple[str, ...] = ()
     engine: ContinuousBatchingConfig = field(default_factory=ContinuousBatchingConfig)
 
 
@@ -90,12 +95,22 @@ def _from_env(environ: dict[str, str]) -> dict[str, Any]:
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in known:
-            raise SettingsError(f"{key}: unknown setting {name!r}")
+            raise SettingsError(f"{key}: unknown setting {name!r}{_nearest(key, known)}")
+        if raw.startswith("tcp://"):  # CBSERVE_PORT=tcp://10.0.0.7:8000 from a Service named cbserve
+            raise SettingsError(f"{key}={raw!r}: a Kubernetes service link, not a setting (set the pod's "
+                                "enableServiceLinks: false, as the operator's pods do)")  # fmt: skip
         try:
             values[name] = yaml.safe_load(raw)
         except yaml.YAMLError:
             raise SettingsError(f"{key}={raw!r}: not a valid value") from None
     return values
+
+
+def _nearest(key: str, known: set[str]) -> str:
+    """ ", did you mean CBSERVE_X?" for the known variable nearest to `key`, or "" when none is near."""
+    names = sorted([ENV_PREFIX + n.upper() for n in known] + sorted(PROCESS_ENV))
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _check_cpu_isa(value: str | None) -> None:
@@ -136,27 +151,7 @@ def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None, qu
         engine.varlen_compile_config = engine.varlen_compile_config or {}
         engine.decode_compile_config = engine.decode_compile_config or {}
         engine._validate()
-    port = cli.get("port") or 8000
-    if not 0 < port < 65536:
-        raise SettingsError(f"--port must be in 1..65535, got {port}")
-    drain = cli.get("drain_timeout")
-    if drain is not None and drain < 0:
-        raise SettingsError(f"--drain-timeout must be >= 0, got {drain}")
-    body_timeout = cli.get("body_timeout")
-    if body_timeout is not None and not body_timeout > 0:
-        raise SettingsError(f"--body-timeout must be > 0, got {body_timeout}")
     keys = tuple(cli.get("api_key") or ()) or split_keys(environ.get(API_KEY_ENV))
     if any(not k.strip() or k != k.strip() for k in keys):
         raise SettingsError("--api-key: a key must be non-empty, without surrounding spaces")
-    return ServeSettings(
-        model=cli.get("model"),
-        served_model_name=cli.get("served_model_name"),
-        host=cli.get("host") or "0.0.0.0",
-        port=port,
-        log_level=cli.get("log_level") or "info",
-        drain_timeout=30.0 if drain is None else drain,
-        api_keys=keys,
-        body_timeout=DEFAULT_BODY_TIMEOUT if body_timeout is None else body_timeout,
-        engine=engine,
-        **server,
-    )
+    return ServeSettings(api_keys=keys, engine=engine, **server)

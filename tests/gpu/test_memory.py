@@ -98,6 +98,16 @@ def test_cpu_figures_are_capped_and_a_fraction_of_the_machine():
     assert busy.num_blocks == 300
 
 
+def test_the_cpu_cache_cap_is_the_cpu_kv_cache_space_setting():
+    from engine import ContinuousBatchingConfig
+    from engine.backends import make_executor
+    from engine.testing import build_test_model
+
+    assert read_device_memory("cpu", cpu_cap_bytes=64 * MiB).cap_bytes == 64 * MiB
+    executor = make_executor(build_test_model(), ContinuousBatchingConfig(cpu_kv_cache_space=1 / 1024))
+    assert 0 < executor.sizes.num_blocks * executor.sizes.bytes_per_block <= MiB
+
+
 def test_summary_is_one_line_with_the_figures():
     line = plan_kv_cache(60 * GiB, 0.9, 32 * MiB, 256, activation_peak_bytes=2 * GiB).summary()
     assert "\n" not in line

@@ -75,10 +75,9 @@ def test_generate_stop_ends_each_sequence_at_its_stop_string(model_dir, tmp_path
 def test_generate_over_two_ranks_writes_what_one_rank_writes(model_dir, tmp_path) -> None:
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "prompt": f"Number {i} is"}) + "\n" for i in range(3)))
-    config = tmp_path / "tp.yaml"
-    config.write_text("tensor_parallel_size: 2\nblock_size: 16\nnum_blocks: 64\n")
     texts = {}
-    for name, extra in (("one", []), ("two", ["--config", str(config)])):
+    # the engine's flags as `cbserve serve` has them
+    for name, extra in (("one", []), ("two", ["--tensor-parallel-size", "2", "--block-size", "16", "--num-blocks", "64"])):
         out = tmp_path / f"{name}.jsonl"
         r = run("--model", str(model_dir), "--input", str(src), "--output", str(out), "--max-new-tokens", "8",
                 "--chunk", "1", *extra)

@@ -95,6 +95,18 @@ def test_startup_objects_are_frozen_out_of_garbage_collection() -> None:
         gc.unfreeze()
 
 
+def test_an_unknown_variable_names_the_nearest_known_one_and_a_service_link_says_so() -> None:
+    with pytest.raises(SettingsError, match=r"^CBSERVE_PROT: unknown setting 'prot'; did you mean CBSERVE_PORT\?$"):
+        load_settings({}, environ={"CBSERVE_PROT": "8080"})
+    with pytest.raises(SettingsError, match=r"unknown setting 'zzz'$"):  # nothing near: no guess
+        load_settings({}, environ={"CBSERVE_ZZZ": "1"})
+    with pytest.raises(SettingsError, match="Kubernetes service link.*enableServiceLinks: false"):
+        load_settings({}, environ={"CBSERVE_PORT": "tcp://10.0.0.7:8000"})
+    s = load_settings({"port": 9001}, environ={"CBSERVE_HOST": "127.0.0.1", "CBSERVE_PORT": "8080",
+                                               "CBSERVE_LOG_LEVEL": "debug", "CBSERVE_MODEL": "m"})  # fmt: skip
+    assert (s.host, s.port, s.log_level, s.model) == ("127.0.0.1", 9001, "debug", "m")  # the flag wins
+
+
 def test_process_variables_are_not_settings(tmp_path) -> None:
     """CBSERVE_CPU_ISA, CBSERVE_CPU_KERNELS and the like set up the process (the CPU probe, the
     kernels): `cbserve serve` and `cbserve generate` start with them set instead of refusing them."""

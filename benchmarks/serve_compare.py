@@ -38,7 +38,8 @@ def targets(systems: list[str], users: int) -> list[Target]:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         if name == "cbserve":
-            chosen.append(Target(name, url, command=cbserve_command(port)))
+            # the peers' precision, whatever --dtype auto picks on this CPU
+            chosen.append(Target(name, url, command=cbserve_command(port) + ["--dtype", "float32"]))
         elif name == "vllm":
             if vllm_peer.venv_python() is None:
                 print("vllm skipped: no venv (python benchmarks/vllm_peer.py --setup)", flush=True)

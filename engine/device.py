@@ -22,15 +22,19 @@ class Accelerator:
     bf16_supported: bool = False
     torch_version: str = torch.__version__
     cuda_build: str | None = None  # torch.version.cuda; None: a CPU-only build of torch
+    cpu_bf16_dot: bool = False  # the CPU multiplies bfloat16 pairs itself (AVX-512 BF16 or AMX), as oneDNN uses
 
 
 def probe() -> Accelerator:
+    from engine.backends.cpu_isa import dot_product_instructions
+
     available = torch.cuda.is_available()
     return Accelerator(
         cuda_available=available,
         device_count=torch.cuda.device_count() if available else 0,
         bf16_supported=bool(available and torch.cuda.is_bf16_supported()),
         cuda_build=torch.version.cuda,
+        cpu_bf16_dot=dot_product_instructions(torch.bfloat16),  # CBSERVE_CPU_ISA=avx2 included: no
     )
 
 
@@ -55,10 +59,13 @@ def resolve_device(requested: str, acc: Accelerator) -> str:
 
 
 def resolve_dtype(requested: str, device: str, acc: Accelerator) -> str:
-    """"auto": float32 on the CPU; on a GPU bfloat16 where it runs it, else float16. A named dtype
-    is kept (the attention backend refuses what it cannot run, naming it)."""
+    """"auto": on a GPU bfloat16 where it runs it, else float16; on a CPU bfloat16 where the CPU
+    multiplies bfloat16 itself (every path, cbserve's and torch's, is faster than in float32 there:
+    docs/benchmarks.md), else float32 (torch's own bfloat16 products are several times slower than
+    float32 without those instructions). A named dtype is kept (the attention backend refuses what it
+    cannot run, naming it)."""
     if requested != "auto":
         return requested
     if not device.startswith("cuda"):
-        return "float32"
+        return "bfloat16" if acc.cpu_bf16_dot else "float32"
     return "bfloat16" if acc.bf16_supported else "float16"

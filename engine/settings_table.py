@@ -254,7 +254,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device", "str", "auto", "where the model runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or "
             "cuda:N", section="server", pattern=DEVICE_PATTERN, accepts="auto, cpu, cuda or cuda:N"),
     Setting("dtype", "str", "auto", "the weights' dtype; auto: bfloat16 on a GPU that supports it, else float16; "
-            "float32 on the CPU", section="server", choices=("auto", "float32", "bfloat16", "float16"),
+            "on the CPU bfloat16 where it has bfloat16 dot products (avx512_bf16, amx_bf16), else float32", section="server", choices=("auto", "float32", "bfloat16", "float16"),
             operator=True),
     Setting("attn_implementation", "str", None, "transformers' attn_implementation the model loads with (the engine "
             "runs its own paged attention)", section="server", nullable=True, pattern=r"[A-Za-z0-9_]+",

@@ -20,7 +20,7 @@ FIELDS: list[dict[str, Any]] = [
     {'crd': 'useCudaGraph', 'deprecated': ['cudaGraphs'], 'doc': 'CUDA graphs for both step kinds (GPU only; docs/gpu.md)', 'key': 'use_cuda_graph', 'rule': {'kind': 'bool', 'nullable': True}},
     {'crd': 'useCudaGraphVarlen', 'deprecated': ['cudaGraphsVarlen'], 'doc': 'overrides useCudaGraph for varlen steps', 'key': 'use_cuda_graph', 'part': 0, 'rule': {'kind': 'bool', 'nullable': True}},
     {'crd': 'useCudaGraphDecode', 'deprecated': ['cudaGraphsDecode'], 'doc': 'overrides useCudaGraph for decode steps', 'key': 'use_cuda_graph', 'part': 1, 'rule': {'kind': 'bool', 'nullable': True}},
-    {'crd': 'dtype', 'deprecated': [], 'doc': "the weights' dtype; auto: bfloat16 on a GPU that supports it, else float16; float32 on the CPU", 'key': 'dtype', 'rule': {'choices': ['auto', 'float32', 'bfloat16', 'float16'], 'kind': 'str', 'nullable': True}},
+    {'crd': 'dtype', 'deprecated': [], 'doc': "the weights' dtype; auto: bfloat16 on a GPU that supports it, else float16; on the CPU bfloat16 where it has bfloat16 dot products (avx512_bf16, amx_bf16), else float32", 'key': 'dtype', 'rule': {'choices': ['auto', 'float32', 'bfloat16', 'float16'], 'kind': 'str', 'nullable': True}},
     {'crd': 'attnImplementation', 'deprecated': [], 'doc': "transformers' attn_implementation the model loads with (the engine runs its own paged attention)", 'key': 'attn_implementation', 'rule': {'kind': 'str', 'max_length': 64, 'nullable': True, 'pattern': '[A-Za-z0-9_]+'}},
     {'crd': 'compile', 'deprecated': [], 'doc': 'torch.compile both step kinds with default compile configs', 'key': 'compile', 'rule': {'kind': 'bool', 'nullable': True}},
 ]

@@ -3,7 +3,9 @@ reports (one start-up line, the server's /v1/models)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import pytest
 import torch
@@ -43,7 +45,8 @@ def test_a_device_that_is_not_there_is_refused_saying_why(requested: str, acc: A
 
 
 @pytest.mark.parametrize(("requested", "device", "acc", "dtype"), [
-    ("auto", "cpu", NO_GPU_CPU_BUILD, "float32"),
+    ("auto", "cpu", NO_GPU_CPU_BUILD, "float32"),  # an AVX2-only CPU
+    ("auto", "cpu", dataclasses.replace(NO_GPU_CPU_BUILD, cpu_bf16_dot=True), "bfloat16"),  # AVX-512 BF16, AMX
     ("auto", "cpu", ONE_BF16_GPU, "float32"),  # --device cpu on a GPU machine: the CPU's rule
     ("auto", "cuda", ONE_BF16_GPU, "bfloat16"),
     ("auto", "cuda:0", ONE_FP16_GPU, "float16"),
@@ -54,17 +57,29 @@ def test_the_dtype_follows_the_device(requested: str, device: str, acc: Accelera
     assert resolve_dtype(requested, device, acc) == dtype
 
 
+def test_the_cpu_dtype_probe_follows_a_forced_avx2() -> None:
+    """CBSERVE_CPU_ISA=avx2 makes any host an AVX2-only one: no bfloat16 dot products, float32 by default."""
+    import subprocess
+    import sys
+
+    code = "from engine.device import probe, resolve_dtype; print(resolve_dtype('auto', 'cpu', probe()))"
+    forced = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "CBSERVE_CPU_ISA": "avx2"})  # fmt: skip
+    assert forced.stdout.strip() == "float32"
+
+
 def test_probe_reports_this_machine() -> None:
     acc = probe()
     assert acc.cuda_available == torch.cuda.is_available() and acc.cuda_build == torch.version.cuda
     assert resolve_device("auto", acc) == ("cuda" if acc.cuda_available else "cpu")
 
 
-def test_the_cpu_load_keeps_float32_and_host_memory(tmp_path) -> None:
+def test_the_cpu_load_takes_the_cpus_dtype_and_host_memory(tmp_path) -> None:
     folder = save_test_model(tmp_path / "tiny")
     auto = load_model(str(folder), "auto", device="cpu")
     param = next(auto.model.parameters())
-    assert param.device.type == "cpu" and param.dtype == torch.float32
+    assert param.device.type == "cpu" and param.dtype == (torch.bfloat16 if probe().cpu_bf16_dot else torch.float32)
+    assert next(load_model(str(folder), "float32", device="cpu").model.parameters()).dtype == torch.float32
     assert next(load_model(str(folder), "bfloat16", device="cpu").model.parameters()).dtype == torch.bfloat16
 
 

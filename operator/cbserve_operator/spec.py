@@ -28,7 +28,8 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_TARGETS = {"queue-depth": 5.0, "kv-cache-usage": 0.8}
 PROBE_FIELDS = ("initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold")
-DEFAULT_IMAGE = "ghcr.io/cbserve/cbserve:0.1.0"
+# the name docs/kubernetes.md's build step gives the engine image (no public registry holds cbserve's images)
+DEFAULT_IMAGE = "localhost/cbserve:0.1.0"
 
 _PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^\s]*)?$")
 _HF_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"

@@ -17,7 +17,7 @@ from kopf.testing import KopfRunner
 
 from cbserve_operator import spec as spec_module
 
-from .conftest import Cluster, wait_for
+from .conftest import REPO, Cluster, wait_for
 from .test_operator import CACHE_RESOURCES, CBD, apply, cbd, cluster_role_grants, conditions, operator_requests, reconciled
 
 REV = "0123456789abcdef0123456789abcdef01234567"
@@ -57,6 +57,24 @@ def model_cached(c: Cluster, ns: str, name: str, reason: str) -> dict[str, Any]:
         obj = cbd(c, ns, name)
         return obj if conditions(obj).get("ModelCached", {}).get("reason") == reason else None
     return wait_for(check, what=f"ModelCached {reason} on {ns}/{name}")
+
+
+def test_the_hub_example_downloads_its_model_then_serves_it(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """docs/kubernetes.md's path from nothing: examples/cbdeployment-hf.yaml, no pre-filled claim."""
+    c, ns = crd_cluster, "hub-example"
+    example = yaml.safe_load((REPO / "examples" / "cbdeployment-hf.yaml").read_text())
+    apply(c, ns, example)
+    reconciled(c, ns, "smollm2")
+    uri = example["spec"]["model"]["uri"]
+    name = job_name("smollm2", uri, "smollm2-model-cache")
+    job = c.get("batch/v1", "jobs", ns, name)
+    assert job is not None and job["spec"]["template"]["spec"]["containers"][0]["command"][:3] == [
+        "cbserve", "download", uri]  # fmt: skip
+    assert deployment(c, ns, "smollm2")["spec"]["replicas"] == 0
+    finish_job(c, ns, name)
+    wait_for(lambda: deployment(c, ns, "smollm2")["spec"]["replicas"] == 1, what="the Deployment scaled to 1")
+    container = server(deployment(c, ns, "smollm2"))
+    assert container["command"][2:4] == ["--model", uri] and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
 def test_a_pinned_model_is_downloaded_once_then_every_replica_serves_it(operator: KopfRunner,

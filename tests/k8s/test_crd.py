@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import jsonschema
@@ -32,6 +33,34 @@ def minimal() -> dict[str, Any]:
 @pytest.mark.parametrize("name", ["cbdeployment.yaml", "cbdeployment-hf.yaml", "cbdeployment-full.yaml"])
 def test_examples_are_valid(name: str) -> None:
     assert errors(yaml.safe_load((REPO / "examples" / name).read_text())) == []
+
+
+def _leaf_paths(node: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    props = node.get("properties")
+    if not props or node.get("type", "object") != "object":
+        return [path]
+    return [leaf for key, child in props.items() for leaf in _leaf_paths(child, (*path, key))]
+
+
+def test_the_full_example_names_every_field() -> None:
+    """Every spec field but the older spellings is set in examples/cbdeployment-full.yaml, or, where it is
+    an alternative to one that is set (claimName to size, minAvailable to maxUnavailable), commented out."""
+    from engine.settings_table import crd_fields
+
+    text = (REPO / "examples" / "cbdeployment-full.yaml").read_text()
+    spec = yaml.safe_load(text)["spec"]
+    commented = set(re.findall(r"#\s*([A-Za-z][A-Za-z0-9]*):", text))
+    older = {old for f in crd_fields() for old in f["deprecated"]}
+    missing = []
+    for path in _leaf_paths(SCHEMA["properties"]["spec"]):
+        if path[0] == "engine" and path[-1] in older:
+            continue
+        node: Any = spec
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None and path[-1] not in commented:
+            missing.append(".".join(path))
+    assert missing == []
 
 
 @pytest.mark.parametrize(("path", "value", "where"), [

@@ -16,19 +16,20 @@
 # values flash-attn 2.8.3's setup.py knows: 80 (A100, A10, L4, RTX 30/40: sm_80 code runs on 8.x),
 # 90 (H100, H200), 100 (B200), 120 (RTX 50). One architecture compiles once, several multiply the
 # build time. flash-attn is built as a wheel in its own stage, which reads nothing of cbserve's
-# source: editing cbserve rebuilds only the last layers, not flash-attn. The engine image carries
+# source but its job-sizing script: editing cbserve rebuilds only the last layers, not flash-attn. The engine image carries
 # the list as CBSERVE_FLASH_ATTN_ARCHS, which the engine checks the GPU's compute capability against
 # at start-up (docs/gpu.md).
 #
 # flash-attn 2.8.3 on CUDA 13.0: Dao-AILab/flash-attention#2064 reports `pip install flash-attn`
 # failing there; the thread names no defect of the source under CUDA 13 and has no fix, only
-# pointers to prebuilt wheels. The 2.8.3 source does compile with CUDA 13.0: community wheels of 2.8.3 for CUDA 13.0 and torch 2.10
-# and 2.11 are built from it, and flash-attn's own CI builds its CUDA 13.0.1 wheels with one job of
-# two nvcc threads because its runners ran out of memory with two jobs. So the failure this build
-# avoids is the compiler running out of memory: MAX_JOBS comes from the build machine's memory
-# (docker/flash-attn-max-jobs.sh). The pin stays 2.8.3: 2.8.3.post2, the newest 2.x on PyPI,
-# changes only the backward kernels, two torch.load calls, the FA3 setup and the name of the
-# prebuilt wheel setup.py looks for; the forward and paged-KV code the engine calls is unchanged.
+# pointers to prebuilt wheels. The 2.8.3 source does compile with CUDA 13.0: community wheels of
+# 2.8.3 for CUDA 13.0 and torch 2.10 and 2.11 are built from it, and flash-attn's own CI builds its
+# CUDA 13.0.1 wheels with one job of two nvcc threads because its runners ran out of memory with two
+# jobs. So the failure this build avoids is the compiler running out of memory: MAX_JOBS comes from
+# the build machine's memory (docker/flash-attn-max-jobs.sh). The pin stays 2.8.3: 2.8.3.post2, the
+# newest 2.x on PyPI, changes only the backward kernels, two torch.load calls, the FA3 setup and the
+# name of the prebuilt wheel setup.py looks for; the forward and paged-KV code the engine calls is
+# unchanged.
 
 ARG CUDA_VERSION=13.0.3
 ARG UBUNTU=ubuntu24.04
@@ -91,12 +92,11 @@ RUN pip install --no-cache-dir --find-links /wheels --only-binary flash-attn ".[
     && python -c "import engine.backends.cuda, flash_attn; print('flash-attn', flash_attn.__version__)"
 
 # ---------------------------------------------------------------------------------------------
-# engine: NVIDIA's `base` CUDA image (the CUDA runtime library and the container toolkit's settings,
-# NVIDIA_REQUIRE_CUDA among them), Python, the venv, a non-root user. No compilers, no toolkit, and no
-# second copy of cuBLAS, cuFFT, cuSPARSE, NCCL and the rest: torch's wheel installed them into the venv as
-# nvidia-* packages (the `runtime` image would add them again under /usr/local/cuda).
+# engine: NVIDIA's `base` CUDA image (the CUDA runtime library and the container toolkit's
+# settings, NVIDIA_REQUIRE_CUDA among them), Python, the venv, a non-root user. No compilers, no
+# toolkit, and no second copy of cuBLAS, cuFFT, cuSPARSE, NCCL and the rest: torch's wheel installed
+# them into the venv as nvidia-* packages (the `runtime` image would add them under /usr/local/cuda).
 FROM nvidia/cuda:${CUDA_VERSION}-base-${UBUNTU} AS engine
-ARG FLASH_ATTN_CUDA_ARCHS
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -108,6 +108,8 @@ RUN apt-get update \
     && mkdir -p /cache /etc/cbserve \
     && chown 1000:1000 /cache
 COPY --from=engine-build /opt/cbserve /opt/cbserve
+# the architectures the image's flash-attn was compiled for: the engine's start-up check reads them
+ARG FLASH_ATTN_CUDA_ARCHS
 # Everything written at run time goes to /cache or /tmp (the operator mounts both; root is read-only).
 ENV PATH=/opt/cbserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \

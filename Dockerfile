@@ -16,7 +16,20 @@
 # values flash-attn 2.8.3's setup.py knows: 80 (A100, A10, L4, RTX 30/40: sm_80 code runs on 8.x),
 # 90 (H100, H200), 100 (B200), 120 (RTX 50). One architecture compiles once, several multiply the
 # build time. flash-attn is built as a wheel in its own stage, which reads nothing of cbserve's
-# source: editing cbserve rebuilds only the last layers, not flash-attn.
+# source but its job-sizing script: editing cbserve rebuilds only the last layers, not flash-attn. The engine image carries
+# the list as CBSERVE_FLASH_ATTN_ARCHS, which the engine checks the GPU's compute capability against
+# at start-up (docs/gpu.md).
+#
+# flash-attn 2.8.3 on CUDA 13.0: Dao-AILab/flash-attention#2064 reports `pip install flash-attn`
+# failing there; the thread names no defect of the source under CUDA 13 and has no fix, only
+# pointers to prebuilt wheels. The 2.8.3 source does compile with CUDA 13.0: community wheels of
+# 2.8.3 for CUDA 13.0 and torch 2.10 and 2.11 are built from it, and flash-attn's own CI builds its
+# CUDA 13.0.1 wheels with one job of two nvcc threads because its runners ran out of memory with two
+# jobs. So the failure this build avoids is the compiler running out of memory: MAX_JOBS comes from
+# the build machine's memory (docker/flash-attn-max-jobs.sh). The pin stays 2.8.3: 2.8.3.post2, the
+# newest 2.x on PyPI, changes only the backward kernels, two torch.load calls, the FA3 setup and the
+# name of the prebuilt wheel setup.py looks for; the forward and paged-KV code the engine calls is
+# unchanged.
 
 ARG CUDA_VERSION=13.0.3
 ARG UBUNTU=ubuntu24.04
@@ -46,12 +59,20 @@ RUN pip install --no-cache-dir torch==${TORCH_VERSION} packaging==25.0 wheel==0.
 # flash-attn-wheel: flash-attn compiled once, for FLASH_ATTN_CUDA_ARCHS, into /wheels.
 # FLASH_ATTENTION_FORCE_BUILD=TRUE: compile here instead of fetching a prebuilt wheel from GitHub
 # (there is none for torch 2.13, and a guessed one would not be for these architectures).
-# MAX_JOBS bounds the compiler's memory (several GB a job); raise it on a big build machine.
+# Memory: each nvcc thread peaks at about NVCC_GIB_PER_THREAD GiB (flash-attn PR #2079 measured 3 to
+# 5 GB a thread; 5 is the worst case), so MAX_JOBS (parallel nvcc processes) is computed from the
+# memory the build sees; `--build-arg MAX_JOBS=N` overrides it. NVCC_THREADS=2 is flash-attn's CI
+# setting for CUDA 13; with one architecture nvcc uses one thread whatever it is.
 FROM torch-build AS flash-attn-wheel
 ARG FLASH_ATTN_VERSION
 ARG FLASH_ATTN_CUDA_ARCHS
-ARG MAX_JOBS=4
-RUN FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+ARG NVCC_THREADS=2
+ARG NVCC_GIB_PER_THREAD=5
+ARG MAX_JOBS=
+COPY docker/flash-attn-max-jobs.sh /usr/local/bin/flash-attn-max-jobs.sh
+RUN jobs="${MAX_JOBS:-$(sh /usr/local/bin/flash-attn-max-jobs.sh)}" \
+    && echo "flash-attn ${FLASH_ATTN_VERSION} for ${FLASH_ATTN_CUDA_ARCHS}: MAX_JOBS=${jobs} NVCC_THREADS=${NVCC_THREADS}" \
+    && FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${jobs}" NVCC_THREADS="${NVCC_THREADS}" \
     pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels flash-attn==${FLASH_ATTN_VERSION}
 
 # ---------------------------------------------------------------------------------------------
@@ -71,8 +92,11 @@ RUN pip install --no-cache-dir --find-links /wheels --only-binary flash-attn ".[
     && python -c "import engine.backends.cuda, flash_attn; print('flash-attn', flash_attn.__version__)"
 
 # ---------------------------------------------------------------------------------------------
-# engine: the CUDA runtime base, the venv, a non-root user. No compilers, no toolkit.
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS engine
+# engine: NVIDIA's `base` CUDA image (the CUDA runtime library and the container toolkit's
+# settings, NVIDIA_REQUIRE_CUDA among them), Python, the venv, a non-root user. No compilers, no
+# toolkit, and no second copy of cuBLAS, cuFFT, cuSPARSE, NCCL and the rest: torch's wheel installed
+# them into the venv as nvidia-* packages (the `runtime` image would add them under /usr/local/cuda).
+FROM nvidia/cuda:${CUDA_VERSION}-base-${UBUNTU} AS engine
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -84,6 +108,8 @@ RUN apt-get update \
     && mkdir -p /cache /etc/cbserve \
     && chown 1000:1000 /cache
 COPY --from=engine-build /opt/cbserve /opt/cbserve
+# the architectures the image's flash-attn was compiled for: the engine's start-up check reads them
+ARG FLASH_ATTN_CUDA_ARCHS
 # Everything written at run time goes to /cache or /tmp (the operator mounts both; root is read-only).
 ENV PATH=/opt/cbserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -92,7 +118,8 @@ ENV PATH=/opt/cbserve/bin:$PATH \
     HF_HOME=/cache/huggingface \
     XDG_CACHE_HOME=/tmp/.cache \
     TRITON_CACHE_DIR=/tmp/.triton \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/.inductor
+    TORCHINDUCTOR_CACHE_DIR=/tmp/.inductor \
+    CBSERVE_FLASH_ATTN_ARCHS=${FLASH_ATTN_CUDA_ARCHS}
 USER 1000:1000
 WORKDIR /tmp
 EXPOSE 8000

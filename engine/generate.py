@@ -31,15 +31,17 @@ def generate_batch(
     inputs: list[list[int]],
     generation_config=None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
-    progress_bar: bool = False,
     record_timestamps: bool = False,
-    max_new_tokens: int | None = None,
-    tokenizer=None,
+    progress_bar: bool = False,
     persistent_manager: bool = False,
     warmup: bool = True,
+    *,
+    max_new_tokens: int | None = None,
+    tokenizer=None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
-    """Generate for every prompt; returns {request_id: GenerationOutput} in input order.
+    """Generate for every prompt; returns {request_id: GenerationOutput} in input order. The
+    positional parameters are transformers' and in its order; cbserve's own are keyword-only.
 
     `kwargs` are per-request parameters applied to every prompt (temperature, top_k, top_p, seed,
     eos_token_id, ignore_eos, logprobs, stop_strings, detokenize, structured_output, ...); an unknown one

@@ -286,7 +286,8 @@ class LLMEngine:
         for key, value in given.items():
             if value is not None:
                 setattr(params, key, value)
-        if not do_sample:
+        if not do_sample:  # greedy ignores the temperature, but a given one must still be a valid one
+            params.validate_temperature()
             params.temperature = 0.0
         return params
 

@@ -46,8 +46,9 @@ class ContinuousBatchingManager:
         model: torch.nn.Module,
         generation_config=None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
-        tokenizer=None,
         workload_hints: Any = None,
+        *,
+        tokenizer=None,
         tensor_parallel: Launch | None = None,
     ) -> None:
         """`workload_hints` (transformers' WorkloadHints) is accepted and unused: cbserve sizes the
@@ -125,8 +126,16 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False,
-             keep_for_next_session: bool = False, **_: Any) -> None:  # fmt: skip
+    def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
+        """transformers' step that sets the model's attention implementation to one its continuous
+        batching can run ("paged|eager", "sdpa" or flash, switching to flash-attn when
+        `auto_switch_to_flash`), restored by stop(). cbserve needs no switch, so the model is left as
+        it was loaded: around each engine step cbserve's paged attention stands in for whatever
+        implementation the model has and puts it back after (engine/attention.py), and the CUDA
+        backend runs flash-attn's kernels by itself when flash-attn is installed."""
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False, **_: Any) -> None:  # fmt: skip
         """Stop accepting requests; finish the in-flight ones (or abort them with hard_stop), then exit.
         The KV cache is freed once the loop has ended, unless `keep_for_next_session`, which also keeps
         the manager on the model for the next `init_continuous_batching` (as transformers does); either
@@ -248,8 +257,10 @@ class ContinuousBatchingManager:
         return len(self._inbox) + len(waiting) + sum(r.num_children for r in self._inbox) + sum(
             r.num_children for r in waiting)
 
-    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, **kwargs: Any) -> list[str]:
-        return [self.add_request(ids, max_new_tokens=max_new_tokens, **kwargs) for ids in inputs]
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **kwargs: Any) -> list[str]:  # fmt: skip
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                                 record_timestamps=record_timestamps, **kwargs) for ids in inputs]  # fmt: skip
 
     def cancel_request(self, request_id: str) -> None:
         with self._lock:

@@ -39,6 +39,19 @@ class ParamError(ValueError):
 MAX_LOGPROBS = 20
 
 
+def _number(name: str, value: Any, param: str | None = None) -> float:
+    """`value` as a float when it is a finite int or float (not a bool); a ParamError for `param` (or `name`) else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamError(param or name, f"{name} must be a number, got {value!r}")
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond any float
+        x = math.inf
+    if not math.isfinite(x):
+        raise ParamError(param or name, f"{name} must be a finite number, got {value!r}")
+    return x
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. temperature 0 (or None with no sampling asked) is greedy."""
@@ -63,33 +76,25 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def validate_temperature(self) -> None:
+        """temperature a finite number >= 0; a ParamError otherwise."""
+        if _number("temperature", self.temperature) < 0:
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+
     def validate(self, vocab_size: int) -> None:
         """Every field in range; a ParamError names the first that is not."""
-
-        def number(name: str, value: Any, param: str | None = None) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ParamError(param or name, f"{name} must be a number, got {value!r}")
-            try:
-                x = float(value)
-            except OverflowError:  # an int beyond any float
-                x = math.inf
-            if not math.isfinite(x):
-                raise ParamError(param or name, f"{name} must be a finite number, got {value!r}")
-            return x
-
-        if number("temperature", self.temperature) < 0:
-            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        self.validate_temperature()
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ParamError("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 < number("top_p", self.top_p) <= 1:
+        if not 0 < _number("top_p", self.top_p) <= 1:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= number("min_p", self.min_p) <= 1:
+        if not 0 <= _number("min_p", self.min_p) <= 1:
             raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
+        if _number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
+        if not -2 <= _number("presence_penalty", self.presence_penalty) <= 2:
             raise ParamError("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
+        if not -2 <= _number("frequency_penalty", self.frequency_penalty) <= 2:
             raise ParamError("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ParamError("seed", f"seed must be an integer, got {self.seed!r}")
@@ -102,7 +107,7 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                     raise ParamError("logit_bias", f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
-                number(f"logit_bias value for token {token}", bias, "logit_bias")
+                _number(f"logit_bias value for token {token}", bias, "logit_bias")
 
 
 @dataclass

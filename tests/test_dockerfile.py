@@ -169,12 +169,26 @@ def test_chart_default_image_and_operator_deployment_agree_with_the_engine_targe
 def test_engine_final_image_has_no_build_tools(dockerfile):
     engine = dockerfile["engine"]
     base = engine[0][1]
-    assert base.startswith("nvidia/cuda:") and "-runtime-" in base, base
+    assert base.startswith("nvidia/cuda:") and "-base-" in base, base
     runs = " ".join(rest for w, rest in engine if w == "RUN")
     for tool in ("build-essential", "gcc", "g++", "ninja", "python3-dev", "-devel", "git "):
         assert tool not in runs, f"{tool} in the final engine image"
     copies = [rest for w, rest in engine if w == "COPY"]
     assert copies == ["--from=engine-build /opt/cbserve /opt/cbserve"]
+
+
+def test_engine_base_does_not_duplicate_the_cuda_libraries_torch_brings(dockerfile):
+    """torch's Linux wheel installs cuBLAS, cuFFT, cuSPARSE, NCCL, nvrtc and the rest into the venv as
+    nvidia-* packages; NVIDIA's `runtime` image carries them again under /usr/local/cuda. The engine
+    stage starts from the `base` flavour (the CUDA runtime library and the container toolkit's
+    settings only) and installs no CUDA library of its own."""
+    engine = dockerfile["engine"]
+    flavour = re.match(r"nvidia/cuda:\$\{CUDA_VERSION\}-(\w+)-\$\{UBUNTU\} AS engine$", engine[0][1])
+    assert flavour and flavour.group(1) == "base", engine[0][1]
+    installed = re.search(r"apt-get install -y --no-install-recommends ([^&]+)", runs(engine))
+    assert installed and installed.group(1).split() == ["python3"]
+    for lib in ("cuda-libraries", "libcublas", "libcufft", "libcusparse", "libnccl", "libcudnn", "cuda-nvrtc"):
+        assert lib not in runs(engine), lib
 
 
 def test_engine_build_installs_pinned_torch_and_flash_attn(dockerfile):
@@ -221,7 +235,7 @@ def test_cuda_major_is_the_major_torch_is_built_for(dockerfile, args):
     assert int(args["CUDA_VERSION"].split(".")[0]) == TORCH_CUDA_MAJOR[torch_version]
     # the toolkit that compiles flash-attn and the runtime the image runs are the same CUDA
     assert dockerfile["torch-build"][0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} ")
-    assert dockerfile["engine"][0][1].startswith("nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} ")
+    assert dockerfile["engine"][0][1].startswith("nvidia/cuda:${CUDA_VERSION}-base-${UBUNTU} ")
     # the torch of `make install` is the torch the image pins
     makefile = (ROOT / "Makefile").read_text()
     assert re.findall(r"pip install -q torch==(\S+)", makefile) == [torch_version]
@@ -235,19 +249,130 @@ def test_flash_attn_version_is_the_gpu_extra_pin(args):
 def test_flash_attn_is_compiled_once_in_its_own_stage_for_the_arg_architectures(dockerfile, args):
     stage = dockerfile["flash-attn-wheel"]
     assert stage[0][1] == "torch-build AS flash-attn-wheel"
-    # it reads nothing of cbserve's source: a code change does not invalidate its cache
-    assert copies(stage) == []
+    # it reads nothing of cbserve's source but its job-sizing script: a code change does not
+    # invalidate its cache
+    assert copies(stage) == [f"{JOBS_SCRIPT.relative_to(ROOT)} {JOBS_SCRIPT_IN_IMAGE}"]
     run = only(stage, "RUN")
     assert "pip wheel" in run and "--wheel-dir /wheels" in run and "flash-attn==${FLASH_ATTN_VERSION}" in run
     assert "--no-build-isolation" in run  # compiled against the stage's pinned torch
     assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in run
     assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in run  # not a guessed prebuilt wheel
-    assert {"FLASH_ATTN_VERSION", "FLASH_ATTN_CUDA_ARCHS"} <= {rest.split("=")[0] for w, rest in stage if w == "ARG"}
+    declared = {rest.split("=")[0] for w, rest in stage if w == "ARG"}
+    assert {"FLASH_ATTN_VERSION", "FLASH_ATTN_CUDA_ARCHS", "MAX_JOBS", "NVCC_THREADS", "NVCC_GIB_PER_THREAD"} <= declared
     archs = args["FLASH_ATTN_CUDA_ARCHS"].split(";")
     assert archs == ["90"], "one architecture by default (H100), so the build compiles once"
     assert set(archs) <= FLASH_ATTN_ARCHS
     # the only stage that compiles flash-attn
     assert [name for name, st in dockerfile.items() if "flash-attn==" in runs(st)] == ["flash-attn-wheel"]
+
+
+JOBS_SCRIPT = ROOT / "docker" / "flash-attn-max-jobs.sh"
+JOBS_SCRIPT_IN_IMAGE = "/usr/local/bin/flash-attn-max-jobs.sh"
+GIB = 1 << 30
+
+
+def max_jobs(tmp_path: Path, *, available_gib: float, cpus: int, archs: str = "90", threads: int = 2,
+             per_thread: int = 5, cgroup: str | None = None) -> int:
+    """The job-sizing script's answer on a machine with this much memory available and these CPUs."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {int(available_gib * 2 * GIB) // 1024} kB\n"
+                       f"MemAvailable: {int(available_gib * GIB) // 1024} kB\n")  # fmt: skip
+    limit = tmp_path / "memory.max"
+    if cgroup is not None:
+        limit.write_text(cgroup + "\n")
+    env = {"PATH": "/usr/bin:/bin", "NVCC_THREADS": str(threads), "NVCC_GIB_PER_THREAD": str(per_thread),
+           "FLASH_ATTN_CUDA_ARCHS": archs, "MEMINFO": str(meminfo), "CGROUP_MEMORY_MAX": str(limit), "CPUS": str(cpus)}
+    out = subprocess.run(["sh", str(JOBS_SCRIPT)], env=env, capture_output=True, text=True, timeout=30, check=True)
+    return int(out.stdout)
+
+
+def test_flash_attn_jobs_fit_the_build_machines_memory(tmp_path):
+    """MAX_JOBS x nvcc threads a job x GiB a thread stays within the memory the build sees."""
+    # one architecture: nvcc runs one thread a job (its --threads parallelises over -gencode targets)
+    assert max_jobs(tmp_path, available_gib=64, cpus=32) == 12  # 64 GiB / 5 GiB
+    # two architectures, two threads a job: half the jobs
+    assert max_jobs(tmp_path, available_gib=64, cpus=32, archs="80;90") == 6
+    assert max_jobs(tmp_path, available_gib=64, cpus=32, archs="80;90;100;120", threads=4) == 3
+    # the build container's cgroup limit wins when it is lower than the host's available memory
+    assert max_jobs(tmp_path, available_gib=64, cpus=32, cgroup=str(16 * GIB)) == 3
+    assert max_jobs(tmp_path, available_gib=12, cpus=32, cgroup=str(64 * GIB)) == 2
+    assert max_jobs(tmp_path, available_gib=64, cpus=32, cgroup="max") == 12
+    # never more jobs than the CPUs run (threads included), never fewer than one
+    assert max_jobs(tmp_path, available_gib=512, cpus=8) == 8
+    assert max_jobs(tmp_path, available_gib=512, cpus=8, archs="80;90") == 4
+    assert max_jobs(tmp_path, available_gib=3, cpus=8) == 1
+    assert max_jobs(tmp_path, available_gib=512, cpus=1, archs="80;90") == 1
+    for gib in (7, 10, 16, 31, 64, 123):
+        for archs, threads in (("90", 2), ("80;90", 2), ("80;90;100;120", 4)):
+            jobs = max_jobs(tmp_path, available_gib=gib, cpus=64, archs=archs, threads=threads)
+            assert jobs == 1 or jobs * min(threads, len(archs.split(";"))) * 5 <= gib, (gib, archs, jobs)
+
+
+def test_flash_attn_build_runs_with_the_computed_jobs_or_the_build_arg(dockerfile, args, tmp_path):
+    """The stage's RUN line itself, run by sh with `pip` replaced by a stand-in that prints what it
+    was given: the computed MAX_JOBS reaches flash-attn's setup.py, and `--build-arg MAX_JOBS=N` wins."""
+    stage = dockerfile["flash-attn-wheel"]
+    run = only(stage, "RUN").replace(JOBS_SCRIPT_IN_IMAGE, str(JOBS_SCRIPT))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "pip").write_text('#!/bin/sh\necho "MAX_JOBS=$MAX_JOBS NVCC_THREADS=$NVCC_THREADS '
+                                'ARCHS=$FLASH_ATTN_CUDA_ARCHS FORCE=$FLASH_ATTENTION_FORCE_BUILD ARGS=$*"\n')
+    (bindir / "pip").chmod(0o755)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {40 * GIB // 1024} kB\n")
+    stage_args = dict(a.split("=", 1) for w, a in stage if w == "ARG" and "=" in a)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "MEMINFO": str(meminfo), "CGROUP_MEMORY_MAX": str(tmp_path / "none"),
+           "CPUS": "16", "FLASH_ATTN_VERSION": args["FLASH_ATTN_VERSION"],
+           "FLASH_ATTN_CUDA_ARCHS": args["FLASH_ATTN_CUDA_ARCHS"], **stage_args}  # fmt: skip
+
+    def pip_sees(**build_args: str) -> str:
+        out = subprocess.run(["sh", "-c", run], env={**env, **build_args}, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()[-1]
+
+    assert stage_args["MAX_JOBS"] == ""  # unset: computed
+    seen = pip_sees()
+    assert seen.startswith(f"MAX_JOBS=8 NVCC_THREADS={stage_args['NVCC_THREADS']} ARCHS=90 FORCE=TRUE ARGS=wheel ")
+    assert seen.endswith(f"flash-attn=={args['FLASH_ATTN_VERSION']}")
+    assert pip_sees(MAX_JOBS="3").startswith("MAX_JOBS=3 ")
+    assert pip_sees(FLASH_ATTN_CUDA_ARCHS="80;90").startswith("MAX_JOBS=4 NVCC_THREADS=2 ARCHS=80;90 ")
+
+
+def test_dockerignore_keeps_the_job_script_in_the_context():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    top = JOBS_SCRIPT.relative_to(ROOT).parts[0]
+    assert top not in ignored and f"{top}/" not in ignored
+
+
+def test_engine_image_names_the_architectures_its_flash_attn_was_built_for(dockerfile, args):
+    """The start-up check reads CBSERVE_FLASH_ATTN_ARCHS; the engine stage sets it from the very ARG
+    the flash-attn stage compiles for (redeclared in the stage, or it would expand to nothing)."""
+    engine = dockerfile["engine"]
+    assert "FLASH_ATTN_CUDA_ARCHS" in [rest for w, rest in engine if w == "ARG"]
+    env = " ".join(rest for w, rest in engine if w == "ENV")
+    assert re.search(r"(^|\s)CBSERVE_FLASH_ATTN_ARCHS=\$\{FLASH_ATTN_CUDA_ARCHS\}(\s|$)", env), env
+    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in only(dockerfile["flash-attn-wheel"], "RUN")
+
+
+# The oldest NVIDIA driver branch that runs each CUDA major (NVIDIA's CUDA release notes, table 3).
+CUDA_MAJOR_MIN_DRIVER = {13: 580}
+
+
+def test_full_example_schedules_onto_gpus_the_default_image_was_built_for(args):
+    """examples/cbdeployment-full.yaml runs the default image: its nodes are those GPU feature
+    discovery labels with a compute capability in FLASH_ATTN_CUDA_ARCHS and a new enough driver."""
+    full = yaml.safe_load((ROOT / "examples" / "cbdeployment-full.yaml").read_text())
+    assert full["spec"]["image"] == DEFAULT_IMAGE
+    selector = full["spec"]["podTemplate"]["nodeSelector"]
+    capability = selector["nvidia.com/gpu.compute.major"] + selector["nvidia.com/gpu.compute.minor"]
+    archs = args["FLASH_ATTN_CUDA_ARCHS"].split(";")
+    # sm_80 code also runs on the later 8.x GPUs; every other architecture is exact
+    assert capability in archs or (capability.startswith("8") and "80" in archs), (capability, archs)
+    (term,) = full["spec"]["podTemplate"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    (driver,) = [e for e in term["matchExpressions"] if e["key"] == "nvidia.com/cuda.driver-version.major"]
+    assert driver["operator"] == "Gt"
+    assert int(driver["values"][0]) + 1 == CUDA_MAJOR_MIN_DRIVER[int(args["CUDA_VERSION"].split(".")[0])]
 
 
 def test_engine_without_flash_attn_serves_with_sdpa_and_says_so(monkeypatch, caplog):

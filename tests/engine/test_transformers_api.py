@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 
 import pytest
 import torch
@@ -144,6 +145,16 @@ def test_every_field_of_transformers_config_is_accepted(caplog) -> None:
 
 
 def test_every_argument_of_transformers_methods_is_accepted(model) -> None:
+    for theirs, ours in method_pairs(model):
+        accepted = inspect.signature(ours).parameters
+        for name, param in inspect.signature(theirs).parameters.items():
+            if param.kind is param.VAR_KEYWORD or name == "self":
+                continue
+            assert name in accepted or any(p.kind is p.VAR_KEYWORD for p in accepted.values()), (theirs, name)
+
+
+def method_pairs(model) -> list[tuple]:
+    """(transformers' method, cbserve's) for the public continuous-batching API."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager as TM
     from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
@@ -152,15 +163,79 @@ def test_every_argument_of_transformers_methods_is_accepted(model) -> None:
     pairs = [(ContinuousMixin.generate_batch, model.generate_batch),
              (ContinuousMixin.init_continuous_batching, model.init_continuous_batching),
              (ContinuousMixin.continuous_batching_context_manager, model.continuous_batching_context_manager)]  # fmt: skip
-    pairs += [(getattr(TM, name), getattr(ContinuousBatchingManager, name)) for name in
-              ("__init__", "add_request", "add_requests", "cancel_request", "get_result", "request_id_iter", "start",
-               "stop", "join", "warmup", "destroy", "pause", "register_result_handler", "is_running")]  # fmt: skip
-    for theirs, ours in pairs:
-        accepted = inspect.signature(ours).parameters
-        for name, param in inspect.signature(theirs).parameters.items():
-            if param.kind is param.VAR_KEYWORD or name == "self":
-                continue
-            assert name in accepted or any(p.kind is p.VAR_KEYWORD for p in accepted.values()), (theirs, name)
+    names = ("__init__", "add_request", "add_requests", "cancel_request", "get_result", "request_id_iter", "start",
+             "stop", "join", "warmup", "destroy", "pause", "register_result_handler", "is_running",
+             "switch_to_cb_friendly_attn")  # fmt: skip
+    return pairs + [(getattr(TM, name), getattr(ContinuousBatchingManager, name)) for name in names]
+
+
+def test_positional_parameters_are_transformers_in_its_order(model) -> None:
+    """A positional call means what it means in transformers: its positional parameters lead ours, in
+    its order (cbserve's own come after, keyword-only or last)."""
+
+    def positional(f) -> list[str]:
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [n for n, p in inspect.signature(f).parameters.items() if p.kind in kinds and n != "self"]
+
+    for theirs, ours in method_pairs(model):
+        assert positional(ours)[: len(positional(theirs))] == positional(theirs), theirs.__qualname__
+
+
+def test_stop_called_positionally_keeps_the_manager_as_transformers_does(model) -> None:
+    manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(**CB))
+    manager.start()
+    rid = manager.add_request([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+    manager.stop(True, 60, True)  # block, timeout, keep_for_next_session: a soft stop that keeps it
+    assert manager.get_result(rid, timeout=60).generated_tokens == generate(model, [5, 6, 7], max_new_tokens=4)
+    assert model.init_continuous_batching() is manager
+    manager.start()
+    rid = manager.add_request([5, 6, 7], max_new_tokens=50, ignore_eos=True)
+    manager.stop(True, 60, False, True)  # ..., hard_stop: the request is aborted, not run to its end
+    out = manager.get_result(rid, timeout=60)
+    assert out is not None and out.finish_reason == "abort" and len(out.generated_tokens) < 50
+    manager.destroy()
+
+
+def test_request_status_is_transformers_enum() -> None:
+    """Same names, same values, same comparisons: transformers 5.2x's RequestStatus is an IntEnum."""
+    from transformers.generation.continuous_batching import RequestStatus as TransformersStatus
+
+    assert [(s.name, s.value) for s in RequestStatus] == [(s.name, s.value) for s in TransformersStatus]
+    assert issubclass(RequestStatus, int) == issubclass(TransformersStatus, int)
+    for ours, theirs in zip(RequestStatus, TransformersStatus):
+        assert ours == theirs.value and (ours >= RequestStatus.FINISHED) == (theirs >= TransformersStatus.FINISHED)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, "hot"], ids=["nan", "inf", "negative", "text"])
+def test_a_temperature_the_server_refuses_fails_the_request_even_when_greedy(model, bad) -> None:
+    """The server's rule (a finite number >= 0) holds for generate_batch and add_request too, also
+    where greedy decoding would not use the temperature (do_sample=False)."""
+    config = GenerationConfig(max_new_tokens=3, eos_token_id=None)
+    cb = ContinuousBatchingConfig(**CB)
+    for sampling in ({}, {"do_sample": False}, {"do_sample": True}):
+        (out,) = model.generate_batch([[5, 6, 7]], generation_config=config, continuous_batching_config=cb,
+                                      persistent_manager=True, temperature=bad, **sampling).values()  # fmt: skip
+        assert out.status == RequestStatus.FAILED and "temperature must be" in out.error, (sampling, out.error)
+    manager = model.init_continuous_batching()
+    with pytest.raises(ValueError, match="temperature must be"):
+        manager.add_request([5, 6, 7], max_new_tokens=3, temperature=bad, do_sample=False)
+    model.destroy_cached_continuous_batching_manager()
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_switch_to_cb_friendly_attn_leaves_the_model_as_loaded(implementation) -> None:
+    """transformers switches the model to an implementation its continuous batching runs; cbserve's
+    engine runs over any, so the switch changes nothing and generation stays model.generate's."""
+    model = use_cbserve(build_test_model("llama", vocab_size=VOCAB, attn_implementation=implementation))
+    manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(**CB))
+    for auto_switch_to_flash in (True, False):
+        assert manager.switch_to_cb_friendly_attn(model, auto_switch_to_flash) is None
+        assert model.config._attn_implementation == implementation
+    manager.start()
+    rid = manager.add_request([5, 6, 7, 8], max_new_tokens=6, ignore_eos=True)
+    assert manager.get_result(rid, timeout=60).generated_tokens == generate(model, [5, 6, 7, 8], max_new_tokens=6)
+    manager.stop()
+    assert model.config._attn_implementation == implementation
 
 
 def test_the_safety_margin_holds_new_requests_back_while_others_run() -> None:

@@ -163,8 +163,8 @@ GRAPH_PARTS = ("varlen", "decode")  # use_cuda_graph's pair; the CRD has one boo
 
 SETTINGS: tuple[Setting, ...] = (
     # ---- the process: what to serve and where (cbserve serve; --model and --log-level for every command) ----
-    Setting("model", "str", None, "local checkpoint folder, GGUF file or hf://org/name[@revision]; unset: the "
-            "embedded SmolLM2-135M-Instruct", section="process", nullable=True),
+    Setting("model", "str", None, "local checkpoint folder or hf://org/name[@revision]; unset: the embedded "
+            "SmolLM2-135M-Instruct", section="process", nullable=True),
     Setting("served_model_name", "str", None, "the model's name in the API; unset: the folder's name",
             section="process", nullable=True, commands=("serve",)),
     Setting("host", "str", "0.0.0.0", "the address the server listens on", section="process", commands=("serve",)),

@@ -23,7 +23,7 @@ tools: $(TOOLS)
 $(TOOLS): $(STAMP) scripts/install_kube_tools.py
 	$(PY) scripts/install_kube_tools.py $(VENV)/bin
 
-# cbserve's C++ CPU kernels, compiled for this machine into the cache folder (~40 s once, then a no-op).
+# cbserve's C++ CPU kernels, compiled for this machine into the cache folder (one to two minutes once, then a no-op).
 kernels: $(STAMP)
 	$(PY) -m engine.backends.cpu_kernels
 

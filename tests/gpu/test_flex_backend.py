@@ -228,9 +228,9 @@ def test_decode_graphs_with_flex_in_the_engine_loop_equal_model_generate():
 
 
 def test_decode_and_varlen_graphs_with_flex_change_no_token_and_name_the_backend():
-    model = build_test_model("llama", vocab_size=512).to(torch.bfloat16)
-    prompts = random_prompts(5, 3, 300, 512, seed=4)
-    config = ContinuousBatchingConfig(block_size=128, num_blocks=16, max_batch_tokens=128, max_requests_per_batch=4)
+    model = build_test_model("llama", vocab_size=512)
+    prompts = random_prompts(4, 3, 260, 512, seed=4)
+    config = ContinuousBatchingConfig(block_size=128, num_blocks=10, max_batch_tokens=128, max_requests_per_batch=3)
     eager, _ = run_engine(model, eager_flex(), config, prompts, (False, False))
     engine = graphed_engine(model, eager_flex(), config, (True, True))
     assert engine.placement()["attention_backend"] == "flex"  # what /v1/models shows under "engine"

@@ -161,11 +161,18 @@ def softcap_mod(softcap: float) -> Callable[..., Any]:
     return score_mod
 
 
+RECOMPILE_LIMIT = 64  # dynamo's per-function cache (8 by default) would refuse the variants past it
+
+
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """flex_attention compiled (the GPU kernels); shapes are dynamic so that steps of every size
-    share one compilation per mask and score variant."""
+    """flex_attention compiled (the GPU kernels). Shapes are dynamic, so steps of every size share a
+    compilation; what still compiles anew is each kind (decode rows, prefill tiles) with each
+    window and softcap a model's layers use, and sizes of 1 (dynamo specialises them). With
+    fullgraph a variant past dynamo's recompile limit would be an error: the limit is raised."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 

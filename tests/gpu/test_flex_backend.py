@@ -181,12 +181,42 @@ def test_without_flash_attn_flex_serves_and_sdpa_is_the_last_resort():
     assert _choose(cap=(8, 0), flex_missing="no triton").kernel == "sdpa"
 
 
-def test_make_backend_checks_the_compute_capability_at_start_up(monkeypatch, caplog):
-    """CUDA and flash-attn faked: an image whose flash-attn was built for 9.0 on an 8.0 GPU serves with flex."""
+def _fake_cuda(monkeypatch, capability=(8, 0)):
+    """CUDA faked; flex's start-up self-check runs for real, on the CPU with eager flex_attention."""
+    real_check = flex.self_check
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(cuda, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(flex, "flex_unavailable", lambda: None)
+    monkeypatch.setattr(flex, "self_check", lambda device: real_check("cpu", flex_attention))
+
+
+def test_flex_self_check_passes_and_names_what_fails():
+    assert flex.self_check("cpu", flex_attention) is None
+    assert flex.self_check("cpu", flex_attention, dtype=torch.float32) is None
+
+    def broken(q, k, v, **kw):
+        raise RuntimeError("triton compile error\nmore")
+
+    assert flex.self_check("cpu", broken) == "its self-check on cpu failed: RuntimeError: triton compile error"
+    wrong = flex.self_check("cpu", lambda q, k, v, **kw: torch.zeros_like(q))
+    assert wrong is not None and wrong.startswith("its self-check on cpu differs from SDPA by")
+
+
+def test_a_flex_that_fails_its_self_check_leaves_sdpa_with_the_reason(monkeypatch, caplog):
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(cuda, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(flex, "self_check", lambda device: "its self-check on cuda:0 failed: RuntimeError: boom")
+    with caplog.at_level(logging.INFO, logger="cbserve.backends.cuda"):
+        assert isinstance(cuda.make_backend("cuda:0"), cuda.SDPACudaBackend)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "FlexAttention cannot run: its self-check on cuda:0 failed: RuntimeError: boom" in record.getMessage()
+
+
+def test_make_backend_checks_the_compute_capability_at_start_up(monkeypatch, caplog):
+    """An image whose flash-attn was built for 9.0, on an 8.0 GPU, serves with flex."""
+    _fake_cuda(monkeypatch, (8, 0))
+    monkeypatch.setattr(cuda, "flash_attn_available", lambda: True)
     monkeypatch.setenv("CBSERVE_FLASH_ATTN_ARCHS", "90")
     with caplog.at_level(logging.INFO, logger="cbserve.backends.cuda"):
         backend = cuda.make_backend("cuda:0")

@@ -119,21 +119,27 @@ def choose_backend(device: torch.device | str, *, flash_installed: bool, capabil
 def make_backend(device: torch.device | str) -> AttentionBackend:
     """The CUDA backend for `device` (see `choose_backend`), its choice logged in one line."""
     require_cuda()
-    from engine.backends.cuda.flex import flex_unavailable
+    from engine.backends.cuda import flex
 
     installed = flash_attn_available()
-    choice = choose_backend(
-        device, flash_installed=installed, flex_missing=flex_unavailable(),
-        capability=torch.cuda.get_device_capability(device) if installed else None,
-        flash_archs_value=os.environ.get(FLASH_ARCHS_ENV),
-    )  # fmt: skip
+
+    def choose(flex_missing: str | None) -> Choice:
+        return choose_backend(
+            device, flash_installed=installed, flex_missing=flex_missing,
+            capability=torch.cuda.get_device_capability(device) if installed else None,
+            flash_archs_value=os.environ.get(FLASH_ARCHS_ENV),
+        )  # fmt: skip
+
+    choice = choose(flex.flex_unavailable())
+    if choice.kernel == "flex":  # compiled and run once here, against SDPA, before it serves
+        failed = flex.self_check(device)
+        if failed is not None:
+            choice = choose(failed)
     logger.log(logging.WARNING if choice.warn else logging.INFO, "cbserve: %s", choice.line)
     if choice.kernel == "flash-attn":
         return FlashAttnBackend()
     if choice.kernel == "flex":
-        from engine.backends.cuda.flex import FlexAttnBackend
-
-        return FlexAttnBackend()
+        return flex.FlexAttnBackend()
     return SDPACudaBackend()
 
 

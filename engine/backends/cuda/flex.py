@@ -176,6 +176,59 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
+def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> str | None:  # fmt: skip
+    """Run the backend once on `device` over a small paged step (two decode rows, a prompt, a chunk
+    with history; 4 query heads over 2 KV heads) against torch SDPA over the same cache: None when
+    they agree, else why not (a compile error, a kernel error, or the largest difference)."""
+    from engine.backends.cuda import SDPACudaBackend
+
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    bs, num_blocks, hkv, h, d = 256, 8, 2, 4, 64
+    lens = [(300, 1), (40, 1), (130, 130), (400, 140)]  # (cache length after the step, queries)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, at = [], [], 0
+    for k_len, q_len in lens:
+        need = -(-k_len // bs)
+        tables.append(order[at : at + need])
+        at += need
+        slots += [tables[-1][p // bs] * bs + p % bs for p in range(k_len - q_len, k_len)]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q_lens = [q for _, q in lens]
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist(), dtype=torch.int32)
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device), cu_seqlens_q=cu.to(device),
+            seq_lens_k=torch.tensor([k for k, _ in lens], dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device), num_decodes=2, num_decode_tokens=2,
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(k for k, _ in lens), block_size=bs,
+            q_lens=q_lens, k_lens=[k for k, _ in lens],
+        )  # fmt: skip
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    T = sum(q_lens)
+    q, k, v = rnd(T, h, d), rnd(T, hkv, d), rnd(T, hkv, d)
+    k_cache, v_cache = rnd(num_blocks, bs, hkv, d), rnd(num_blocks, bs, hkv, d)
+    try:
+        with torch.inference_mode():
+            got = FlexAttnBackend(flex_fn).attend(q, k, v, k_cache.clone(), v_cache.clone(), meta(), scaling=d**-0.5)
+            sdpa, reference = SDPACudaBackend(), meta()
+            sdpa.prepare(reference)
+            want = sdpa.attend(q, k, v, k_cache, v_cache, reference, scaling=d**-0.5)
+    except Exception as exc:  # noqa: BLE001  (any failure means: do not serve with it)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"its self-check on {device} failed: {type(exc).__name__}: {first}"
+    diff = (got.float() - want.float()).abs().max().item()
+    if not diff <= 2e-2:
+        return f"its self-check on {device} differs from SDPA by {diff:.3g} (over 2e-2)"
+    return None
+
+
 class FlexAttnBackend(AttentionBackend):
     """FlexAttention over the paged cache (see the module docstring); any block size that is a
     multiple of 128, float16, bfloat16 or float32, sliding window and softcap.

@@ -64,47 +64,54 @@ def test_logical_blocks_map_each_held_block_to_its_index():
     assert logical[2, :10].tolist() == [-1] * 9 + [0]
 
 
+@pytest.mark.parametrize("window", [None, 100, 300])
 @pytest.mark.parametrize("block_size", [128, 256])
 @pytest.mark.parametrize("seqs", [MIXED, DECODE, PREFILL])
-def test_block_mask_tiles_hold_every_allowed_key_and_only_the_sequences_own(seqs, block_size):
+def test_block_mask_tiles_hold_every_allowed_key_and_only_the_sequences_own(seqs, block_size, window):
     """What the GPU kernel relies on: a query tile visits every key tile its queries may see (else
-    keys are lost), and only tiles of its own sequence's blocks (else it wastes work)."""
+    keys are lost), and only tiles of its own sequence's blocks (else it wastes work); with a
+    sliding window, none wholly before it."""
     *_, k_cache, _, meta = make_step(seqs, block_size=block_size, num_blocks=4096 // block_size + 2, seed=3)
-    num_blocks = k_cache.shape[0]
+    key_tiles = k_cache.shape[0] * block_size // TILE
     per_block = block_size // TILE
     nd, T = meta.num_decodes, sum(meta.q_lens)
 
-    def check(seq: int, pos: int, visited: set[int]) -> None:
+    def check(seq: int, first: int, last: int, visited: list[int]) -> None:
         table = meta.block_tables[seq].tolist()[: -(-meta.k_lens[seq] // block_size)]
-        own = {b * per_block + j for b in table for j in range(per_block)}
-        last = min(pos, meta.k_lens[seq] - 1)
-        needed = {(table[p // block_size] * block_size + p % block_size) // TILE for p in range(last + 1)}
-        assert needed <= visited <= own, (seq, pos)
+        tile_of = [table[p // block_size] * per_block + p % block_size // TILE for p in range(meta.k_lens[seq])]
+        lo = 0 if window is None else max(0, first - window + 1)
+        last = min(last, meta.k_lens[seq] - 1)
+        assert set(tile_of[lo : last + 1]) <= set(visited) <= set(tile_of), (seq, first, last)
+        assert len(visited) == len(set(visited))  # no tile twice
+        if window is not None:
+            assert tile_of[lo // TILE * TILE] == visited[0]  # starts at the window's first tile
 
     if nd:
-        dec = decode_layout(meta, nd, num_blocks * block_size // TILE)
-        assert dec.kv_indices.shape[:3] == (nd, 1, 1)
+        num, indices = decode_layout(meta, nd, key_tiles).blocks(window)
+        assert indices.shape == (nd, 1, 1, key_tiles)
         for i in range(nd):
-            n = int(dec.kv_num_blocks[i, 0, 0])
-            check(i, meta.k_lens[i] - 1, set(dec.kv_indices[i, 0, 0, :n].tolist()))
+            pos = meta.k_lens[i] - 1
+            check(i, pos, pos, indices[i, 0, 0, : int(num[i, 0, 0])].tolist())
     if nd < meta.num_seqs:
-        pre = prefill_layout(meta, nd, T - nd, num_blocks * block_size // TILE)
-        assert pre.rows % TILE == 0 and pre.kv_num_blocks.shape == (1, 1, pre.rows // TILE)
+        pre = prefill_layout(meta, nd, T - nd, key_tiles)
+        num, indices = pre.blocks(window)
+        assert pre.rows % TILE == 0 and num.shape == (1, 1, pre.rows // TILE)
         assert len(set(pre.dest.tolist())) == T - nd  # every token its own row
-        rows_used = set()
+        cu = meta.cu_seqlens_q.tolist()
+        tiles_used: dict[int, list[int]] = {}
         for t in range(T - nd):
             row = int(pre.dest[t])
             seq = int(pre.row_seq[row])
-            cu = meta.cu_seqlens_q.tolist()
             assert cu[seq] <= t + nd < cu[seq + 1]
             assert int(pre.row_pos[row]) == meta.k_lens[seq] - meta.q_lens[seq] + (t + nd - cu[seq])
-            tile = row // TILE
-            rows_used.add(tile)
-            visited = pre.kv_indices[0, 0, tile, : int(pre.kv_num_blocks[0, 0, tile])]
-            check(seq, int(pre.row_pos[row]), set(visited.tolist()))
+            tiles_used.setdefault(row // TILE, []).append(int(pre.row_pos[row]))
         for tile in range(pre.rows // TILE):
-            if tile not in rows_used:
-                assert int(pre.kv_num_blocks[0, 0, tile]) == 0  # spare tiles visit nothing
+            visited = indices[0, 0, tile, : int(num[0, 0, tile])].tolist()
+            if tile in tiles_used:
+                seq = int(pre.row_seq[tile * TILE])
+                check(seq, min(tiles_used[tile]), max(tiles_used[tile]), visited)
+            else:
+                assert visited == []  # spare tiles visit nothing
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODE, PREFILL])

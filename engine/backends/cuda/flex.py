@@ -76,23 +76,35 @@ def table_tiles(block_tables: torch.Tensor, block_size: int, key_tiles: int) -> 
     return out
 
 
-def tile_counts(last_pos: torch.Tensor) -> torch.Tensor:
-    """Key tiles a query tile visits: those holding positions 0..last_pos."""
-    return (torch.div(last_pos, TILE, rounding_mode="floor") + 1).to(torch.int32)
+def visited_tiles(tiles: torch.Tensor, first_pos: torch.Tensor, last_pos: torch.Tensor, window: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """BlockMask rows (kv_num_blocks [R] int32, kv_indices [R, key tiles]) of query tiles whose queries
+    sit at positions first_pos..last_pos, over their sequences' `tiles` (logical order): the key tiles
+    from the first one a query may see (position first_pos - window + 1; 0 without a window) to the
+    one holding last_pos."""
+    last = torch.div(last_pos, TILE, rounding_mode="floor")
+    if window is None:
+        return (last + 1).to(torch.int32), tiles
+    lo = torch.div((first_pos - window + 1).clamp(min=0), TILE, rounding_mode="floor")
+    cols = (lo[:, None] + torch.arange(tiles.shape[1], device=tiles.device)).clamp_(max=tiles.shape[1] - 1)
+    return (last - lo + 1).to(torch.int32), tiles.gather(1, cols)
 
 
 @dataclass
 class DecodeLayout:
-    kv_num_blocks: torch.Tensor  # [n, 1, 1] int32
-    kv_indices: torch.Tensor  # [n, 1, 1, key tiles of the cache] int32
+    tiles: torch.Tensor  # [n, key tiles of the cache] int32: each row's table as key tiles
     q_pos: torch.Tensor  # [n] int64: each row's position
+
+    def blocks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_num_blocks [n, 1, 1], kv_indices [n, 1, 1, key tiles]) for layers with this window."""
+        num, indices = visited_tiles(self.tiles, self.q_pos, self.q_pos, window)
+        n = self.q_pos.shape[0]
+        return num.view(n, 1, 1), indices.view(n, 1, 1, -1)
 
 
 def decode_layout(meta: AttentionMetadata, n: int, key_tiles: int) -> DecodeLayout:
     """The first n sequences, one query each: row i visits its own table's tiles up to its length."""
-    k_lens = meta.seq_lens_k[:n].long()
-    tiles = table_tiles(meta.block_tables[:n], meta.block_size, key_tiles)
-    return DecodeLayout(tile_counts(k_lens - 1).view(n, 1, 1), tiles.view(n, 1, 1, -1), k_lens - 1)
+    return DecodeLayout(table_tiles(meta.block_tables[:n], meta.block_size, key_tiles), meta.seq_lens_k[:n].long() - 1)
 
 
 @dataclass
@@ -101,8 +113,16 @@ class PrefillLayout:
     dest: torch.Tensor  # [T] int64: the padded row of each prefill token
     row_seq: torch.Tensor  # [rows] int64: sequence (index into the step's sequences) of each row
     row_pos: torch.Tensor  # [rows] int64: position of each row's query (padding rows run past the chunk)
-    kv_num_blocks: torch.Tensor  # [1, 1, rows // TILE] int32
-    kv_indices: torch.Tensor  # [1, 1, rows // TILE, key tiles of the cache] int32
+    tiles: torch.Tensor  # [rows // TILE, key tiles of the cache] int32: each query tile's sequence's table
+    tile_first: torch.Tensor  # [rows // TILE] int64: position of each query tile's first query
+    tile_last: torch.Tensor  # [rows // TILE] int64: the last position its queries see
+    used: torch.Tensor  # [rows // TILE] bool: the tile holds queries
+
+    def blocks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_num_blocks [1, 1, tiles], kv_indices [1, 1, tiles, key tiles]) for layers with this window."""
+        num, indices = visited_tiles(self.tiles, self.tile_first, self.tile_last, window)
+        num = torch.where(self.used, num, 0).to(torch.int32)
+        return num.view(1, 1, -1), indices.view(1, 1, num.shape[0], -1)
 
 
 def prefill_layout(meta: AttentionMetadata, first: int, num_tokens: int, key_tiles: int) -> PrefillLayout:
@@ -121,20 +141,18 @@ def prefill_layout(meta: AttentionMetadata, first: int, num_tokens: int, key_til
     tiles = torch.arange(num_tiles, device=device)
     tile_seq = torch.searchsorted(tile_end, tiles, right=True).clamp_(max=num_seqs - 1)
     start_pos = k_lens - q_lens  # position of each chunk's first query
+    tile_first = start_pos[tile_seq] + (tiles - tile_start[tile_seq]) * TILE
     # the last key a tile's queries reach: its last row's position, at most the sequence's last
-    tile_last = start_pos[tile_seq] + (tiles - tile_start[tile_seq] + 1) * TILE - 1
-    tile_last = torch.minimum(tile_last, k_lens[tile_seq] - 1)
-    used = tiles < tile_end[-1]
-    kv_num_blocks = torch.where(used, tile_counts(tile_last), 0).to(torch.int32)
-    kv_indices = table_tiles(meta.block_tables[first:], meta.block_size, key_tiles)[tile_seq]
+    tile_last = torch.minimum(tile_first + TILE - 1, k_lens[tile_seq] - 1)
     rows = torch.arange(num_tiles * TILE, device=device)
     row_seq = tile_seq[rows // TILE]
     row_pos = start_pos[row_seq] + rows - tile_start[row_seq] * TILE
     tokens = torch.arange(num_tokens, device=device)
     token_seq = torch.searchsorted(cu[1:], tokens, right=True)
     dest = tile_start[token_seq] * TILE + tokens - cu[token_seq]
-    return PrefillLayout(num_tiles * TILE, dest, row_seq + first, row_pos,
-                         kv_num_blocks.view(1, 1, -1), kv_indices.view(1, 1, num_tiles, -1))  # fmt: skip
+    seq_tables = table_tiles(meta.block_tables[first:], meta.block_size, key_tiles)
+    return PrefillLayout(num_tiles * TILE, dest, row_seq + first, row_pos, seq_tables[tile_seq], tile_first, tile_last,
+                         tiles < tile_end[-1])  # fmt: skip
 
 
 def paged_mask(logical: torch.Tensor, block_size: int, q_seq: Callable[[Any, Any], Any],
@@ -264,6 +282,14 @@ class FlexAttnBackend(AttentionBackend):
             meta.extra["flex"] = step
         return step
 
+    @staticmethod
+    def _blocks(step: dict[str, Any], kind: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layout's BlockMask tensors for layers with this window, built by the first such layer of the step."""
+        key = f"{kind} blocks {window}"
+        if key not in step:
+            step[key] = step[kind].blocks(window)
+        return step[key]
+
     def attend(
         self,
         query: torch.Tensor,
@@ -296,8 +322,9 @@ class FlexAttnBackend(AttentionBackend):
             dec: DecodeLayout = step["decode"]
             q_pos = dec.q_pos
             mask = paged_mask(logical, bs, lambda b, q: b, lambda b, q: q_pos[b], sliding_window)
-            block_mask = BlockMask.from_kv_blocks(dec.kv_num_blocks, dec.kv_indices, BLOCK_SIZE=TILE, mask_mod=mask,
-                                                  seq_lengths=(1, slots), compute_q_blocks=False)  # fmt: skip
+            num, indices = self._blocks(step, "decode", sliding_window)
+            block_mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=TILE, mask_mod=mask, seq_lengths=(1, slots),
+                                                  compute_q_blocks=False)  # fmt: skip
             o = self._flex(query[:nd].unsqueeze(2), k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                            enable_gqa=gqa)  # fmt: skip
             out[:nd] = o.squeeze(2)
@@ -305,7 +332,8 @@ class FlexAttnBackend(AttentionBackend):
             pre: PrefillLayout = step["prefill"]
             row_seq, row_pos = pre.row_seq, pre.row_pos
             mask = paged_mask(logical, bs, lambda b, q: row_seq[q], lambda b, q: row_pos[q], sliding_window)
-            block_mask = BlockMask.from_kv_blocks(pre.kv_num_blocks, pre.kv_indices, BLOCK_SIZE=TILE, mask_mod=mask,
+            num, indices = self._blocks(step, "prefill", sliding_window)
+            block_mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=TILE, mask_mod=mask,
                                                   seq_lengths=(pre.rows, slots), compute_q_blocks=False)  # fmt: skip
             q = query.new_zeros(1, query.shape[1], pre.rows, query.shape[2])
             q[0].index_copy_(1, pre.dest, query[nd:].transpose(0, 1))

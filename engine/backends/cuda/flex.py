@@ -14,6 +14,7 @@ slots inside them a query may see:
 - **prefill chunks** are packed into `[1, H, T', D]` with each sequence starting on a fresh
   128-row query tile (`prefill_layout`), so every query tile belongs to one sequence and visits
   only that sequence's tiles up to its last position.
+- layers with a sliding window get their own BlockMask, without the tiles wholly before the window.
 
 Everything per step is built from the metadata's tensors with tensor ops whose shapes follow host
 integers the step already has (token count, sequence count, table width): no host sync, so a step

@@ -12,7 +12,8 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "make_executo
 
 
 def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """The backend for a device: "cpu" (torch SDPA) or "cuda" (flash-attn, SDPA on CUDA without it)."""
+    """The backend for a device: "cpu" (C++ kernels, torch SDPA) or "cuda" (flash-attn, else FlexAttention,
+    else SDPA: engine/backends/cuda/__init__.py's `choose_backend`)."""
     device = torch.device(device)
     name = name or ("cuda" if device.type == "cuda" else "cpu")
     if name == "cpu":

@@ -46,10 +46,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """One implementation per device family: `cpu` (C++ kernels, torch SDPA) and `cuda` (flash-attn).
+    """One implementation per device family: `cpu` (C++ kernels, torch SDPA) and `cuda` (flash-attn,
+    FlexAttention or SDPA).
     Backends subclass it explicitly, inheriting the defaults below."""
 
     name: str
+    kernel: str | None = None  # the attention kernel it runs ("flash-attn", "flex", "sdpa"); None: `name` says it
     supports_graphs: bool = False  # its attend() can be captured in a CUDA graph
     ops: Any = None  # compiled CPU kernels (engine/backends/cpu_kernels.py), None elsewhere
 

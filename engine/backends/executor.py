@@ -85,7 +85,8 @@ class Executor:
     def placement(self) -> dict:
         """Where the engine runs and how big its KV cache is."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "attn_backend": self.backend.name, "block_size": self.block_size,
+                "attn_backend": self.backend.name,
+                "attention_backend": self.backend.kernel or self.backend.name, "block_size": self.block_size,
                 "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
                 "kv_cache_bytes": self.sizes.cache_bytes,
                 "tensor_parallel_size": self.group.world if self.group else 1}  # fmt: skip
@@ -94,7 +95,7 @@ class Executor:
         """The start-up log line: device, dtype, attention backend, then the sizes chosen."""
         p = self.placement()
         ranks = f" (rank {self.group.rank} of {self.group.world})" if self.group else ""
-        return (f"device {p['device']}{ranks}, dtype {p['dtype']}, attention {p['attn_backend']}; "
+        return (f"device {p['device']}{ranks}, dtype {p['dtype']}, attention {p['attention_backend']}; "
                 f"{self.sizes.summary()}")
 
     # -- what a device adds ---------------------------------------------------------------------

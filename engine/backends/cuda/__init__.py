@@ -1,4 +1,5 @@
-"""CUDA attention over the paged cache: flash-attn, or torch SDPA on CUDA when flash-attn is missing.
+"""CUDA attention over the paged cache: flash-attn, else torch's FlexAttention (engine/backends/cuda/flex.py),
+else torch SDPA on CUDA. `make_backend` chooses (see `choose_backend`) and logs the choice.
 
 Written to flash-attn 2's documented API (`flash_attn.flash_attn_interface`); not yet run on a GPU
 in this project's CI (see docs/gpu.md). This module imports on a machine without CUDA or
@@ -12,13 +13,20 @@ flash-attn: flash-attn is imported only when a `FlashAttnBackend` is built.
   a chunk with history sees all of it.
 - flash-attn's paged kernels want a page (block) size that is a multiple of 256: `check_config`
   rejects any other `block_size`.
+
+Without flash-attn, or with a flash-attn built for another GPU architecture than this GPU's (the
+image records the ones it built for in CBSERVE_FLASH_ATTN_ARCHS), FlexAttention serves: no
+package beyond torch and triton, CUDA graphs too. SDPA is the last resort (no triton).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,16 +57,89 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+FLASH_ARCHS_ENV = "CBSERVE_FLASH_ATTN_ARCHS"  # the image records the archs its flash-attn was built for
+
+
+def flash_archs(value: str | None) -> list[int] | None:
+    """`CBSERVE_FLASH_ATTN_ARCHS` ("90", "80;90") as [80, 90]; None when unset or empty (nothing recorded)."""
+    if not value or not value.strip():
+        return None
+    archs = []
+    for part in re.split(r"[;,\s]+", value.strip()):
+        if not part.isdigit():
+            raise ValueError(f"{FLASH_ARCHS_ENV} must list compute capabilities like '90' or '80;90', got {value!r}")
+        archs.append(int(part))
+    return archs
+
+
+def arch_runs(capability: tuple[int, int], archs: list[int]) -> bool:
+    """Whether code built for one of `archs` (flash-attn ships sm_XY code only, no PTX) runs on a GPU of
+    this compute capability: the same major version, a minor version at least the built one's."""
+    major, minor = capability
+    return any(a // 10 == major and a % 10 <= minor for a in archs)
+
+
+FLASH_BUILD_ARCHS = (80, 90, 100, 120)  # what flash-attn 2.8.3's setup.py compiles for
+
+
+def _cc(arch: int) -> str:
+    return f"{arch // 10}.{arch % 10}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: str  # "flash-attn", "flex" or "sdpa"
+    line: str  # the start-up line that names it and says why
+    warn: bool  # logged as a warning: flash-attn is installed but unusable here, or SDPA
+
+
+def choose_backend(device: torch.device | str, *, flash_installed: bool, capability: tuple[int, int] | None,
+                   flash_archs_value: str | None, flex_missing: str | None) -> Choice:  # fmt: skip
+    """flash-attn when installed and built for this GPU's compute capability (as far as the image
+    recorded it in CBSERVE_FLASH_ATTN_ARCHS; unset: not checked); else FlexAttention when torch has
+    it and triton is installed; else SDPA."""
+    if flash_installed:
+        archs = flash_archs(flash_archs_value)
+        if archs is None or capability is None or arch_runs(capability, archs):
+            return Choice("flash-attn", f"attention on {device}: flash-attn", warn=False)
+        major, minor = capability
+        fix = (f"an image built with --build-arg FLASH_ATTN_CUDA_ARCHS={major}0 runs it"
+               if major * 10 in FLASH_BUILD_ARCHS else "flash-attn 2 has no build for it")
+        why = (f"not flash-attn: it was built for compute capability {', '.join(_cc(a) for a in archs)} "
+               f"({FLASH_ARCHS_ENV}={flash_archs_value}) and this GPU is {major}.{minor}; {fix}")
+    else:
+        why = "flash-attn is not installed (pip install cbserve[gpu], or the Dockerfile's engine image)"
+    if flex_missing is None:
+        return Choice("flex", f"attention on {device}: FlexAttention (compiled, with CUDA graphs); {why}",
+                      warn=flash_installed)  # fmt: skip
+    return Choice("sdpa", f"attention on {device}: torch SDPA (slower, no CUDA graphs); {why}; "
+                          f"FlexAttention cannot run: {flex_missing}", warn=True)  # fmt: skip
+
+
 def make_backend(device: torch.device | str) -> AttentionBackend:
-    """The CUDA backend for `device`: flash-attn when installed, else SDPA on CUDA (with a warning)."""
+    """The CUDA backend for `device` (see `choose_backend`), its choice logged in one line."""
     require_cuda()
-    if flash_attn_available():
+    from engine.backends.cuda import flex
+
+    installed = flash_attn_available()
+
+    def choose(flex_missing: str | None) -> Choice:
+        return choose_backend(
+            device, flash_installed=installed, flex_missing=flex_missing,
+            capability=torch.cuda.get_device_capability(device) if installed else None,
+            flash_archs_value=os.environ.get(FLASH_ARCHS_ENV),
+        )  # fmt: skip
+
+    choice = choose(flex.flex_unavailable())
+    if choice.kernel == "flex":  # compiled and run once here, against SDPA, before it serves
+        failed = flex.self_check(device)
+        if failed is not None:
+            choice = choose(failed)
+    logger.log(logging.WARNING if choice.warn else logging.INFO, "cbserve: %s", choice.line)
+    if choice.kernel == "flash-attn":
         return FlashAttnBackend()
-    logger.warning(
-        "flash-attn is not installed: attention on %s runs with torch SDPA (slower; no CUDA graphs). "
-        "Install it with `pip install cbserve[gpu]` or use the Dockerfile's engine image.",
-        device,
-    )
+    if choice.kernel == "flex":
+        return flex.FlexAttnBackend()
     return SDPACudaBackend()
 
 
@@ -85,6 +166,7 @@ class FlashAttnBackend(AttentionBackend):
     """
 
     name = "cuda"
+    kernel = "flash-attn"
     supports_graphs = True
 
     def __init__(self, varlen_fn: Callable[..., torch.Tensor] | None = None,
@@ -175,6 +257,7 @@ class SDPACudaBackend(AttentionBackend):
     """
 
     name = "cuda-sdpa"
+    kernel = "sdpa"
     # Its decode path is shape-static, but it gathers every row's whole block-table width: off by default.
     supports_graphs = False
 

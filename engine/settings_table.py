@@ -219,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
             "always work", flag=False),
     # ---- devices and kernels ----
     Setting("attn_backend", "str", None, "cpu (C++ paged attention kernel; torch SDPA as fallback) or cuda "
-            "(flash-attn); unset: from the device", nullable=True, choices=("cpu", "cuda")),
+            "(flash-attn, else FlexAttention, else SDPA: docs/gpu.md); unset: from the device", nullable=True, choices=("cpu", "cuda")),
     Setting("cpu_packed_weights", "bool", None, "CPU: linear layers on packed copies of their weights (more memory); "
             "unset: on when the copies take under a quarter of free memory", nullable=True),
     Setting("use_async_batching", "bool", None, "accepted for transformers, no effect: each step is prepared once "

@@ -9,6 +9,7 @@ error that names it, never a hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -18,8 +19,12 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine
+from engine.backends.executors import make_executor
+from engine.backends.memory import CachePlan
+from engine.model_runner import StepInputs
 from engine.request import RequestStatus
 from engine.tensor_parallel import resolve_plan, shard_model
+from engine.tp_messages import HEADER, body_size, decode_sizes, decode_step, encode_sizes, encode_step
 from engine.testing import ARCHITECTURES, build_test_model
 from engine.tp_group import GroupBroken, Launch
 from tests.engine.conftest import MAX_NEW, VOCAB, model_for, prompts_for, reference
@@ -91,6 +96,54 @@ def test_a_shard_holds_its_slice_and_leaves_the_callers_model_whole() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert not model.model.layers[0].mlp.down_proj._forward_hooks  # the hooks are on the shards only
+
+
+def test_a_step_crosses_as_one_header_and_one_int32_body_without_its_sample_rows() -> None:
+    step = StepInputs(token_ids=[5, 6, 7, 8], q_lens=[3, 1], starts=[0, 17], block_tables=[[4], [9, 2]],
+                      sample_rows=[0, 1], copies=[(3, 7)])  # fmt: skip
+    head, body = encode_step(step)
+    assert head.dtype == torch.int64 and head.shape == (HEADER,) and body.dtype == torch.int32
+    assert body.numel() == body_size(head) == 4 + 3 * 2 + 3 + 2  # tokens, 3 per sequence, table entries, a copy
+    assert decode_step(head, body) == dataclasses.replace(step, sample_rows=[])
+    decode = StepInputs([1, 2], [1, 1], [40, 7], [[3, 1, 4], [5]], [0, 1], [])
+    assert decode_step(*encode_step(decode)) == dataclasses.replace(decode, sample_rows=[])
+    sizes = CachePlan(num_blocks=16, block_size=16, max_batch_tokens=64, max_requests=8, bytes_per_block=1 << 20,
+                      budget_bytes=1 << 40, free_bytes=3 << 40, activation_peak_bytes=0)  # fmt: skip
+    assert decode_sizes(encode_sizes(sizes)) == sizes
+
+
+@dataclasses.dataclass
+class RankOneOfTwo:
+    """The peers of a rank other than 0, with no group behind them (its steps are given to it here)."""
+
+    rank: int = 1
+    world: int = 2
+
+    def share_sizes(self, sizes: CachePlan) -> CachePlan:
+        return sizes
+
+    def send_step(self, step: StepInputs) -> None:
+        raise AssertionError("only rank 0 sends steps")
+
+    def send_warmup(self) -> None:
+        raise AssertionError("only rank 0 sends a warm-up")
+
+
+def test_a_rank_other_than_0_runs_the_lm_head_on_no_row() -> None:
+    shard = shard_model(model_for("llama"), 1, 2, lambda t: None)
+    executor = make_executor(shard, ContinuousBatchingConfig(block_size=16, num_blocks=16, tensor_parallel_size=2),
+                             RankOneOfTwo())  # fmt: skip
+    rows: list[int] = []
+    hook = shard.lm_head.register_forward_hook(lambda mod, args, out: rows.append(out.shape[:-1].numel()))
+    step = StepInputs([5, 6, 7, 8, 9], [3, 2], [0, 0], [[0], [1]], sample_rows=[0, 1], copies=[])
+    try:
+        executor.execute_inputs(step)
+        assert rows == [0]  # even for a step that names rows to sample
+        executor.runner.computes_logits = True  # as on rank 0
+        executor.execute_inputs(step)
+        assert rows == [0, 2]
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize(

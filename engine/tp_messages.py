@@ -1,0 +1,84 @@
+"""What rank 0 of a tensor-parallel engine sends the other ranks, as tensors (no pickling).
+
+Every message is a fixed int64 header of `HEADER` numbers, its kind first; a step's header is
+followed by one flat int32 body:
+
+    token ids | each sequence's query length | its start | its block-table length |
+    the block tables, one after another | copy-on-write copies (source, destination)
+
+A decode step of B sequences with tables of W blocks is B * (4 + W) integers. The rows that sample
+are not sent: only rank 0 computes logits. The cache sizes (a `CachePlan`, all integers) go once,
+as the header's numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from itertools import chain
+
+import torch
+
+from engine.backends.memory import CachePlan
+from engine.model_runner import StepInputs
+
+SIZE_FIELDS = [f.name for f in dataclasses.fields(CachePlan)]
+HEADER = max(5, 1 + len(SIZE_FIELDS))  # int64 numbers: the kind, then the kind's own
+
+
+class Kind(enum.IntEnum):
+    STOP = 0
+    STEP = 1
+    WARMUP = 2  # capture the graphs now, as rank 0 does
+    SIZES = 3
+
+
+def header(kind: Kind, *numbers: int) -> torch.Tensor:
+    out = torch.zeros(HEADER, dtype=torch.int64)
+    out[0] = int(kind)
+    if numbers:
+        out[1 : 1 + len(numbers)] = torch.tensor(numbers, dtype=torch.int64)
+    return out
+
+
+def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and the int32 body of a step (its sample rows left out)."""
+    lens = [len(t) for t in step.block_tables]
+    copies = list(chain.from_iterable(step.copies))
+    values = [*step.token_ids, *step.q_lens, *step.starts, *lens, *chain.from_iterable(step.block_tables), *copies]
+    body = torch.tensor(values, dtype=torch.int32)
+    return header(Kind.STEP, len(step.token_ids), len(step.q_lens), sum(lens), len(step.copies)), body
+
+
+def body_size(head: torch.Tensor) -> int:
+    """Integers in the body that follows a step's header."""
+    tokens, seqs, entries, copies = (int(x) for x in head[1:5])
+    return tokens + 3 * seqs + entries + 2 * copies
+
+
+def decode_step(head: torch.Tensor, body: torch.Tensor) -> StepInputs:
+    """The step a header and body carry, with no rows to sample."""
+    tokens, seqs, entries, copies = (int(x) for x in head[1:5])
+    values = body.tolist()
+    at = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal at
+        at += n
+        return values[at - n : at]
+
+    token_ids, q_lens, starts, lens = take(tokens), take(seqs), take(seqs), take(seqs)
+    tables = [take(n) for n in lens]
+    flat = take(2 * copies)
+    pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+    return StepInputs(token_ids, q_lens, starts, tables, [], pairs)
+
+
+def encode_sizes(sizes: CachePlan) -> torch.Tensor:
+    return header(Kind.SIZES, *(getattr(sizes, name) for name in SIZE_FIELDS))
+
+
+def decode_sizes(head: torch.Tensor) -> CachePlan:
+    if Kind(int(head[0])) != Kind.SIZES:
+        raise RuntimeError(f"expected rank 0's cache sizes, got a {Kind(int(head[0])).name} message")
+    return CachePlan(**{name: int(v) for name, v in zip(SIZE_FIELDS, head[1:].tolist())})

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,17 +107,11 @@ def embedded_folder() -> Path:
     return folder
 
 
-def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
-               device: str = "cpu") -> LoadedModel:  # fmt: skip
-    """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
-    first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
-    (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
-    weights load straight onto it, never whole into host memory first."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def locate(path: str | None) -> tuple[Path | str, str]:
+    """Where `load_model` reads `path` from (a folder, or a hub id for transformers' own cache), and
+    the model's name."""
     from engine import hub
 
-    torch_dtype = resolve_torch_dtype(dtype, device)
     if path is None:
         folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
@@ -134,6 +129,19 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
                 raise FileNotFoundError(f"--model {path!r} has no config.json: not a transformers checkpoint folder")
         name = path if looks_like_hub_id else folder.name
         folder = path if looks_like_hub_id else folder
+    return folder, name
+
+
+def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
+               device: str = "cpu") -> LoadedModel:  # fmt: skip
+    """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
+    first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
+    (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
+    weights load straight onto it, never whole into host memory first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_torch_dtype(dtype, device)
+    folder, name = locate(path)
     extra: dict[str, object] = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if device != "cpu":
         extra["device_map"] = device  # accelerate places each tensor on the device as it is read
@@ -145,9 +153,11 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
 
 @dataclass(frozen=True)
 class ModelSource:
-    """The model `load_model` gives, loadable again in another process (a tensor-parallel rank reads
-    the checkpoint itself and keeps its share). Loads into host memory; the rank moves its share to
-    its device. `dtype` is a resolved name (float32, bfloat16, float16)."""
+    """The model `load_model` gives, loadable again in another process: a tensor-parallel rank reads
+    the checkpoint itself. `shard` reads only the rank's share of a folder's safetensors straight onto
+    its device (engine/shard_loader.py); a checkpoint without them (a hub id in transformers' own
+    cache, weights under other names) is loaded whole into host memory and split there. `dtype` is a
+    resolved name (float32, bfloat16, float16)."""
 
     path: str | None
     dtype: str
@@ -155,3 +165,17 @@ class ModelSource:
 
     def __call__(self) -> torch.nn.Module:
         return load_model(self.path, self.dtype, self.attn_implementation, device="cpu").model
+
+    def shard(self, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None],
+              device: torch.device) -> torch.nn.Module:  # fmt: skip
+        """Rank `rank`'s shard of the model on `device`, its row-parallel layers summed by `all_reduce`."""
+        from engine.shard_loader import load_shard
+        from engine.tensor_parallel import shard_model
+
+        folder, _ = locate(self.path)
+        if isinstance(folder, Path):
+            shard = load_shard(folder, rank, world, all_reduce, device, DTYPES[self.dtype], self.attn_implementation)
+            if shard is not None:
+                return shard
+        logger.info("cbserve: rank %d loads the whole model into host memory, then keeps its share", rank)
+        return shard_model(self(), rank, world, all_reduce, device)

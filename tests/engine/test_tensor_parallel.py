@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine
 from engine.backends.executors import make_executor
 from engine.backends.memory import CachePlan
+from engine.loader import ModelSource
 from engine.model_runner import StepInputs
 from engine.request import RequestStatus
 from engine.tensor_parallel import resolve_plan, shard_model
@@ -165,6 +167,69 @@ def test_what_cannot_be_split_is_refused_before_any_rank_starts(model, config, m
 def test_tensor_parallel_size_is_checked_as_a_setting() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ContinuousBatchingConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2", {}), ("llama", {"tie_word_embeddings": True})],
+                         ids=["qwen2-biases", "llama-tied-lm-head"])  # fmt: skip
+def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path, arch: str, overrides: dict) -> None:
+    model = build_test_model(arch, vocab_size=VOCAB, **overrides)
+    model.save_pretrained(tmp_path)
+    for rank in (0, 1):
+        shard = ModelSource(str(tmp_path), "float32").shard(rank, 2, lambda t: None, torch.device("cpu"))
+        expected = shard_model(model, rank, 2, lambda t: None)
+        got = dict(shard.named_parameters(remove_duplicate=False))
+        assert got.keys() == dict(expected.named_parameters(remove_duplicate=False)).keys()
+        for name, p in expected.named_parameters(remove_duplicate=False):
+            assert torch.equal(got[name], p), name
+            assert got[name].untyped_storage().nbytes() == p.numel() * p.element_size(), name  # no whole tensor behind
+        for name, b in expected.named_buffers():
+            torch.testing.assert_close(dict(shard.named_buffers())[name], b)
+        assert (shard.lm_head.weight is shard.model.embed_tokens.weight) == bool(overrides)
+        assert shard.model.layers[0].self_attn.o_proj._forward_hooks  # it all-reduces as a shard made in memory does
+    split = sum(p.numel() for n, p in shard.named_parameters() if "proj" in n)
+    assert split * 2 == sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
+
+
+PEAK_SCRIPT = """
+import sys, torch
+from engine.loader import ModelSource
+def peak():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) << 10
+ModelSource(sys.argv[2], "float32").shard(1, 2, lambda t: None, torch.device("cpu"))  # imports everything once
+before = peak()
+shard = ModelSource(sys.argv[1], "float32").shard(1, 2, lambda t: None, torch.device("cpu"))
+print(peak() - before, sum(p.numel() * p.element_size() for p in shard.parameters()))
+"""
+
+
+def test_a_rank_loading_its_shard_peaks_near_the_shards_size_not_the_models(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    big = build_test_model("llama", vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4)
+    whole = sum(p.numel() * p.element_size() for p in big.parameters())  # 272 MiB; its shard 152 MiB
+    big.save_pretrained(tmp_path / "big")
+    del big
+    model_for("llama").save_pretrained(tmp_path / "small")
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "big"), str(tmp_path / "small")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    growth, shard = map(int, out.stdout.split())
+    largest = 4096 * 1024 * 4  # the embedding: one tensor's pages are mapped while it is copied
+    assert growth <= shard + 2 * largest < 0.8 * whole, (growth, shard, whole)
+
+
+def test_two_ranks_loading_their_shards_from_a_checkpoint_match_model_generate(tmp_path) -> None:
+    model_for("llama").save_pretrained(tmp_path)
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT),
+                       tensor_parallel=Launch(load=ModelSource(str(tmp_path), "float32")))  # fmt: skip
+    try:
+        prompts = [list(p) for p in prompts_for()[:6]]
+        for p, r in zip(prompts, run_to_end(engine, prompts)):
+            assert tuple(r.generated_ids) == reference("llama", tuple(p)), r.request_id
+    finally:
+        engine.close()
+    assert all(p.exitcode == 0 for _, p in engine.tp.processes)
 
 
 def failing_load() -> torch.nn.Module:

@@ -137,18 +137,41 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
     """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
     first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
     (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
-    weights load straight onto it, never whole into host memory first."""
+    weights load straight onto it, never whole into host memory first. "meta": the model's parameters
+    stay unread (on the meta device) when the checkpoint is a folder of safetensors, for rank 0 of a
+    tensor-parallel engine, which reads only its shard (`ModelSource.shard`); else the model loads
+    whole into host memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = resolve_torch_dtype(dtype, device)
+    torch_dtype = resolve_torch_dtype(dtype, "cpu" if device == "meta" else device)
     folder, name = locate(path)
-    extra: dict[str, object] = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if device != "cpu":
-        extra["device_map"] = device  # accelerate places each tensor on the device as it is read
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
+    model = None
+    if device == "meta":
+        model = _unread(folder, torch_dtype, attn_implementation)
+        device = "cpu"
+    if model is None:
+        extra: dict[str, object] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        if device != "cpu":
+            extra["device_map"] = device  # accelerate places each tensor on the device as it is read
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
     text_config = model.config.get_text_config()
     return LoadedModel(model, tokenizer, name, getattr(text_config, "max_position_embeddings", None))
+
+
+def _unread(folder: Path | str, dtype: torch.dtype, attn_implementation: str | None) -> torch.nn.Module | None:
+    """The checkpoint's model with its parameters on the meta device and its generation config, or
+    None when `folder` is not a folder of safetensors."""
+    from transformers import GenerationConfig
+
+    from engine.shard_loader import empty_model, safetensors_files
+
+    if not isinstance(folder, Path) or safetensors_files(folder) is None:
+        return None
+    model = empty_model(folder, dtype, attn_implementation)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def safetensors_files(folder: Path) -> dict[str, Path] | None:
     return None
 
 
-def _empty_model(folder: Path, dtype: torch.dtype, attn_implementation: str | None) -> torch.nn.Module:
+def empty_model(folder: Path, dtype: torch.dtype, attn_implementation: str | None) -> torch.nn.Module:
     """The checkpoint's model with its parameters on the meta device (no memory) and its buffers real."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -59,7 +59,7 @@ def load_shard(folder: Path, rank: int, world: int, all_reduce: AllReduce, devic
     if files is None:
         return None
     device = torch.device(device)
-    model = _empty_model(folder, dtype, attn_implementation)
+    model = empty_model(folder, dtype, attn_implementation)
     check_divisible(model.config, world)
     plan, _ = resolve_plan(model)
     styles = {f"{name}.weight": (style, "weight") for name, style in plan.items()}

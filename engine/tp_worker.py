@@ -125,8 +125,9 @@ def spawned(source, config, rank: int, world: int, addr: str, port: int, device_
 
 def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -> tuple[TPGroup, torch.nn.Module]:
     """Rank 0 of an engine with config.tensor_parallel_size ranks: check that the model splits, start
-    and meet the other ranks, and return the group and rank 0's shard. Each rank of a host gets an
-    equal share of its CPU threads."""
+    and meet the other ranks, and return the group and rank 0's shard: split from `model`, or, when
+    its parameters are on the meta device (`cbserve serve` reads no weights for rank 0), read by
+    `launch.load`. Each rank of a host gets an equal share of its CPU threads."""
     world = config.tensor_parallel_size
     check_divisible(model.config, world)  # before any process starts: the errors are the caller's
     _, plan_source = resolve_plan(model)
@@ -136,7 +137,10 @@ def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -
         raise ValueError("cpu_offload_space needs tensor_parallel_size 1: preempted requests are recomputed "
                          "under tensor parallel (each rank would swap its own share)")
     per_node = world // launch.nnodes
-    device_type = launch.device or next(model.parameters()).device.type
+    unread = next(model.parameters()).is_meta  # cbserve serve's: the checkpoint's model, its weights not read
+    if unread and not isinstance(launch.load, ShardSource):
+        raise ValueError("a model on the meta device needs a Launch.load that reads each rank's shard")
+    device_type = launch.device or ("cpu" if unread else next(model.parameters()).device.type)
     source = launch.load or ModelCopy.of(model)
     ctx = torch.multiprocessing.get_context("spawn")
     level = logging.getLogger("cbserve").getEffectiveLevel()
@@ -154,7 +158,11 @@ def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -
             threads = max(1, group.threads_before // per_node)
             torch.set_num_threads(threads)
             logger.info("cbserve: %d CPU thread(s) per rank", threads)
-        shard = shard_model(model, 0, world, group.all_reduce, rank_device(device_type, 0, per_node))
+        device = rank_device(device_type, 0, per_node)
+        if unread:  # rank 0 reads its shard as the others do
+            shard = launch.load.shard(0, world, group.all_reduce, device)
+        else:
+            shard = shard_model(model, 0, world, group.all_reduce, device)
     except BaseException:
         group.close()
         raise

@@ -25,6 +25,7 @@ from engine.backends.memory import CachePlan
 from engine.loader import ModelSource
 from engine.model_runner import StepInputs
 from engine.request import RequestStatus
+from engine.shard_loader import empty_model
 from engine.tensor_parallel import resolve_plan, shard_model
 from engine.tp_messages import HEADER, body_size, decode_sizes, decode_step, encode_sizes, encode_step
 from engine.testing import ARCHITECTURES, build_test_model
@@ -220,10 +221,14 @@ def test_a_rank_loading_its_shard_peaks_near_the_shards_size_not_the_models(tmp_
 
 
 def test_two_ranks_loading_their_shards_from_a_checkpoint_match_model_generate(tmp_path) -> None:
+    """Rank 0 too, given the model with no weights read (as `cbserve serve` gives it)."""
     model_for("llama").save_pretrained(tmp_path)
-    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**TIGHT),
+    unread = empty_model(tmp_path, torch.float32, None)
+    assert all(p.is_meta for p in unread.parameters())
+    engine = LLMEngine(unread, ContinuousBatchingConfig(**TIGHT),
                        tensor_parallel=Launch(load=ModelSource(str(tmp_path), "float32")))  # fmt: skip
     try:
+        assert not any(p.is_meta for p in engine.executor.model.parameters())
         prompts = [list(p) for p in prompts_for()[:6]]
         for p, r in zip(prompts, run_to_end(engine, prompts)):
             assert tuple(r.generated_ids) == reference("llama", tuple(p)), r.request_id

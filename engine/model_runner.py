@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -178,11 +178,15 @@ class ModelRunner:
         return out.logits[0]
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, dispatch: StepForward | None = None) -> torch.Tensor:
+    def run(self, step: StepInputs, dispatch: StepForward | None = None,
+            before_forward: Callable[[AttentionMetadata], None] | None = None) -> torch.Tensor:  # fmt: skip
         """Forward the step; returns logits [len(step.sample_rows), vocab] for those sequences (model
         dtype). `dispatch` runs the forward (a graph replay or a compiled forward:
-        engine/backends/step_dispatch.py); None: `self.forward`, eagerly."""
+        engine/backends/step_dispatch.py); None: `self.forward`, eagerly. `before_forward` is called
+        with the step's metadata before the forward (tensor-parallel ranks agree on its route there)."""
         start = time.perf_counter()
         input_ids, positions, meta, logits_rows = self.build_metadata(step)
         self.last_prepare_s = time.perf_counter() - start
+        if before_forward is not None:
+            before_forward(meta)
         return (dispatch or self.forward)(input_ids, positions, meta, logits_rows)

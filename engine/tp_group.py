@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from engine import tp_messages as messages
 from engine.backends.memory import CachePlan
+from engine.backends.step_dispatch import Route
 from engine.model_runner import StepInputs
 
 logger = logging.getLogger("cbserve.engine")
@@ -110,18 +111,18 @@ class TPGroup:
             return sizes
         return messages.decode_sizes(self._receive(torch.empty(messages.HEADER, dtype=torch.int64)))
 
-    def send_step(self, step: StepInputs) -> None:
-        """Rank 0: the step the other ranks run with it (a header, then one int32 body)."""
+    def send_step(self, step: StepInputs, route: Route) -> None:
+        """Rank 0: the step the other ranks run with it, and its route (a header, then one int32 body)."""
         self.check()
-        self._send(*messages.encode_step(step))
+        self._send(*messages.encode_step(step, route))
 
     def send_warmup(self) -> None:
         """Rank 0: the other ranks capture their graphs now, with it."""
         self.check()
         self._send(messages.header(messages.Kind.WARMUP))
 
-    def receive(self) -> StepInputs | messages.Kind:
-        """A rank other than 0: rank 0's next message, a step or its kind (WARMUP, STOP)."""
+    def receive(self) -> tuple[StepInputs, Route] | messages.Kind:
+        """A rank other than 0: rank 0's next message, a step and its route, or its kind (WARMUP, STOP)."""
         head = self._receive(torch.empty(messages.HEADER, dtype=torch.int64))
         kind = messages.Kind(int(head[0]))
         if kind != messages.Kind.STEP:

@@ -1,7 +1,8 @@
 """What rank 0 of a tensor-parallel engine sends the other ranks, as tensors (no pickling).
 
-Every message is a fixed int64 header of `HEADER` numbers, its kind first; a step's header is
-followed by one flat int32 body:
+Every message is a fixed int64 header of `HEADER` numbers, its kind first. A step's header holds its
+sizes and its route (which graph runs it: engine/backends/step_dispatch.py), and is followed by one
+flat int32 body:
 
     token ids | each sequence's query length | its start | its block-table length |
     the block tables, one after another | copy-on-write copies (source, destination)
@@ -20,10 +21,11 @@ from itertools import chain
 import torch
 
 from engine.backends.memory import CachePlan
+from engine.backends.step_dispatch import Route
 from engine.model_runner import StepInputs
 
 SIZE_FIELDS = [f.name for f in dataclasses.fields(CachePlan)]
-HEADER = max(5, 1 + len(SIZE_FIELDS))  # int64 numbers: the kind, then the kind's own
+HEADER = max(8, 1 + len(SIZE_FIELDS))  # int64 numbers: the kind, then the kind's own
 
 
 class Kind(enum.IntEnum):
@@ -41,13 +43,14 @@ def header(kind: Kind, *numbers: int) -> torch.Tensor:
     return out
 
 
-def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The header and the int32 body of a step (its sample rows left out)."""
+def encode_step(step: StepInputs, route: Route) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header (sizes, then rank 0's route: which graph runs the step) and the int32 body of a step
+    (its sample rows left out)."""
     lens = [len(t) for t in step.block_tables]
     copies = list(chain.from_iterable(step.copies))
     values = [*step.token_ids, *step.q_lens, *step.starts, *lens, *chain.from_iterable(step.block_tables), *copies]
     body = torch.tensor(values, dtype=torch.int32)
-    return header(Kind.STEP, len(step.token_ids), len(step.q_lens), sum(lens), len(step.copies)), body
+    return header(Kind.STEP, len(step.token_ids), len(step.q_lens), sum(lens), len(step.copies), *route), body
 
 
 def body_size(head: torch.Tensor) -> int:
@@ -56,8 +59,8 @@ def body_size(head: torch.Tensor) -> int:
     return tokens + 3 * seqs + entries + 2 * copies
 
 
-def decode_step(head: torch.Tensor, body: torch.Tensor) -> StepInputs:
-    """The step a header and body carry, with no rows to sample."""
+def decode_step(head: torch.Tensor, body: torch.Tensor) -> tuple[StepInputs, Route]:
+    """The step a header and body carry (with no rows to sample), and its route."""
     tokens, seqs, entries, copies = (int(x) for x in head[1:5])
     values = body.tolist()
     at = 0
@@ -71,7 +74,8 @@ def decode_step(head: torch.Tensor, body: torch.Tensor) -> StepInputs:
     tables = [take(n) for n in lens]
     flat = take(2 * copies)
     pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-    return StepInputs(token_ids, q_lens, starts, tables, [], pairs)
+    route = tuple(int(x) for x in head[5:8])
+    return StepInputs(token_ids, q_lens, starts, tables, [], pairs), route
 
 
 def encode_sizes(sizes: CachePlan) -> torch.Tensor:

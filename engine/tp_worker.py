@@ -97,7 +97,7 @@ def run_rank(source: Callable[[], torch.nn.Module], config, rank: int, world: in
         if message is Kind.WARMUP:
             executor.warmup()  # rank 0 captures the same graphs, in the same order, now
         else:
-            executor.execute_inputs(message)
+            executor.execute_inputs(*message)  # the step, by rank 0's route
     return 0
 
 

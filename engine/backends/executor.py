@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from engine.backends import get_backend
+from engine.backends.base import AttentionMetadata
 from engine.backends.memory import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_REQUESTS,
@@ -31,7 +32,7 @@ from engine.backends.memory import (
     read_device_memory,
     step_reserve_bytes,
 )
-from engine.backends.step_dispatch import StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
+from engine.backends.step_dispatch import Route, StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner, ModuleSwaps, StepInputs, restore_modes
@@ -51,8 +52,9 @@ class RankPeers(Protocol):
         """Rank 0's sizes, on every rank (each rank passes its own)."""
         ...
 
-    def send_step(self, step: StepInputs) -> None:
-        """Rank 0, before each forward: the other ranks run the same step (raises when they cannot)."""
+    def send_step(self, step: StepInputs, route: Route) -> None:
+        """Rank 0, before each forward: the other ranks run the same step, by the same route (the same
+        graph); raises when they cannot."""
         ...
 
     def send_warmup(self) -> None:
@@ -182,8 +184,12 @@ class Executor:
         tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
         step = StepInputs.of(batch, rows)
-        if self.peers:
-            self.peers.send_step(step)  # the other ranks run the same step (engine/tp_worker.py)
+        send = None
+        if self.peers:  # the other ranks run the same step (engine/tp_worker.py), told its route
+
+            def send(meta: AttentionMetadata) -> None:
+                self.peers.send_step(step, self.dispatch.route(meta, len(step.token_ids)))
+
         if step.copies:
             self.cache.copy_blocks(step.copies)
         modes = None
@@ -191,7 +197,7 @@ class Executor:
             modes = [m.training for m in self.model.modules()]
             self.model.eval()
         try:
-            logits = self.runner.run(step, self.dispatch)
+            logits = self.runner.run(step, self.dispatch, send)
         finally:
             if modes is not None:
                 restore_modes(self.model, modes)
@@ -206,9 +212,18 @@ class Executor:
         return result
 
     @torch.inference_mode()
-    def execute_inputs(self, step: StepInputs) -> None:
+    def execute_inputs(self, step: StepInputs, route: Route) -> None:
         """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (no logits, no sampling:
-        the runner computes none)."""
+        the runner computes none), by rank 0's `route`. A rank that would run it another way (another
+        graph, or eagerly where rank 0 replays one) is out of lockstep: a RuntimeError, before any
+        collective."""
         if step.copies:
             self.cache.copy_blocks(step.copies)
-        self.runner.run(step, self.dispatch)
+
+        def agree(meta: AttentionMetadata) -> None:
+            mine = self.dispatch.route(meta, len(step.token_ids))
+            if mine != route:
+                raise RuntimeError(f"tensor-parallel ranks out of lockstep: rank 0 runs a step by route {route}, "
+                                   f"this rank by {mine} (engine/backends/step_dispatch.py)")
+
+        self.runner.run(step, self.dispatch, agree)

@@ -22,6 +22,7 @@ import torch
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine
 from engine.backends.executors import make_executor
 from engine.backends.memory import CachePlan
+from engine.backends.step_dispatch import DECODE_GRAPH, VARLEN, VARLEN_GRAPH, Route
 from engine.loader import ModelSource
 from engine.model_runner import StepInputs
 from engine.request import RequestStatus
@@ -104,12 +105,13 @@ def test_a_shard_holds_its_slice_and_leaves_the_callers_model_whole() -> None:
 def test_a_step_crosses_as_one_header_and_one_int32_body_without_its_sample_rows() -> None:
     step = StepInputs(token_ids=[5, 6, 7, 8], q_lens=[3, 1], starts=[0, 17], block_tables=[[4], [9, 2]],
                       sample_rows=[0, 1], copies=[(3, 7)])  # fmt: skip
-    head, body = encode_step(step)
+    head, body = encode_step(step, (VARLEN_GRAPH, 64, 4))
     assert head.dtype == torch.int64 and head.shape == (HEADER,) and body.dtype == torch.int32
     assert body.numel() == body_size(head) == 4 + 3 * 2 + 3 + 2  # tokens, 3 per sequence, table entries, a copy
-    assert decode_step(head, body) == dataclasses.replace(step, sample_rows=[])
+    assert decode_step(head, body) == (dataclasses.replace(step, sample_rows=[]), (VARLEN_GRAPH, 64, 4))
     decode = StepInputs([1, 2], [1, 1], [40, 7], [[3, 1, 4], [5]], [0, 1], [])
-    assert decode_step(*encode_step(decode)) == dataclasses.replace(decode, sample_rows=[])
+    assert decode_step(*encode_step(decode, (DECODE_GRAPH, 2, 0))) == (dataclasses.replace(decode, sample_rows=[]),
+                                                                       (DECODE_GRAPH, 2, 0))  # fmt: skip
     sizes = CachePlan(num_blocks=16, block_size=16, max_batch_tokens=64, max_requests=8, bytes_per_block=1 << 20,
                       budget_bytes=1 << 40, free_bytes=3 << 40, activation_peak_bytes=0)  # fmt: skip
     assert decode_sizes(encode_sizes(sizes)) == sizes
@@ -125,7 +127,7 @@ class RankOneOfTwo:
     def share_sizes(self, sizes: CachePlan) -> CachePlan:
         return sizes
 
-    def send_step(self, step: StepInputs) -> None:
+    def send_step(self, step: StepInputs, route: Route) -> None:
         raise AssertionError("only rank 0 sends steps")
 
     def send_warmup(self) -> None:
@@ -140,10 +142,10 @@ def test_a_rank_other_than_0_runs_the_lm_head_on_no_row() -> None:
     hook = shard.lm_head.register_forward_hook(lambda mod, args, out: rows.append(out.shape[:-1].numel()))
     step = StepInputs([5, 6, 7, 8, 9], [3, 2], [0, 0], [[0], [1]], sample_rows=[0, 1], copies=[])
     try:
-        executor.execute_inputs(step)
+        executor.execute_inputs(step, (VARLEN, 0, 0))
         assert rows == [0]  # even for a step that names rows to sample
         executor.runner.computes_logits = True  # as on rank 0
-        executor.execute_inputs(step)
+        executor.execute_inputs(step, (VARLEN, 0, 0))
         assert rows == [0, 2]
     finally:
         hook.remove()

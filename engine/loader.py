@@ -112,6 +112,7 @@ def locate(path: str | None) -> tuple[Path | str, str]:
     the model's name."""
     from engine import hub
 
+    folder: Path | str
     if path is None:
         folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
@@ -120,15 +121,15 @@ def locate(path: str | None) -> tuple[Path | str, str]:
         folder = hub.locate(model)
         name = model.repo
     else:
-        folder = Path(path)
-        looks_like_hub_id = not folder.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
+        local = Path(path)
+        looks_like_hub_id = not local.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
         if not looks_like_hub_id:
-            if not folder.is_dir():
+            if not local.is_dir():
                 raise FileNotFoundError(f"--model {path!r} is not a folder (a local checkpoint folder is expected)")
-            if not (folder / "config.json").is_file():
+            if not (local / "config.json").is_file():
                 raise FileNotFoundError(f"--model {path!r} has no config.json: not a transformers checkpoint folder")
-        name = path if looks_like_hub_id else folder.name
-        folder = path if looks_like_hub_id else folder
+        name = path if looks_like_hub_id else local.name
+        folder = path if looks_like_hub_id else local
     return folder, name
 
 

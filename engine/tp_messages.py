@@ -74,8 +74,8 @@ def decode_step(head: torch.Tensor, body: torch.Tensor) -> tuple[StepInputs, Rou
     tables = [take(n) for n in lens]
     flat = take(2 * copies)
     pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-    route = tuple(int(x) for x in head[5:8])
-    return StepInputs(token_ids, q_lens, starts, tables, [], pairs), route
+    how, a, b = (int(x) for x in head[5:8])
+    return StepInputs(token_ids, q_lens, starts, tables, [], pairs), (how, a, b)
 
 
 def encode_sizes(sizes: CachePlan) -> torch.Tensor:

@@ -94,10 +94,10 @@ def run_rank(source: Callable[[], torch.nn.Module], config, rank: int, world: in
     executor = make_executor(shard, config, group)
     logger.info("cbserve: tensor-parallel rank %d of %d ready on %s", rank, world, device)
     while (message := group.receive()) is not Kind.STOP:
-        if message is Kind.WARMUP:
-            executor.warmup()  # rank 0 captures the same graphs, in the same order, now
-        else:
+        if isinstance(message, tuple):
             executor.execute_inputs(*message)  # the step, by rank 0's route
+        elif message is Kind.WARMUP:
+            executor.warmup()  # rank 0 captures the same graphs, in the same order, now
     return 0
 
 
@@ -138,7 +138,8 @@ def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -
                          "under tensor parallel (each rank would swap its own share)")
     per_node = world // launch.nnodes
     unread = next(model.parameters()).is_meta  # cbserve serve's: the checkpoint's model, its weights not read
-    if unread and not isinstance(launch.load, ShardSource):
+    shards = launch.load if isinstance(launch.load, ShardSource) else None
+    if unread and shards is None:
         raise ValueError("a model on the meta device needs a Launch.load that reads each rank's shard")
     device_type = launch.device or ("cpu" if unread else next(model.parameters()).device.type)
     source = launch.load or ModelCopy.of(model)
@@ -159,8 +160,8 @@ def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -
             torch.set_num_threads(threads)
             logger.info("cbserve: %d CPU thread(s) per rank", threads)
         device = rank_device(device_type, 0, per_node)
-        if unread:  # rank 0 reads its shard as the others do
-            shard = launch.load.shard(0, world, group.all_reduce, device)
+        if unread and shards is not None:  # rank 0 reads its shard as the others do
+            shard = shards.shard(0, world, group.all_reduce, device)
         else:
             shard = shard_model(model, 0, world, group.all_reduce, device)
     except BaseException:

@@ -184,11 +184,11 @@ class Executor:
         tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
         step = StepInputs.of(batch, rows)
-        send = None
-        if self.peers:  # the other ranks run the same step (engine/tp_worker.py), told its route
+        send = None  # tensor parallel: the other ranks run the same step (engine/tp_worker.py), told its route
+        if (peers := self.peers) is not None:
 
             def send(meta: AttentionMetadata) -> None:
-                self.peers.send_step(step, self.dispatch.route(meta, len(step.token_ids)))
+                peers.send_step(step, self.dispatch.route(meta, len(step.token_ids)))
 
         if step.copies:
             self.cache.copy_blocks(step.copies)

@@ -216,14 +216,15 @@ class StepDispatcher:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
         how = self.route(meta, input_ids.shape[0])[0]
-        if how == DECODE_GRAPH:
+        if how == DECODE_GRAPH and self.graphs is not None:
             # one token per row in a decode step: the rows that sample index the graph's output directly
             return self.graphs.run(input_ids, positions, meta).index_select(0, logits_rows)
         if how == DECODE:
             return self.decode_forward(input_ids, positions, meta, logits_rows)
-        if how == VARLEN_GRAPH:
+        if how == VARLEN_GRAPH and self.varlen_graphs is not None:
             per_seq = self.varlen_graphs.run(input_ids, positions, meta)
-            # logits_rows are last-token indices of sampling sequences: find their sequences
-            last = meta.cu_seqlens_q[1:].long() - 1
-            return per_seq.index_select(0, torch.searchsorted(last, logits_rows.long()))
+            if per_seq is not None:
+                # logits_rows are last-token indices of sampling sequences: find their sequences
+                last = meta.cu_seqlens_q[1:].long() - 1
+                return per_seq.index_select(0, torch.searchsorted(last, logits_rows.long()))
         return self.varlen_forward(input_ids, positions, meta, logits_rows)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from array import array
 from itertools import chain
 
+import numpy as np
 import torch
 
 from engine.backends.memory import CachePlan
@@ -36,33 +38,31 @@ class Kind(enum.IntEnum):
 
 
 def header(kind: Kind, *numbers: int) -> torch.Tensor:
-    out = torch.zeros(HEADER, dtype=torch.int64)
-    out[0] = int(kind)
-    if numbers:
-        out[1 : 1 + len(numbers)] = torch.tensor(numbers, dtype=torch.int64)
-    return out
+    values = array("q", [int(kind), *numbers])
+    values.extend([0] * (HEADER - len(values)))
+    return torch.frombuffer(values, dtype=torch.int64)
 
 
 def encode_step(step: StepInputs, route: Route) -> tuple[torch.Tensor, torch.Tensor]:
     """The header (sizes, then rank 0's route: which graph runs the step) and the int32 body of a step
     (its sample rows left out)."""
     lens = [len(t) for t in step.block_tables]
-    copies = list(chain.from_iterable(step.copies))
-    values = [*step.token_ids, *step.q_lens, *step.starts, *lens, *chain.from_iterable(step.block_tables), *copies]
-    body = torch.tensor(values, dtype=torch.int32)
-    return header(Kind.STEP, len(step.token_ids), len(step.q_lens), sum(lens), len(step.copies), *route), body
+    head = header(Kind.STEP, len(step.token_ids), len(step.q_lens), sum(lens), len(step.copies), *route)
+    parts = chain(step.token_ids, step.q_lens, step.starts, lens, chain.from_iterable(step.block_tables),
+                  chain.from_iterable(step.copies))  # fmt: skip
+    return head, torch.from_numpy(np.fromiter(parts, dtype=np.int32, count=body_size(head)))
 
 
 def body_size(head: torch.Tensor) -> int:
     """Integers in the body that follows a step's header."""
-    tokens, seqs, entries, copies = (int(x) for x in head[1:5])
+    tokens, seqs, entries, copies = head[1:5].tolist()
     return tokens + 3 * seqs + entries + 2 * copies
 
 
 def decode_step(head: torch.Tensor, body: torch.Tensor) -> tuple[StepInputs, Route]:
     """The step a header and body carry (with no rows to sample), and its route."""
-    tokens, seqs, entries, copies = (int(x) for x in head[1:5])
-    values = body.tolist()
+    _, tokens, seqs, entries, copies, how, a, b = head[:8].tolist()
+    values = body.numpy().tolist()
     at = 0
 
     def take(n: int) -> list[int]:
@@ -73,8 +73,7 @@ def decode_step(head: torch.Tensor, body: torch.Tensor) -> tuple[StepInputs, Rou
     token_ids, q_lens, starts, lens = take(tokens), take(seqs), take(seqs), take(seqs)
     tables = [take(n) for n in lens]
     flat = take(2 * copies)
-    pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-    how, a, b = (int(x) for x in head[5:8])
+    pairs = list(zip(flat[0::2], flat[1::2]))
     return StepInputs(token_ids, q_lens, starts, tables, [], pairs), (how, a, b)
 
 

@@ -117,6 +117,46 @@ def test_a_step_crosses_as_one_header_and_one_int32_body_without_its_sample_rows
     assert decode_sizes(encode_sizes(sizes)) == sizes
 
 
+def test_rank_0s_messages_cross_a_gloo_group_in_order() -> None:
+    """The group's own sending and receiving, two ranks in two threads of this process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.tp_group import TPGroup, _groups
+    from engine.tp_messages import Kind
+
+    store = dist.HashStore()
+    sizes = CachePlan(num_blocks=16, block_size=16, max_batch_tokens=64, max_requests=8, bytes_per_block=4096,
+                      budget_bytes=1 << 33, free_bytes=1 << 34, activation_peak_bytes=0)  # fmt: skip
+    step = StepInputs([5, 6, 7], [2, 1], [0, 9], [[3], [1, 2]], [0, 1], [(1, 4)])
+    got: list = []
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            group = TPGroup(r, 2, store, *_groups(store, r, 2, timedelta(seconds=60), "cpu"))
+            if r == 0:
+                group.share_sizes(sizes)
+                group.send_step(step, (DECODE_GRAPH, 2, 0))
+                group.send_warmup()
+                group.close()  # a stop
+                return
+            got.append(group.share_sizes(dataclasses.replace(sizes, num_blocks=1)))
+            while (message := group.receive()) is not Kind.STOP:
+                got.append(message)
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEATH_WAIT_S)
+    assert not errors, errors
+    assert got == [sizes, (dataclasses.replace(step, sample_rows=[]), (DECODE_GRAPH, 2, 0)), Kind.WARMUP]
+
+
 @dataclasses.dataclass
 class RankOneOfTwo:
     """The peers of a rank other than 0, with no group behind them (its steps are given to it here)."""

@@ -5,8 +5,8 @@ its split layers chosen by the same plan as `tensor_parallel.shard_model`, and e
 copied from the files' memory maps onto the rank's device: a split layer's weight as the rank's
 rows or columns only (`safe_open(...).get_slice`), everything else whole. The rank never holds the
 whole model, in host memory or on its device: each tensor is read through a memory map of its own,
-unmapped once copied (the pages read stay in the host's page cache, shared by its ranks). The result is the shard
-`shard_model` makes of the whole model.
+unmapped once copied (the pages read stay in the host's page cache, shared by its ranks). The
+result is the shard `shard_model` makes of the whole model.
 """
 
 from __future__ import annotations
@@ -65,10 +65,8 @@ def load_shard(folder: Path, rank: int, world: int, all_reduce: AllReduce, devic
     styles = {f"{name}.weight": (style, "weight") for name, style in plan.items()}
     styles.update({f"{name}.bias": (style, "bias") for name, style in plan.items()})
     names: dict[int, list[str]] = {}  # a parameter (tied ones share one) and all its names
-    params: dict[int, torch.nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-        params[id(p)] = p
     # a parameter under none of its names is a tied one (the LM head, saved as the embedding): tied below
     sources = {key: found[0] for key, aliases in names.items() if (found := [n for n in aliases if n in files])}
     for key, source in sources.items():

@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
 
 
 def header(kind: Kind, *numbers: int) -> torch.Tensor:
+    """A message's header: its kind, its numbers, zeros after them."""
     values = array("q", [int(kind), *numbers])
     values.extend([0] * (HEADER - len(values)))
     return torch.frombuffer(values, dtype=torch.int64)
@@ -61,7 +62,7 @@ def body_size(head: torch.Tensor) -> int:
 
 def decode_step(head: torch.Tensor, body: torch.Tensor) -> tuple[StepInputs, Route]:
     """The step a header and body carry (with no rows to sample), and its route."""
-    _, tokens, seqs, entries, copies, how, a, b = head[:8].tolist()
+    _, tokens, seqs, _, copies, how, a, b = head[:8].tolist()
     values = body.numpy().tolist()
     at = 0
 

@@ -134,7 +134,8 @@ def serve(args: argparse.Namespace) -> int:
 def _tensor_parallel(args: argparse.Namespace, settings: Any, device: str, dtype: str,
                      model: str | None) -> tuple[Any, str]:  # fmt: skip
     """The Launch of the other ranks (None for one rank) and where this process loads the model: with
-    several ranks, into host memory, each rank then moving its share to its device."""
+    several ranks, "meta" (engine/loader.load_model: no weights read; rank 0 reads its shard as each
+    rank does, or the whole model into host memory when the checkpoint has no safetensors)."""
     from engine.loader import ModelSource
     from engine.tp_group import Launch
 
@@ -153,7 +154,7 @@ def _tensor_parallel(args: argparse.Namespace, settings: Any, device: str, dtype
         raise ValueError("--nnodes > 1 needs --dist-addr: the address the other hosts reach this one at")
     source = ModelSource(model, dtype, settings.attn_implementation)
     port = dist_port if nnodes > 1 else 0
-    return Launch(load=source, nnodes=nnodes, addr=dist_addr or "127.0.0.1", port=port, device=device), "cpu"
+    return Launch(load=source, nnodes=nnodes, addr=dist_addr or "127.0.0.1", port=port, device=device), "meta"
 
 
 def worker(args: argparse.Namespace) -> int:

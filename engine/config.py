@@ -18,7 +18,8 @@ COMPILE_LEVELS = {1: {"mode": "default", "dynamic": True}, 2: {"mode": "max-auto
 # transformers fields that mean nothing in cbserve: (default, why)
 NO_EFFECT = {
     "auto_switch_to_flash": (True, "cbserve always runs its own paged attention (flash-attn on CUDA)"),
-    "disable_nccl_graph_mixing": (True, "cbserve runs tensor-parallel steps without CUDA graphs"),
+    "disable_nccl_graph_mixing": (True, "under tensor parallel every cbserve rank captures the same CUDA graphs "
+                                  "(all-reduces inside) in lockstep"),
     "q_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
     "use_async_batching": (None, "cbserve prepares each step once the last step's tokens are known (no async scheduling)"),
     "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from engine import telemetry
-from engine.backends import make_executor
+from engine.backends.executors import make_executor
 from engine.block_manager import BlockManager
 from engine.config import ContinuousBatchingConfig
 from engine.generation_defaults import resolve as resolve_generation_defaults
@@ -28,7 +28,8 @@ from engine.request import ParamError, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import Grammar, GrammarCompiler, StructuredOutput
 from engine.swap import HostSwapPool
-from engine.tp_group import Launch, TPGroup, start_tensor_parallel
+from engine.tp_group import Launch, TPGroup
+from engine.tp_worker import start_tensor_parallel
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -108,7 +109,7 @@ class LLMEngine:
         tokenizer=None, tensor_parallel: Launch | None = None,
     ):  # fmt: skip
         """`tensor_parallel`: how the other ranks start when config.tensor_parallel_size > 1 (default:
-        spawned on this host, each sent the model; engine/tp_group.py)."""
+        spawned on this host, each sent the model; engine/tp_worker.py)."""
         self.config = config = config or ContinuousBatchingConfig()
         self.tokenizer = tokenizer  # needed only for text (stop strings, detokenize) and structured output
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings and outputs of requests

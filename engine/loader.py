@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,17 +107,12 @@ def embedded_folder() -> Path:
     return folder
 
 
-def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
-               device: str = "cpu") -> LoadedModel:  # fmt: skip
-    """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
-    first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
-    (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
-    weights load straight onto it, never whole into host memory first."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def locate(path: str | None) -> tuple[Path | str, str]:
+    """Where `load_model` reads `path` from (a folder, or a hub id for transformers' own cache), and
+    the model's name."""
     from engine import hub
 
-    torch_dtype = resolve_torch_dtype(dtype, device)
+    folder: Path | str
     if path is None:
         folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
@@ -125,29 +121,67 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
         folder = hub.locate(model)
         name = model.repo
     else:
-        folder = Path(path)
-        looks_like_hub_id = not folder.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
+        local = Path(path)
+        looks_like_hub_id = not local.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
         if not looks_like_hub_id:
-            if not folder.is_dir():
+            if not local.is_dir():
                 raise FileNotFoundError(f"--model {path!r} is not a folder (a local checkpoint folder is expected)")
-            if not (folder / "config.json").is_file():
+            if not (local / "config.json").is_file():
                 raise FileNotFoundError(f"--model {path!r} has no config.json: not a transformers checkpoint folder")
-        name = path if looks_like_hub_id else folder.name
-        folder = path if looks_like_hub_id else folder
-    extra: dict[str, object] = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if device != "cpu":
-        extra["device_map"] = device  # accelerate places each tensor on the device as it is read
+        name = path if looks_like_hub_id else local.name
+        folder = path if looks_like_hub_id else local
+    return folder, name
+
+
+def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
+               device: str = "cpu") -> LoadedModel:  # fmt: skip
+    """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
+    first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
+    (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
+    weights load straight onto it, never whole into host memory first. "meta": the model's parameters
+    stay unread (on the meta device) when the checkpoint is a folder of safetensors, for rank 0 of a
+    tensor-parallel engine, which reads only its shard (`ModelSource.shard`); else the model loads
+    whole into host memory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_torch_dtype(dtype, "cpu" if device == "meta" else device)
+    folder, name = locate(path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
+    model = None
+    if device == "meta":
+        model = _unread(folder, torch_dtype, attn_implementation)
+        device = "cpu"
+    if model is None:
+        extra: dict[str, object] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        if device != "cpu":
+            extra["device_map"] = device  # accelerate places each tensor on the device as it is read
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
     text_config = model.config.get_text_config()
     return LoadedModel(model, tokenizer, name, getattr(text_config, "max_position_embeddings", None))
 
 
+def _unread(folder: Path | str, dtype: torch.dtype, attn_implementation: str | None) -> torch.nn.Module | None:
+    """The checkpoint's model with its parameters on the meta device and its generation config, or
+    None when `folder` is not a folder of safetensors."""
+    from transformers import GenerationConfig
+
+    from engine.shard_loader import empty_model, safetensors_files
+
+    if not isinstance(folder, Path) or safetensors_files(folder) is None:
+        return None
+    model = empty_model(folder, dtype, attn_implementation)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """The model `load_model` gives, loadable again in another process (a tensor-parallel rank reads
-    the checkpoint itself and keeps its share). Loads into host memory; the rank moves its share to
-    its device. `dtype` is a resolved name (float32, bfloat16, float16)."""
+    """The model `load_model` gives, loadable again in another process: a tensor-parallel rank reads
+    the checkpoint itself. `shard` reads only the rank's share of a folder's safetensors straight onto
+    its device (engine/shard_loader.py); a checkpoint without them (a hub id in transformers' own
+    cache, weights under other names) is loaded whole into host memory and split there. `dtype` is a
+    resolved name (float32, bfloat16, float16)."""
 
     path: str | None
     dtype: str
@@ -155,3 +189,17 @@ class ModelSource:
 
     def __call__(self) -> torch.nn.Module:
         return load_model(self.path, self.dtype, self.attn_implementation, device="cpu").model
+
+    def shard(self, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None],
+              device: torch.device) -> torch.nn.Module:  # fmt: skip
+        """Rank `rank`'s shard of the model on `device`, its row-parallel layers summed by `all_reduce`."""
+        from engine.shard_loader import load_shard
+        from engine.tensor_parallel import shard_model
+
+        folder, _ = locate(self.path)
+        if isinstance(folder, Path):
+            shard = load_shard(folder, rank, world, all_reduce, device, DTYPES[self.dtype], self.attn_implementation)
+            if shard is not None:
+                return shard
+        logger.info("cbserve: rank %d loads the whole model into host memory, then keeps its share", rank)
+        return shard_model(self(), rank, world, all_reduce, device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +17,7 @@ import torch
 
 from engine import attention
 from engine.attention import StepContext
-from engine.backends import AttentionBackend, AttentionMetadata
+from engine.backends.base import AttentionBackend, AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledBatch
 
@@ -31,7 +31,7 @@ def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
 @dataclass
 class StepInputs:
     """One step as plain lists: what build_metadata needs, and what rank 0 of a tensor-parallel
-    engine sends the other ranks each step (engine/tp_group.py)."""
+    engine sends the other ranks each step (as tensors: engine/tp_messages.py)."""
 
     token_ids: list[int]  # the step's tokens, sequence after sequence
     q_lens: list[int]  # tokens of each sequence in this step
@@ -99,6 +99,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
+        # False on tensor-parallel ranks other than 0: the LM head runs on no row (only rank 0 samples)
+        self.computes_logits = True
         self._staging: torch.Tensor | None = None  # pinned host buffer of a step's integers (accelerators)
 
     def build_metadata(
@@ -158,7 +160,10 @@ class ModelRunner:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
-        """The eager model call of one step: logits [len(logits_rows), vocab] in the model's dtype."""
+        """The eager model call of one step: logits [len(logits_rows), vocab] in the model's dtype (no
+        rows when the runner computes no logits)."""
+        if not self.computes_logits:
+            logits_rows = logits_rows[:0]  # also inside captured graphs: the head multiplies nothing
         self.backend.prepare(meta)
         with attention.installed(self.model), attention.engine_step(), contextlib.ExitStack() as swaps:
             for swap in self.module_swaps:
@@ -173,11 +178,15 @@ class ModelRunner:
         return out.logits[0]
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, dispatch: StepForward | None = None) -> torch.Tensor:
+    def run(self, step: StepInputs, dispatch: StepForward | None = None,
+            before_forward: Callable[[AttentionMetadata], None] | None = None) -> torch.Tensor:  # fmt: skip
         """Forward the step; returns logits [len(step.sample_rows), vocab] for those sequences (model
         dtype). `dispatch` runs the forward (a graph replay or a compiled forward:
-        engine/backends/step_dispatch.py); None: `self.forward`, eagerly."""
+        engine/backends/step_dispatch.py); None: `self.forward`, eagerly. `before_forward` is called
+        with the step's metadata before the forward (tensor-parallel ranks agree on its route there)."""
         start = time.perf_counter()
         input_ids, positions, meta, logits_rows = self.build_metadata(step)
         self.last_prepare_s = time.perf_counter() - start
+        if before_forward is not None:
+            before_forward(meta)
         return (dispatch or self.forward)(input_ids, positions, meta, logits_rows)

@@ -248,8 +248,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cpu_group_timeout", "float", 300.0, "tensor parallel: seconds a rank waits in a forward's all-reduce "
             "before the group counts as broken; unset: 1800", nullable=True, exclusive_minimum=True, minimum=0,
             flag=False),
-    Setting("disable_nccl_graph_mixing", "bool", True, "no effect: tensor-parallel steps run without CUDA graphs",
-            flag=False),
+    Setting("disable_nccl_graph_mixing", "bool", True, "no effect: under tensor parallel every rank captures the "
+            "same CUDA graphs, all-reduces inside, in lockstep", flag=False),
     # ---- the server's own (cbserve serve, cbserve generate) ----
     Setting("device", "str", "auto", "where the model runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or "
             "cuda:N", section="server", pattern=DEVICE_PATTERN, accepts="auto, cpu, cuda or cuda:N"),

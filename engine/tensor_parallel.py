@@ -15,7 +15,8 @@ The plan is transformers' own (`model.tp_plan`: module-name patterns to styles, 
 
 Styles for experts and latent attention (MoE, MLA) are refused with an error that names them.
 `shard_model` builds the copy without touching the caller's model: replicated weights are shared
-with it, split weights are new tensors of the rank's slice.
+with it, split weights are new tensors of the rank's slice. engine/shard_loader.py builds the same
+shard from a checkpoint's files, reading only the rank's slices.
 """
 
 from __future__ import annotations
@@ -82,13 +83,26 @@ def resolve_plan(model: torch.nn.Module) -> tuple[dict[str, str], str]:
     return plan, source
 
 
+def slice_ranges(size: int, rank: int, world: int, packed: bool) -> list[tuple[int, int]]:
+    """The [start, end) ranges of a dimension of `size` that rank `rank` keeps, in order: one, or one
+    per half of a packed tensor (gate and up stacked)."""
+    halves = 2 if packed else 1
+    part = size // halves
+    if size % halves or part % world:
+        raise ValueError(f"tensor parallel: a dimension of {part} does not split into {world} ranks")
+    step = part // world
+    return [(h * part + rank * step, h * part + (rank + 1) * step) for h in range(halves)]
+
+
+def split_dim(style: str) -> int:
+    """The weight dimension a style splits: output features (0) or input features (1)."""
+    return 0 if style in COLUMN else 1
+
+
 def _slice(t: torch.Tensor, dim: int, rank: int, world: int, packed: bool) -> torch.Tensor:
-    """The rank's slice of `t` along `dim`; a packed tensor (gate and up stacked) is split per half."""
-    parts = t.chunk(2, dim) if packed else (t,)
-    for p in parts:
-        if p.shape[dim] % world:
-            raise ValueError(f"tensor parallel: a dimension of {p.shape[dim]} does not split into {world} ranks")
-    return torch.cat([p.chunk(world, dim)[rank] for p in parts], dim).contiguous()
+    """The rank's slice of `t` along `dim`, a tensor of its own."""
+    ranges = slice_ranges(t.shape[dim], rank, world, packed)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim).contiguous()
 
 
 def _row_parallel_hooks(module: torch.nn.Linear, all_reduce: AllReduce, split_input: bool, rank: int,
@@ -126,7 +140,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, all_reduce: AllRe
     for name, style in plan.items():
         layer = modules[name]
         packed = style.startswith("packed_")
-        dim = 0 if style in COLUMN else 1
+        dim = split_dim(style)
         weight = _slice(layer.weight.detach(), dim, rank, world, packed).to(device)
         memo[id(layer.weight)] = torch.nn.Parameter(weight, requires_grad=False)
         if layer.bias is not None:
@@ -141,10 +155,16 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, all_reduce: AllRe
     for b in model.buffers():
         memo.setdefault(id(b), keep(b))
     shard = copy.deepcopy(model, memo)
-    shard_modules = dict(shard.named_modules())
+    wire_shard(shard, plan, all_reduce, rank, world)
+    return shard.eval()
+
+
+def wire_shard(shard: torch.nn.Module, plan: dict[str, str], all_reduce: AllReduce, rank: int, world: int) -> None:
+    """Make a model whose split layers hold the rank's slices run as a shard: the layers' feature
+    counts follow their weights, and row-parallel layers all-reduce their output."""
+    modules = dict(shard.named_modules())
     for name, style in plan.items():
-        layer = shard_modules[name]
+        layer = modules[name]
         layer.out_features, layer.in_features = layer.weight.shape
         if style in ROW:
             _row_parallel_hooks(layer, all_reduce, style == "rowwise_split_input", rank, world)
-    return shard.eval()

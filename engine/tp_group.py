@@ -7,8 +7,11 @@ TCPStore on rank 0 and open two process groups over it:
 - "step": the all-reduce after each row-parallel layer of every forward (gloo on the CPU, NCCL on
   GPUs), with `cpu_group_timeout` as its timeout;
 - "control" (gloo, no practical timeout: ranks wait there while the server is idle): rank 0's
-  messages, the KV-cache sizes once at start-up, then each step's inputs (`StepInputs`), and `None`
-  to stop.
+  messages as tensors (engine/tp_messages.py): the KV-cache sizes once at start-up, then each
+  step's inputs, a warm-up (capture the graphs) and a stop.
+
+`TPGroup` is what an executor of a rank is handed as its `RankPeers` (engine/backends/executor.py);
+engine/tp_worker.py starts the ranks and runs their executors.
 
 A rank that dies closes its sockets, and the next collective on the others fails at once; rank 0
 also watches the processes it spawned, so a death while idle is noticed too. Either way the group is
@@ -21,7 +24,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,6 +33,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine import tp_messages as messages
+from engine.backends.memory import CachePlan
+from engine.backends.step_dispatch import Route
+from engine.model_runner import StepInputs
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -82,22 +89,46 @@ class TPGroup:
         except RuntimeError as exc:
             raise self.broken(f"an all-reduce failed: {exc}") from None
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (pickled; a size, then the bytes)."""
+    # -- rank 0's messages (engine/tp_messages.py) -------------------------------------------
+    def _send(self, *tensors: torch.Tensor) -> None:
         try:
-            if self.rank == 0:
-                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                size = torch.tensor([len(data)], dtype=torch.int64)
-                self.control.broadcast(size, 0).wait()
-                self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
-                return obj
-            size = torch.zeros(1, dtype=torch.int64)
-            self.control.broadcast(size, 0).wait()
-            buf = torch.empty(int(size), dtype=torch.uint8)
-            self.control.broadcast(buf, 0).wait()
-            return pickle.loads(buf.numpy().tobytes())
+            for t in tensors:
+                self.control.broadcast(t, 0).wait()
         except RuntimeError as exc:
             raise self.broken(f"a message from rank 0 failed: {exc}") from None
+
+    def _receive(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            self.control.broadcast(t, 0).wait()
+        except RuntimeError as exc:
+            raise self.broken(f"a message from rank 0 failed: {exc}") from None
+        return t
+
+    def share_sizes(self, sizes: CachePlan) -> CachePlan:
+        """Rank 0's KV-cache sizes, on every rank."""
+        if self.rank == 0:
+            self._send(messages.encode_sizes(sizes))
+            return sizes
+        return messages.decode_sizes(self._receive(torch.empty(messages.HEADER, dtype=torch.int64)))
+
+    def send_step(self, step: StepInputs, route: Route) -> None:
+        """Rank 0: the step the other ranks run with it, and its route (a header, then one int32 body)."""
+        self.check()
+        self._send(*messages.encode_step(step, route))
+
+    def send_warmup(self) -> None:
+        """Rank 0: the other ranks capture their graphs now, with it."""
+        self.check()
+        self._send(messages.header(messages.Kind.WARMUP))
+
+    def receive(self) -> tuple[StepInputs, Route] | messages.Kind:
+        """A rank other than 0: rank 0's next message, a step and its route, or its kind (WARMUP, STOP)."""
+        head = self._receive(torch.empty(messages.HEADER, dtype=torch.int64))
+        kind = messages.Kind(int(head[0]))
+        if kind != messages.Kind.STEP:
+            return kind
+        body = self._receive(torch.empty(messages.body_size(head), dtype=torch.int32))
+        return messages.decode_step(head, body)
 
     # -- failure ------------------------------------------------------------------------------
     def broken(self, reason: str) -> GroupBroken:
@@ -127,7 +158,7 @@ class TPGroup:
         self.closing = True
         if self.failure is None and self.control is not None:
             try:
-                self.broadcast(None)
+                self._send(messages.header(messages.Kind.STOP))
             except GroupBroken:
                 pass
         for _, p in self.processes:
@@ -231,45 +262,3 @@ def start(world: int, launch: Launch, timeout_s: float | None, device_type: str,
     logger.info("cbserve: tensor parallel over %d ranks (%d on this host), rank 0 at %s:%d", world, per_node,
                 launch.addr, store.port)  # fmt: skip
     return group
-
-
-def start_tensor_parallel(model: torch.nn.Module, config: Any, launch: Launch) -> tuple[TPGroup, torch.nn.Module]:
-    """Rank 0 of an engine with config.tensor_parallel_size ranks: check that the model splits, start
-    and meet the other ranks, and return the group and rank 0's shard. Each rank of a host gets an
-    equal share of its CPU threads."""
-    from engine import tp_worker
-    from engine.tensor_parallel import check_divisible, resolve_plan, shard_model
-
-    world = config.tensor_parallel_size
-    check_divisible(model.config, world)  # before any process starts: the errors are the caller's
-    _, plan_source = resolve_plan(model)
-    if launch.nnodes < 1 or world % launch.nnodes:
-        raise ValueError(f"tensor_parallel_size {world} must be a multiple of the number of nodes ({launch.nnodes})")
-    if config.cpu_offload_space:
-        raise ValueError("cpu_offload_space needs tensor_parallel_size 1: preempted requests are recomputed "
-                         "under tensor parallel (each rank would swap its own share)")
-    per_node = world // launch.nnodes
-    device_type = launch.device or next(model.parameters()).device.type
-    source = launch.load or tp_worker.ModelCopy.of(model)
-    ctx = torch.multiprocessing.get_context("spawn")
-    level = logging.getLogger("cbserve").getEffectiveLevel()
-
-    def spawn(rank: int, addr: str, port: int) -> Any:
-        p = ctx.Process(target=tp_worker.spawned, name=f"cbserve-tp-rank-{rank}", daemon=True,
-                        args=(source, config, rank, world, addr, port, device_type, per_node, level))  # fmt: skip
-        p.start()
-        return p
-
-    group = start(world, launch, config.cpu_group_timeout, device_type, spawn)
-    try:
-        if device_type == "cpu":
-            group.threads_before = torch.get_num_threads()
-            threads = max(1, group.threads_before // per_node)
-            torch.set_num_threads(threads)
-            logger.info("cbserve: %d CPU thread(s) per rank", threads)
-        shard = shard_model(model, 0, world, group.all_reduce, tp_worker.rank_device(device_type, 0, per_node))
-    except BaseException:
-        group.close()
-        raise
-    logger.info("cbserve: shards split by %s's tensor-parallel plan", "cbserve" if plan_source == "cbserve" else "the model")
-    return group, shard

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "make_executor"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
 
 
 def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
@@ -25,16 +23,3 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
 
         return cuda.make_backend(device)
     raise ValueError(f"attn_backend must be 'cpu' or 'cuda', got {name!r}")
-
-
-def make_executor(model: torch.nn.Module, config: Any, group: Any = None) -> Any:
-    """The executor for the device the model's weights are on (engine/backends/executor.py); `group`:
-    the tensor-parallel group when the model is one rank's shard."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        from engine.backends.cuda.executor import CUDAExecutor  # lazy: flash-attn and CUDA only here
-
-        return CUDAExecutor(model, config, group)
-    from engine.backends.cpu_executor import CPUExecutor
-
-    return CPUExecutor(model, config, group)

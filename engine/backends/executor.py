@@ -1,20 +1,26 @@
 """The executor: everything about the device the model runs on, behind one call per step.
 
-`make_executor(model, config)` (engine/backends/__init__.py) builds the one for the model's device:
+`make_executor(model, config)` (engine/backends/executors.py) builds the one for the model's device:
 `CPUExecutor` (engine/backends/cpu_executor.py: packed weights, fused passes, C++ kernels) or
 `CUDAExecutor` (engine/backends/cuda/executor.py: flash-attn, graphs). The engine core reads its
 sizes and cache geometry once, and each step calls `execute_model(batch)`, which runs the forward
 and returns the sampled tokens of `batch.samples`. The core never asks which device it is on.
+
+An executor runs one rank. Under tensor parallel (engine/tp_worker.py) the model is the rank's shard
+and the executor is handed `RankPeers`: the little it needs from the other ranks (rank 0's cache
+sizes, and on rank 0 sending each step's inputs before its forward). It knows no process group.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import torch
 
 from engine.backends import get_backend
+from engine.backends.base import AttentionMetadata
 from engine.backends.memory import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_REQUESTS,
@@ -27,25 +33,45 @@ from engine.backends.memory import (
     read_device_memory,
     step_reserve_bytes,
 )
-from engine.backends.step_dispatch import StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
+from engine.backends.step_dispatch import Route, StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner, ModuleSwaps, StepInputs, restore_modes
 from engine.sampler import Sampler, SampleResult, to_device
 from engine.scheduler import ScheduledBatch
-from engine.tp_group import TPGroup
 
 logger = logging.getLogger("cbserve.engine")
+
+
+class RankPeers(Protocol):
+    """What the executor of one tensor-parallel rank needs from the others (engine/tp_group.TPGroup)."""
+
+    rank: int
+    world: int
+
+    def share_sizes(self, sizes: CachePlan) -> CachePlan:
+        """Rank 0's sizes, on every rank (each rank passes its own)."""
+        ...
+
+    def send_step(self, step: StepInputs, route: Route) -> None:
+        """Rank 0, before each forward: the other ranks run the same step, by the same route (the same
+        graph); raises when they cannot."""
+        ...
+
+    def send_warmup(self) -> None:
+        """Rank 0, before capturing its graphs: the other ranks capture theirs with it, in the same order."""
+        ...
 
 
 class Executor:
     """Placement, sizing, the KV cache, module swaps, step dispatch (graphs or compiled) and sampling."""
 
-    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig, group: TPGroup | None = None) -> None:
-        """`group`: the tensor-parallel group when `model` is one rank's shard (engine/tensor_parallel.py):
-        the KV cache holds the rank's heads, rank 0's sizes are every rank's, and rank 0 sends each
-        step's inputs to the others before its forward."""
-        self.model, self.config, self.group = model, config, group
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig, peers: RankPeers | None = None) -> None:
+        """`peers`: the other tensor-parallel ranks when `model` is one rank's shard
+        (engine/tensor_parallel.py): the KV cache holds the rank's heads, rank 0's sizes are every
+        rank's, rank 0 sends each step's inputs to the others before its forward, and only rank 0
+        computes logits."""
+        self.model, self.config, self.peers = model, config, peers
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if config.cpu_packed_weights and self.device.type != "cpu":
@@ -53,26 +79,24 @@ class Executor:
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         num_layers, num_kv_heads, head_dim = kv_geometry(text_config)
-        world = group.world if group else 1
+        world = peers.world if peers else 1
         num_kv_heads //= world  # a rank's share (tensor_parallel.check_divisible made it whole)
         self.backend = get_backend(self.device, config.attn_backend)
         self.block_size: int = config.block_size or DEFAULT_BLOCK_SIZE.get(self.device.type, 256)
         self.backend.check_config(self.block_size)
         self.graph_flags = normalize_cuda_graph_flag(config.use_cuda_graph, self.device.type, self.backend.supports_graphs)
-        if group and any(self.graph_flags):
-            logger.info("cbserve: CUDA graphs off under tensor parallel (its steps run eagerly)")
-            self.graph_flags = (False, False)
         extra_blocks = reserved_blocks(self.graph_flags)  # the padding block of graphs, never handed out
         swaps = self.module_swaps()  # before sizing: packed weights take memory
         # ranks sharing one host's memory plan for all of them: the whole model's KV heads
         plan_heads = num_kv_heads * world if self.device.type == "cpu" else num_kv_heads
         self.sizes: CachePlan = self._plan(num_layers, plan_heads, head_dim, extra_blocks)
-        if group:
-            self.sizes = group.broadcast(self.sizes)  # rank 0's, on every rank
+        if peers:
+            self.sizes = peers.share_sizes(self.sizes)  # rank 0's, on every rank
         logger.info("cbserve engine: %s", self.placement_line())
         self.cache = PagedKVCache(num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads,
                                   head_dim, self.dtype, self.device)  # fmt: skip
         self.runner = ModelRunner(model, self.cache, self.backend, swaps)
+        self.runner.computes_logits = peers is None or peers.rank == 0  # only rank 0 samples
         self.dispatch = StepDispatcher.from_config(
             self.runner.forward, config, self.backend, self.device, graph_flags=self.graph_flags,
             block_size=self.block_size, num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
@@ -89,12 +113,12 @@ class Executor:
                 "attention_backend": self.backend.kernel or self.backend.name, "block_size": self.block_size,
                 "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
                 "kv_cache_bytes": self.sizes.cache_bytes,
-                "tensor_parallel_size": self.group.world if self.group else 1}  # fmt: skip
+                "tensor_parallel_size": self.peers.world if self.peers else 1}  # fmt: skip
 
     def placement_line(self) -> str:
         """The start-up log line: device, dtype, attention backend, then the sizes chosen."""
         p = self.placement()
-        ranks = f" (rank {self.group.rank} of {self.group.world})" if self.group else ""
+        ranks = f" (rank {self.peers.rank} of {self.peers.world})" if self.peers else ""
         return (f"device {p['device']}{ranks}, dtype {p['dtype']}, attention {p['attention_backend']}; "
                 f"{self.sizes.summary()}")
 
@@ -148,7 +172,11 @@ class Executor:
 
     # -- per step ---------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Capture what the device captures ahead of time (every graph); nothing on the CPU."""
+        """Capture what the device captures ahead of time (every graph); nothing on the CPU. Rank 0 of a
+        tensor-parallel engine has the other ranks capture theirs with it (their forwards all-reduce
+        together)."""
+        if self.peers and self.peers.rank == 0 and any(self.graph_flags):
+            self.peers.send_warmup()
         self.dispatch.warmup()
         self._graph_weights = self._weight_ptrs() if self.dispatch.captured else None
 
@@ -158,9 +186,12 @@ class Executor:
         tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
         step = StepInputs.of(batch, rows)
-        if self.group:
-            self.group.check()
-            self.group.broadcast(step)  # the other ranks run the same step (engine/tp_worker.py)
+        send = None  # tensor parallel: the other ranks run the same step (engine/tp_worker.py), told its route
+        if (peers := self.peers) is not None:
+
+            def send(meta: AttentionMetadata) -> None:
+                peers.send_step(step, self.dispatch.route(meta, len(step.token_ids)))
+
         if step.copies:
             self.cache.copy_blocks(step.copies)
         modes = None
@@ -168,7 +199,7 @@ class Executor:
             modes = [m.training for m in self.model.modules()]
             self.model.eval()
         try:
-            logits = self.runner.run(step, self.dispatch)
+            logits = self.runner.run(step, self.dispatch, send)
         finally:
             if modes is not None:
                 restore_modes(self.model, modes)
@@ -183,8 +214,18 @@ class Executor:
         return result
 
     @torch.inference_mode()
-    def execute_inputs(self, step: StepInputs) -> None:
-        """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (no logits, no sampling)."""
+    def execute_inputs(self, step: StepInputs, route: Route) -> None:
+        """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (no logits, no sampling:
+        the runner computes none), by rank 0's `route`. A rank that would run it another way (another
+        graph, or eagerly where rank 0 replays one) is out of lockstep: a RuntimeError, before any
+        collective."""
         if step.copies:
             self.cache.copy_blocks(step.copies)
-        self.runner.run(step, self.dispatch)
+
+        def agree(meta: AttentionMetadata) -> None:
+            mine = self.dispatch.route(meta, len(step.token_ids))
+            if mine != route:
+                raise RuntimeError(f"tensor-parallel ranks out of lockstep: rank 0 runs a step by route {route}, "
+                                   f"this rank by {mine} (engine/backends/step_dispatch.py)")
+
+        self.runner.run(step, self.dispatch, agree)

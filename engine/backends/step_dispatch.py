@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # the graph runners are imported only when graphs are on
 logger = logging.getLogger("cbserve.cuda_graphs")
 
 PAD_BLOCKS = 1  # the padding block graphs' padded rows write to, allocated beyond the block manager's
+# a step's route (`StepDispatcher.route`): how it runs, and which graph
+VARLEN, DECODE, DECODE_GRAPH, VARLEN_GRAPH = range(4)
+Route = tuple[int, int, int]
 
 
 def normalize_cuda_graph_flag(value: Any, device_type: str = "cuda", backend_supports_graphs: bool = True) -> tuple[bool, bool]:
@@ -198,15 +201,27 @@ class StepDispatcher:
                 runner.graphs.clear()
                 runner.warmup()
 
+    def route(self, meta: AttentionMetadata, num_tokens: int) -> Route:
+        """How a step runs: (DECODE_GRAPH, bucket, 0), (DECODE, 0, 0), (VARLEN_GRAPH, tokens, sequences)
+        or (VARLEN, 0, 0). Tensor-parallel ranks compare theirs with rank 0's each step."""
+        if self.graphs is not None and (bucket := self.graphs.graph_for(meta)) is not None:
+            return (DECODE_GRAPH, bucket, 0)
+        if meta.num_decodes == meta.num_seqs:
+            return (DECODE, 0, 0)
+        if self.varlen_graphs is not None and (key := self.varlen_graphs.key_for(meta, num_tokens)) is not None:
+            return (VARLEN_GRAPH, key.num_tokens, key.num_seqs)
+        return (VARLEN, 0, 0)
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.graph_for(meta) is not None:
+        how = self.route(meta, input_ids.shape[0])[0]
+        if how == DECODE_GRAPH and self.graphs is not None:
             # one token per row in a decode step: the rows that sample index the graph's output directly
             return self.graphs.run(input_ids, positions, meta).index_select(0, logits_rows)
-        if meta.num_decodes == meta.num_seqs:
+        if how == DECODE:
             return self.decode_forward(input_ids, positions, meta, logits_rows)
-        if self.varlen_graphs is not None:
+        if how == VARLEN_GRAPH and self.varlen_graphs is not None:
             per_seq = self.varlen_graphs.run(input_ids, positions, meta)
             if per_seq is not None:
                 # logits_rows are last-token indices of sampling sequences: find their sequences

@@ -15,7 +15,6 @@ import torch
 from engine.backends.cpu import SDPABackend
 from engine.backends.cuda import SDPACudaBackend
 from engine.backends.cuda.graphs import (
-    PAD_BLOCKS,
     DecodeBuffers,
     DecodeGraphRunner,
     bucket_for,
@@ -23,7 +22,7 @@ from engine.backends.cuda.graphs import (
     fill_decode_buffers,
     graph_batch_sizes,
 )
-from engine.backends.step_dispatch import normalize_cuda_graph_flag
+from engine.backends.step_dispatch import PAD_BLOCKS, normalize_cuda_graph_flag
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.testing import build_test_model
 from tests.gpu.helpers import EagerCapturer, hf_forward, meta_for

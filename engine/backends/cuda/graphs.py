@@ -9,7 +9,7 @@ smallest bucket that holds it, replays that graph and reads the first rows of it
 Padding rows are harmless by construction: each is a one-token sequence of length 1 whose only
 block is the engine's reserved padding block (never handed to a request), so its key/value write
 and its attention touch nothing a real request owns. The cache must therefore be allocated with
-`PAD_BLOCKS` extra block(s) beyond the ones the block manager hands out (`pad_block = num_blocks`).
+`PAD_BLOCKS` (engine/backends/step_dispatch.py) extra block(s) beyond the ones the block manager hands out (`pad_block = num_blocks`).
 
 Prefill and mixed steps run eagerly unless varlen graphs are asked for (engine/backends/cuda/varlen_graphs.py).
 The pure logic here runs anywhere; capture itself needs CUDA, except through an injected capturer
@@ -26,7 +26,6 @@ from typing import Any, Protocol
 import torch
 
 from engine.backends.base import AttentionMetadata
-from engine.backends.step_dispatch import PAD_BLOCKS  # noqa: F401  (the padding block; its sizing lives there)
 
 logger = logging.getLogger("cbserve.cuda_graphs")
 

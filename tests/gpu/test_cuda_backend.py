@@ -116,7 +116,7 @@ def test_sdpa_fallback_equals_the_cpu_backend(seqs, kw):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-GPU_MODULES = ["engine/backends/cuda/__init__.py", "engine/backends/cuda/flex.py", "engine/backends/cuda/graphs.py", "engine/backends/cuda/varlen_graphs.py",
+GPU_MODULES = ["engine/backends/cuda/__init__.py", "engine/backends/cuda/flex.py", "engine/backends/cuda/sdpa.py", "engine/backends/cuda/graphs.py", "engine/backends/cuda/varlen_graphs.py",
                "engine/backends/cuda/executor.py", "engine/backends/step_dispatch.py", "engine/backends/memory.py",
                "engine/backends/compile.py", "engine/device.py"]  # fmt: skip
 

@@ -100,7 +100,7 @@ def test_cpu_figures_are_capped_and_a_fraction_of_the_machine():
 
 def test_the_cpu_cache_cap_is_the_cpu_kv_cache_space_setting():
     from engine import ContinuousBatchingConfig
-    from engine.backends import make_executor
+    from engine.backends.executors import make_executor
     from engine.testing import build_test_model
 
     assert read_device_memory("cpu", cpu_cap_bytes=64 * MiB).cap_bytes == 64 * MiB

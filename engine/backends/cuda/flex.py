@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
-from engine.backends.cuda import write_kv
+from engine.backends.cuda.sdpa import write_kv
 
 TILE = 128  # flex's default sparse block: query tiles and key tiles of the BlockMask
 
@@ -200,7 +200,7 @@ def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] 
     """Run the backend once on `device` over a small paged step (two decode rows, a prompt, a chunk
     with history; 4 query heads over 2 KV heads) against torch SDPA over the same cache: None when
     they agree, else why not (a compile error, a kernel error, or the largest difference)."""
-    from engine.backends.cuda import SDPACudaBackend
+    from engine.backends.cuda.sdpa import SDPACudaBackend
 
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)

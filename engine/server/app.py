@@ -23,11 +23,12 @@ from starlette.routing import Route
 
 from engine import ContinuousBatchingManager
 from engine.server import otel
+from engine.server.errors import APIError
 from engine.server.generation import Delta, Generation
 from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from engine.server.metrics import ServerMetrics
+from engine.server.protocol import check_prompt_size, max_token_chars, parse_chat, parse_completion
 from engine.server.tokenizing import ServerTokenizer
-from engine.server.protocol import APIError, check_prompt_size, max_token_chars, parse_chat, parse_completion
 
 logger = logging.getLogger("cbserve.server")
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from engine import ContinuousBatchingManager, GenerationOutput, ParamError, QueueFullError
 from engine.output_processor import TokenLogprob, family_ids, new_logprobs
+from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import HONOURED, APIError, GenerationRequest, context_exceeded
+from engine.server.protocol import HONOURED, GenerationRequest, context_exceeded
 from engine.server.tools import ToolStream
 
 # the engine's parameter names that the API calls otherwise; "input_ids" is "prompt" or "messages"

@@ -25,7 +25,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.protocol import APIError
+from engine.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # about a million tokens as a JSON list of ids

@@ -10,6 +10,8 @@ from typing import Any
 import jinja2
 
 from engine.llm_engine import token_ids_ok
+from engine.server import tools as toolkit
+from engine.server.errors import APIError, bad
 from engine.structured import STRUCTURED_KEYS, StructuredOutput
 
 MAX_N = 16
@@ -70,30 +72,6 @@ def _check_fields(body: dict, kind: str) -> None:
         if name not in known and name not in _warned and len(_warned) < 1000:
             _warned.add(name)  # once per field name, and a bounded set: a client cannot flood the log
             logger.warning("ignoring the request field %r, which cbserve does not know", name[:100])
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param)
 
 
 @dataclass
@@ -371,8 +349,6 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest
 
 
 def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
-    from engine.server import tools as toolkit
-
     req = _common(body, "chat", vocab_size)
     req.tools = toolkit.parse_tools(body)
     if req.tools is not None and req.tools.forced:

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server.protocol import bad
+from engine.server.errors import bad
 from engine.structured import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -129,11 +130,22 @@ def _handled(handler):
     return handle
 
 
-LOOP_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop; larger ones in a thread
+MAX_CONTAINERS = 65536  # JSON arrays and objects in one body (json.loads builds them all in one call, holding the GIL)
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all prompts) are queued from the event loop
 
 
 def _loads(raw: bytes) -> Any:
+    """The body's JSON; in a worker thread (a request's body is read, checked and dropped there: making
+    and freeing a large one's objects holds the GIL). A body of more than MAX_CONTAINERS arrays and
+    objects is refused before it is parsed: a million one-element lists take json.loads, which holds
+    the GIL throughout, a large part of a second (more with the collector tracking every one)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_CONTAINERS:  # brackets in strings too: count again without them
+        bare = _STRING.sub(b"", raw)
+        containers = bare.count(b"[") + bare.count(b"{")
+        if containers > MAX_CONTAINERS:
+            raise APIError(400, f"the request body holds {containers} JSON arrays and objects; at most "
+                                f"{MAX_CONTAINERS} are allowed", code="request_too_complex")  # fmt: skip
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -142,9 +154,6 @@ def _loads(raw: bytes) -> Any:
         raise APIError(400, "the request body is nested too deeply") from None
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
-    return _loads(raw) if len(raw) <= LOOP_BYTES else await asyncio.to_thread(_loads, raw)
 
 
 async def _json_off_loop(data: Any) -> Response:
@@ -206,9 +215,10 @@ class Handlers:
             state.leave()  # a stream leaves when it has been sent, or its client has gone
         return response
 
-    def _parse(self, body: Any, parse) -> Any:
+    def _parse(self, raw: bytes, parse) -> Any:
         """Every check, cheapest first, then the parse (tokenising last); in a worker thread."""
         state = self.state
+        body = _loads(raw)
         check_prompt_size(body, state.max_model_len, state.token_chars)
         return parse(body, state.tokenizer, state.vocab_size, state.max_generations)
 
@@ -218,8 +228,7 @@ class Handlers:
             if state.draining or not state.ready:
                 raise APIError(503, "the server is not accepting requests (starting or shutting down)",
                                type="service_unavailable", headers={"Retry-After": "5"})  # fmt: skip
-            body = await _body(request)
-            req = await _off_loop(self._parse, body, parse)
+            req = await _off_loop(self._parse, await request.body(), parse)
             if req.model is not None and req.model != state.model_name:
                 raise APIError(404, f"the model {req.model[:100]!r} does not exist; this server serves "
                                     f"{state.model_name!r}", param="model", code="model_not_found")  # fmt: skip
@@ -360,15 +369,15 @@ class Handlers:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body = await _body(request)
-            ids = await _off_loop(self._tokenize, body)
+            ids = await _off_loop(self._tokenize, await request.body())
         except APIError as exc:
             return _error(exc, request)
         return await _json_off_loop({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
 
-    def _tokenize(self, body: Any) -> list[int]:
+    def _tokenize(self, raw: bytes) -> list[int]:
         """/tokenize's checks and tokens, in a worker thread."""
         state = self.state
+        body = _loads(raw)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         check_prompt_size(body, state.max_model_len, state.token_chars)
@@ -383,19 +392,27 @@ class Handlers:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await _body(request)
-            prompt = await _off_loop(self._detokenize, body)
+            prompt = await _off_loop(self._detokenize, await request.body())
         except APIError as exc:
             return _error(exc, request)
         return await _json_off_loop({"prompt": prompt})
 
-    def _detokenize(self, body: Any) -> str:
-        """/detokenize's checks (C loops over slices, engine/llm_engine.py's token_ids_ok) and text,
-        in a worker thread."""
-        vocab = self.state.vocab_size
+    def _detokenize(self, raw: bytes) -> str:
+        """/detokenize's checks (the count first, from the body's commas before it is parsed; then C
+        loops over slices, engine/llm_engine.py's token_ids_ok) and text, in a worker thread. At most
+        max_model_len ids, as many as any prompt or output has: parsing a million ids and decoding
+        them each hold the GIL throughout, for a large part of a second."""
+        vocab, limit = self.state.vocab_size, self.state.max_model_len
+        if raw.count(b",") > limit and _STRING.sub(b"", raw).count(b",") > limit:  # refused before it is parsed
+            raise APIError(400, f"'tokens' has more than {limit} ids; at most {limit} (the model's context) are "
+                                "allowed", param="tokens")  # fmt: skip
+        body = _loads(raw)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list):
             raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+        if len(tokens) > limit:
+            raise APIError(400, f"'tokens' has {len(tokens)} ids; at most {limit} (the model's context) are allowed",
+                           param="tokens")  # fmt: skip
         if not token_ids_ok(tokens, vocab):
             if set(map(type, tokens)) != {int}:
                 raise APIError(400, "'tokens' must be a list of token ids", param="tokens")

@@ -156,11 +156,13 @@ def max_token_chars(tokenizer) -> int:
 
 
 def _prompt_chars(body: Any) -> int:
+    """The characters of the longest prompt's text (a completion's prompts are one prompt each, a
+    chat's messages together one)."""
     if not isinstance(body, dict):
         return 0
-    total, prompt = 0, body.get("prompt")
-    for p in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []:
-        total += len(p) if isinstance(p, str) else 0
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    total = max((len(p) for p in prompts if isinstance(p, str)), default=0)
     for m in body.get("messages") if isinstance(body.get("messages"), list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         parts = content if isinstance(content, list) else [content]

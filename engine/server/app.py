@@ -252,8 +252,11 @@ class Handlers:
             return _error(exc, request)
         state.track(gen)
         if req.stream:
-            return _CountedStream(self._stream(gen, request, span), on_end=state.leave,
-                                  media_type="text/event-stream")  # fmt: skip
+            def ended() -> None:  # however the stream ended, even if its generator never started
+                state.untrack(gen)
+                state.leave()
+
+            return _CountedStream(self._stream(gen, request, span), on_end=ended, media_type="text/event-stream")
         try:
             return await self._complete(request, gen, span)
         finally:
@@ -356,7 +359,6 @@ class Handlers:
         finally:
             watcher.cancel()
             gen.cancel()  # no-op for finished choices; frees the rest when the client went away
-            state.untrack(gen)
             otel.end_span(span, gen)
         yield "data: [DONE]\n\n"
 

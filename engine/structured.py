@@ -71,7 +71,7 @@ def client_error(error: str) -> str:
     a sentence of ours, anything else loses any parser-state section and is cut to 1,000 characters."""
     error = error.strip()
     if error.startswith("panic") or "<backtrace>" in error:
-        logger.warning("llguidance panicked on a constraint: %s", error.splitlines()[0][:300])
+        logger.debug("llguidance panicked on a constraint: %s", error.splitlines()[0][:300])  # the refusal is logged
         return "the grammar engine cannot build this constraint (too large or too complex)"
     return error.split("<state>")[0].strip()[:1000] or "the grammar engine refused it"
 

@@ -68,15 +68,13 @@ class ServerState:
     def untrack(self, gen: Generation) -> None:
         self.live.discard(gen)
 
-    def cut(self) -> int:
+    def cut(self) -> None:
         """The drain ran out: every live generation ends now with a 503 "shutting down" (a stream
-        writes it as an error event, then [DONE]); one warning line per generation. Returns how many."""
+        writes it as an error event, then [DONE]); one warning line per generation."""
         self.cut_error = APIError(503, "the server is shutting down: this request was cut before it finished",
                                   type="service_unavailable", code="shutting_down", headers={"Retry-After": "5"})  # fmt: skip
-        live = [gen for gen in self.live if not gen.done]
-        for gen in live:
+        for gen in [gen for gen in self.live if not gen.done]:
             self._cut(gen)
-        return len(live)
 
     def _cut(self, gen: Generation) -> None:
         tokens = sum(c.completion_tokens for c in gen.choices)
@@ -152,8 +150,6 @@ def _loads(raw: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
-
-
 
 
 async def _json_off_loop(data: Any) -> Response:

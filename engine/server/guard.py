@@ -10,14 +10,13 @@ untouched. For each request:
   a chunked body gets 413 as soon as what arrived passes the limit.
 - **Body pace.** A body whose next part does not arrive within `body_timeout` seconds gets 408, so a
   client that sends half a body cannot hold a connection and its buffer forever.
-The body is read here, whole, and handed to the app as one message (every route reads it whole
-anyway); later `receive()` calls, which the handlers use to notice a client leaving, pass through.
-Errors are OpenAI error JSON, as the handlers' are.
-
 - **Request id.** Every request gets one: the client's `x-request-id` when it is a plain token (up to
   128 letters, digits and `-_.:/+=@`), else a new one. The handlers find it in
   `scope["state"]["request_id"]`, every response carries it back, and every refusal (here and in the
   handlers, `log_refusal`) is one warning line that names it.
+The body is read here, whole, and handed to the app as one message (every route reads it whole
+anyway); later `receive()` calls, which the handlers use to notice a client leaving, pass through.
+Errors are OpenAI error JSON, as the handlers' are.
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ logger = logging.getLogger("cbserve.server")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # about a million tokens as a JSON list of ids
 DEFAULT_BODY_TIMEOUT = 30.0
-
-
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:/+=@-]{1,128}")
 
 

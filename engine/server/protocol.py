@@ -15,8 +15,8 @@ from engine.server.errors import APIError, bad
 from engine.structured import STRUCTURED_KEYS, StructuredOutput
 
 MAX_N = 16
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_LOGPROBS = 20
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # OpenAI's chat roles
 INT64 = (-(2**63), 2**63 - 1)  # integers beyond these reach no engine knob: refused, not overflowed
 
 logger = logging.getLogger("cbserve.server")

@@ -244,9 +244,9 @@ class GrammarCompiler:
 
 
 def _first_step(matcher) -> None:
-    """The grammar's first mask (kept in `matcher`, which every request copies) and one step on a copy,
-    over the first token it allows: a grammar that fails there (a parser row past llguidance's limit)
-    is refused now, as a ValueError, instead of failing the request at its first token."""
+    """The grammar's first mask, and one step on a copy over the first token it allows: a grammar that
+    fails there (a parser row past llguidance's limit) is refused now, as a ValueError, instead of
+    failing a request at its first token."""
     if not matcher.is_error():
         mask = matcher.compute_bitmask()
         probe = matcher.deep_copy()

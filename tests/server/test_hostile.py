@@ -281,3 +281,25 @@ def test_a_panic_reaches_no_client():
     panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>"
     assert client_error(panic) == "the grammar engine cannot build this constraint (too large or too complex)"
     assert client_error("at 1(8): unknown name\n<state>\nTokens: x") == "at 1(8): unknown name"
+
+
+def test_a_failed_choice_answers_without_internal_text(caplog):
+    """A grammar failing mid-generation is the request's (400 with llguidance's line, no parser
+    state); any other engine error is the server's: a 500 naming only the request id, the cause in
+    the log."""
+    from engine.server.generation import Choice, Generation
+    from engine.server.protocol import GenerationRequest
+
+    req = GenerationRequest(kind="completion", model=None, prompts=[[5]], structured_param="guided_grammar")
+    gen = Generation(None, None, req, None, None, request_id="rid-1")  # what _failure reads, nothing else
+    choice = Choice(0, "engine-0", [5])
+    grammar = gen._failure(choice, "structured output: Parser Error: Current row has 2002 items; max is 2000\n"
+                                   "<state>\nTokens: ⟦c⟧")  # fmt: skip
+    assert grammar.status == 400 and grammar.code == "structured_output_failed" and grammar.param == "guided_grammar"
+    assert grammar.message == ("the structured output constraint failed after 0 tokens: Parser Error: Current row "
+                               "has 2002 items; max is 2000")  # fmt: skip
+    with caplog.at_level("ERROR", logger="cbserve.server"):
+        internal = gen._failure(choice, "RuntimeError: CUDA error: device-side assert triggered\nTraceback ...")
+    assert internal.status == 500 and internal.type == "server_error"
+    assert internal.message == "generation failed (request rid-1); the server log has the cause"
+    assert "rid-1" in caplog.text and "device-side assert" in caplog.text

@@ -17,7 +17,7 @@ small model can emit blank lines until `max_tokens`. `StructuredOutput.whitespac
 Limits, checked before anything is compiled (`StructuredOutput.check`, pure Python, linear in the
 text): a constraint's text (schema, regex, grammar, or all choices together) is at most
 `MAX_CONSTRAINT_CHARS` characters, a choice list at most `MAX_CHOICES` strings, and a Lark or GBNF
-grammar at most `MAX_ALTERNATIVES` alternatives (`|` outside its literals). llguidance's Earley
+grammar at most `MAX_ALTERNATIVES` `|` between alternatives (outside its literals). llguidance's Earley
 parser refuses a row of more than 2,000 items, and every alternative that can start at one point
 of the output is an item of that row: a larger choice list compiles, then fails at its first token.
 Compiling also computes the grammar's first mask and takes one step, so a constraint that cannot
@@ -117,8 +117,8 @@ class StructuredOutput:
         if isinstance(self.grammar, str):
             alternatives = count_alternatives(self.grammar)
             if alternatives > MAX_ALTERNATIVES:
-                raise ValueError(f"the grammar has {alternatives} alternatives ('|'); at most {MAX_ALTERNATIVES} "
-                                 "are allowed")  # fmt: skip
+                raise ValueError(f"the grammar has {alternatives} '|' between alternatives; at most "
+                                 f"{MAX_ALTERNATIVES} are allowed")  # fmt: skip
 
     def grammar_text(self) -> str:
         """The llguidance grammar; a ValueError says what is wrong with the constraint itself."""

@@ -13,12 +13,24 @@ matcher that reaches the end of its grammar finishes the request with "stop".
 
 JSON is generated compact by default (no whitespace between tokens): with flexible whitespace a
 small model can emit blank lines until `max_tokens`. `StructuredOutput.whitespace` turns it on.
+
+Limits, checked before anything is compiled (`StructuredOutput.check`, pure Python, linear in the
+text): a constraint's text (schema, regex, grammar, or all choices together) is at most
+`MAX_CONSTRAINT_CHARS` characters, a choice list at most `MAX_CHOICES` strings, and a Lark or GBNF
+grammar at most `MAX_ALTERNATIVES` `|` between alternatives (outside its literals). llguidance's Earley
+parser refuses a row of more than 2,000 items, and every alternative that can start at one point
+of the output is an item of that row: a larger choice list compiles, then fails at its first token.
+Compiling also computes the grammar's first mask and takes one step, so a constraint that cannot
+run is refused when it is compiled, not in the middle of a generation. Error messages are
+llguidance's, without parser state (`client_error`; a panic, which llguidance reports as text with a
+backtrace, becomes a sentence of ours).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +39,41 @@ from typing import Any
 import torch
 
 CACHE_SIZE = 64  # compiled grammars kept per engine
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema's JSON, a regex, a grammar, or a choice list's strings together
+MAX_CHOICES = 1000
+MAX_ALTERNATIVES = 1000  # `|` in a Lark or GBNF grammar, outside its strings, regexes and comments
+
+logger = logging.getLogger("cbserve.structured")
+
+
+def count_alternatives(grammar: str) -> int:
+    """The `|` of a Lark or GBNF grammar outside its string literals, regular expressions (Lark's
+    /.../) and comments (# and //): the alternatives the parser predicts, over-counted by those in
+    GBNF's character classes ([^|]). One pass over the text."""
+    count, i, n = 0, 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c == "|":
+            count += 1
+        elif c == '"' or (c == "/" and grammar[i + 1 : i + 2] != "/"):
+            i += 1
+            while i < n and grammar[i] != c:
+                i += 2 if grammar[i] == "\\" else 1
+        elif c == "#" or grammar.startswith("//", i):
+            end = grammar.find("\n", i)
+            i = n if end < 0 else end
+        i += 1
+    return count
+
+
+def client_error(error: str) -> str:
+    """llguidance's error text as a client may see it: a panic (its text carries a backtrace) becomes
+    a sentence of ours, anything else loses any parser-state section and is cut to 1,000 characters."""
+    error = error.strip()
+    if error.startswith("panic") or "<backtrace>" in error:
+        logger.debug("llguidance panicked on a constraint: %s", error.splitlines()[0][:300])  # the refusal is logged
+        return "the grammar engine cannot build this constraint (too large or too complex)"
+    return error.split("<state>")[0].strip()[:1000] or "the grammar engine refused it"
 
 
 @dataclass(frozen=True)
@@ -52,6 +99,26 @@ class StructuredOutput:
         if unknown:
             raise ValueError(f"structured_output has unknown key(s): {', '.join(sorted(map(str, unknown)))}")
         return cls(**value)
+
+    def check(self) -> None:
+        """The limits (MAX_CONSTRAINT_CHARS, MAX_CHOICES, MAX_ALTERNATIVES), checked before any
+        compiling; a ValueError says which is passed."""
+        if self.choice is not None:
+            choices = list(self.choice) if isinstance(self.choice, (list, tuple)) else []
+            if len(choices) > MAX_CHOICES:
+                raise ValueError(f"choice has {len(choices)} strings; at most {MAX_CHOICES} are allowed")
+            chars = sum(len(c) for c in choices if isinstance(c, str))
+        elif self.json is not None:
+            chars = len(self.json) if isinstance(self.json, str) else len(json.dumps(self.json, default=str))
+        else:
+            chars = len(self.regex) if isinstance(self.regex, str) else len(self.grammar or "")
+        if chars > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the constraint has {chars} characters; at most {MAX_CONSTRAINT_CHARS} are allowed")
+        if isinstance(self.grammar, str):
+            alternatives = count_alternatives(self.grammar)
+            if alternatives > MAX_ALTERNATIVES:
+                raise ValueError(f"the grammar has {alternatives} '|' between alternatives; at most "
+                                 f"{MAX_ALTERNATIVES} are allowed")  # fmt: skip
 
     def grammar_text(self) -> str:
         """The llguidance grammar; a ValueError says what is wrong with the constraint itself."""
@@ -155,7 +222,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput | dict[str, Any]) -> Grammar:
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
         spec = StructuredOutput.of(spec)
         key = spec.key()
@@ -163,16 +230,36 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        spec.check()
         text = spec.grammar_text()
-        matcher = LLMatcher(self.tokenizer, text, log_level=0)  # builds the parser (drops the GIL)
-        if matcher.is_error():
-            raise ValueError(f"invalid structured output constraint: {matcher.get_error().strip()}")
+        limits = LLParserLimits(verbose_errors=False)  # no parser state or grammar in error messages
+        matcher = LLMatcher(self.tokenizer, text, log_level=0, limits=limits)  # builds the parser (drops the GIL)
+        _first_step(matcher)
         grammar = Grammar(matcher)
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def _first_step(matcher) -> None:
+    """The grammar's first mask, and one step on a copy over the first token it allows: a grammar that
+    fails there (a parser row past llguidance's limit) is refused now, as a ValueError, instead of
+    failing a request at its first token."""
+    if not matcher.is_error():
+        mask = matcher.compute_bitmask()
+        probe = matcher.deep_copy()
+        first = next((k for k, byte in enumerate(mask) if byte), None)
+        if first is not None:
+            token = 8 * first + (mask[first] & -mask[first]).bit_length() - 1
+            probe.consume_token(token)
+            if not probe.is_error():
+                probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(f"invalid structured output constraint: {client_error(probe.get_error())}")
+    if matcher.is_error():
+        raise ValueError(f"invalid structured output constraint: {client_error(matcher.get_error())}")
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

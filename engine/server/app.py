@@ -6,11 +6,11 @@ import asyncio
 import gc
 import json
 import logging
+import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,12 +22,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import ContinuousBatchingManager
+from engine.llm_engine import token_ids_ok
 from engine.server import otel
+from engine.server.constraints import ConstraintCompiler
+from engine.server.errors import APIError
 from engine.server.generation import Delta, Generation
-from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
+from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, log_refusal
 from engine.server.metrics import ServerMetrics
+from engine.server.protocol import check_prompt_size, max_token_chars, parse_chat, parse_completion, text
 from engine.server.tokenizing import ServerTokenizer
-from engine.server.protocol import APIError, check_prompt_size, max_token_chars, parse_chat, parse_completion
 
 logger = logging.getLogger("cbserve.server")
 
@@ -43,11 +46,40 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     in_flight: int = 0  # generation requests between their arrival and their last byte
+    constraints: ConstraintCompiler | None = None  # structured output compiles (build_state makes it)
+    live: set[Generation] = field(default_factory=set)  # admitted generations not yet over
+    cut_error: APIError | None = None  # set when the drain ran out: every live generation ends with it
     _idle: asyncio.Event | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.manager.engine.vocab_size
+
+    @property
+    def max_generations(self) -> int:
+        """The most engine requests one API call may make: the admission queue's size (0: no limit)."""
+        return self.manager.config.max_queue_size or 0
+
+    def track(self, gen: Generation) -> None:
+        self.live.add(gen)
+        if self.cut_error is not None:  # admitted while the drain was cutting
+            self._cut(gen)
+
+    def untrack(self, gen: Generation) -> None:
+        self.live.discard(gen)
+
+    def cut(self) -> None:
+        """The drain ran out: every live generation ends now with a 503 "shutting down" (a stream
+        writes it as an error event, then [DONE]); one warning line per generation."""
+        self.cut_error = APIError(503, "the server is shutting down: this request was cut before it finished",
+                                  type="service_unavailable", code="shutting_down", headers={"Retry-After": "5"})  # fmt: skip
+        for gen in [gen for gen in self.live if not gen.done]:
+            self._cut(gen)
+
+    def _cut(self, gen: Generation) -> None:
+        tokens = sum(c.completion_tokens for c in gen.choices)
+        logger.warning("request %s: cut at shutdown after %d generated tokens", gen.request_id, tokens)
+        gen.cut(self.cut_error)
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -68,18 +100,50 @@ def _json(data: Any, status: int = 200, headers: dict | None = None) -> JSONResp
     return JSONResponse(data, status_code=status, headers=headers)
 
 
-def _error(exc: APIError, request_id: str | None = None) -> JSONResponse:
-    headers = dict(exc.headers)
-    if request_id:
-        headers["x-request-id"] = request_id
-    return _json(exc.body(), exc.status, headers)
+def _request_id(request: Request) -> str:
+    """The id the Guard gave the request (engine/server/guard.py); it puts it on every response."""
+    return request.scope.get("state", {}).get("request_id") or "-"
 
 
-LOOP_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop; larger ones in a thread
+def _error(exc: APIError, request: Request, log: bool = True) -> JSONResponse:
+    """A refusal: OpenAI's error JSON, and one warning line in the log (unless it was logged already)."""
+    if log:
+        log_refusal(request.method, request.url.path, exc, _request_id(request))
+    return _json(exc.body(), exc.status, dict(exc.headers))
+
+
+def _handled(handler):
+    """A route handler whose unexpected exceptions are one JSON 500 that says nothing of them (the
+    log has the traceback and the request id), not Starlette's plain-text one."""
+
+    async def handle(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception:
+            rid = _request_id(request)
+            logger.exception("request %s: %s %s failed", rid, request.method, request.url.path)
+            error = APIError(500, f"internal error (request {rid}); the server log has the cause", type="server_error")
+            return _json(error.body(), 500)
+
+    return handle
+
+
+MAX_CONTAINERS = 65536  # JSON arrays and objects in one body (json.loads builds them all in one call, holding the GIL)
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all prompts) are queued from the event loop
 
 
 def _loads(raw: bytes) -> Any:
+    """The body's JSON; in a worker thread (a request's body is read, checked and dropped there: making
+    and freeing a large one's objects holds the GIL). A body of more than MAX_CONTAINERS arrays and
+    objects is refused before it is parsed: a million one-element lists take json.loads, which holds
+    the GIL throughout, a large part of a second (more with the collector tracking every one)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_CONTAINERS:  # brackets in strings too: count again without them
+        bare = _STRING.sub(b"", raw)
+        containers = bare.count(b"[") + bare.count(b"{")
+        if containers > MAX_CONTAINERS:
+            raise APIError(400, f"the request body holds {containers} JSON arrays and objects; at most "
+                                f"{MAX_CONTAINERS} are allowed", code="request_too_complex")  # fmt: skip
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -88,16 +152,11 @@ def _loads(raw: bytes) -> Any:
         raise APIError(400, "the request body is nested too deeply") from None
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
-    return _loads(raw) if len(raw) <= LOOP_BYTES else await asyncio.to_thread(_loads, raw)
-
-
-async def _json_off_loop(data: Any, headers: dict | None = None) -> Response:
+async def _json_off_loop(data: Any) -> Response:
     """A JSON response rendered in a worker thread: a long token list or text (tokenize, echo)
     takes a large part of a second to serialise."""
     body = await asyncio.to_thread(json.dumps, data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return Response(body.encode(), media_type="application/json", headers=headers)
+    return Response(body.encode(), media_type="application/json")
 
 
 async def _off_loop(fn, *args):
@@ -152,27 +211,33 @@ class Handlers:
             state.leave()  # a stream leaves when it has been sent, or its client has gone
         return response
 
+    def _parse(self, raw: bytes, parse) -> Any:
+        """Every check, cheapest first, then the parse (tokenising last); in a worker thread."""
+        state = self.state
+        body = _loads(raw)
+        check_prompt_size(body, state.max_model_len, state.token_chars)
+        return parse(body, state.tokenizer, state.vocab_size, state.max_generations)
+
     async def _admit(self, request: Request, parse) -> Response:
         state = self.state
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             if state.draining or not state.ready:
                 raise APIError(503, "the server is not accepting requests (starting or shutting down)",
                                type="service_unavailable", headers={"Retry-After": "5"})  # fmt: skip
-            body = await _body(request)
-            check_prompt_size(body, state.max_model_len, state.token_chars)
-            req = await _off_loop(parse, body, state.tokenizer, state.vocab_size)
+            req = await _off_loop(self._parse, await request.body(), parse)
             if req.model is not None and req.model != state.model_name:
-                raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                raise APIError(404, f"the model {req.model[:100]!r} does not exist; this server serves "
                                     f"{state.model_name!r}", param="model", code="model_not_found")  # fmt: skip
-            gen = Generation(state.manager, state.tokenizer, req, state.metrics, state.max_model_len)
+            gen = Generation(state.manager, state.tokenizer, req, state.metrics, state.max_model_len,
+                             _request_id(request))  # fmt: skip
         except APIError as exc:
-            return _error(exc, request_id)
+            return _error(exc, request)
         span = otel.request_span(gen)
         try:
             with otel.current(span):  # the engine's request spans become this span's children
-                if req.structured is not None:
-                    await _off_loop(gen.compile_constraint)
+                if req.structured is not None:  # off the engine thread, within a time budget
+                    req.engine_kwargs["structured_output"] = await state.constraints.compile(req.structured,
+                                                                                             req.structured_param)
                 if sum(map(len, req.prompts)) > LOOP_TOKENS:
                     await _off_loop(gen.submit)  # the engine checks every token id of a long prompt
                 else:
@@ -180,14 +245,20 @@ class Handlers:
             gen.listen()
         except APIError as exc:
             otel.end_span(span, gen, exc.message)
-            return _error(exc, request_id)
-        headers = {"x-request-id": request_id}
+            return _error(exc, request)
+        state.track(gen)
         if req.stream:
-            return _CountedStream(self._stream(gen, request, span), on_end=state.leave,
-                                  media_type="text/event-stream", headers=headers)  # fmt: skip
-        return await self._complete(request, gen, headers, span)
+            def ended() -> None:  # however the stream ended, even if its generator never started
+                state.untrack(gen)
+                state.leave()
 
-    async def _complete(self, request: Request, gen: Generation, headers: dict, span: Any) -> Response:
+            return _CountedStream(self._stream(gen, request, span), on_end=ended, media_type="text/event-stream")
+        try:
+            return await self._complete(request, gen, span)
+        finally:
+            state.untrack(gen)
+
+    async def _complete(self, request: Request, gen: Generation, span: Any) -> Response:
         """Non-streaming: gather everything, unless the client leaves first (then cancel)."""
         state = self.state
         pieces: dict[int, list[str]] = {c.index: [] for c in gen.choices}
@@ -212,7 +283,7 @@ class Handlers:
             collector.result()
         except APIError as exc:
             gen.cancel()
-            return _error(exc, headers["x-request-id"])
+            return _error(exc, request, log=exc is not gen.cut_error)  # a cut was logged when it was made
         finally:
             watcher.cancel()
             otel.end_span(span, gen)
@@ -238,7 +309,7 @@ class Handlers:
             "usage": gen.usage(),
             "timings": gen.timings(),
         }
-        return await _json_off_loop(body, headers)
+        return await _json_off_loop(body)
 
     async def _stream(self, gen: Generation, request: Request, span: Any) -> AsyncIterator[str]:
         state = self.state
@@ -272,11 +343,15 @@ class Handlers:
                 yield _sse(chunk(delta))
             if gen.req.include_usage:
                 yield _sse({**base, "choices": [], "usage": gen.usage(), "timings": gen.timings()})
-        except APIError as exc:
+        except APIError as exc:  # after the headers went out, an error can only travel in the stream
+            if exc is not gen.cut_error:  # a cut was logged when it was made
+                log_refusal(request.method, request.url.path, exc, gen.request_id)
             yield _sse(exc.body())
-        except Exception as exc:  # after the headers went out, an error can only travel in the stream
-            logger.exception("stream failed")
-            yield _sse(APIError(500, f"internal error: {exc}", type="server_error").body())
+        except Exception:
+            logger.exception("request %s: stream failed", gen.request_id)
+            error = APIError(500, f"internal error (request {gen.request_id}); the server log has the cause",
+                             type="server_error")  # fmt: skip
+            yield _sse(error.body())
         finally:
             watcher.cancel()
             gen.cancel()  # no-op for finished choices; frees the rest when the client went away
@@ -292,35 +367,56 @@ class Handlers:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body = await _body(request)
-            if not isinstance(body, dict):
-                raise APIError(400, "the request body must be a JSON object")
-            check_prompt_size(body, self.state.max_model_len, self.state.token_chars)
-            tok = self.state.tokenizer
-            if "messages" in body:
-                chat = await _off_loop(parse_chat, {"messages": body["messages"]}, tok, self.state.vocab_size)
-                ids = chat.prompts[0]
-            elif isinstance(body.get("prompt"), str):
-                add = bool(body.get("add_special_tokens", True))
-                ids = await _off_loop(lambda text: tok(text, add_special_tokens=add).input_ids, body["prompt"])
-            else:
-                raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+            ids = await _off_loop(self._tokenize, await request.body())
         except APIError as exc:
-            return _error(exc)
+            return _error(exc, request)
         return await _json_off_loop({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
+
+    def _tokenize(self, raw: bytes) -> list[int]:
+        """/tokenize's checks and tokens, in a worker thread."""
+        state = self.state
+        body = _loads(raw)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_prompt_size(body, state.max_model_len, state.token_chars)
+        if "messages" in body:
+            return parse_chat({"messages": body["messages"]}, state.tokenizer, state.vocab_size).prompts[0]
+        prompt, add = body.get("prompt"), body.get("add_special_tokens", True)
+        if not isinstance(prompt, str):
+            raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+        if not isinstance(add, bool):
+            raise APIError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+        return state.tokenizer(text(prompt, "prompt"), add_special_tokens=add).input_ids
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await _body(request)
-            tokens = body.get("tokens") if isinstance(body, dict) else None
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
-            bad = [t for t in tokens if not 0 <= t < self.state.vocab_size]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+            prompt = await _off_loop(self._detokenize, await request.body())
         except APIError as exc:
-            return _error(exc)
-        return await _json_off_loop({"prompt": await _off_loop(self.state.tokenizer.decode, tokens)})
+            return _error(exc, request)
+        return await _json_off_loop({"prompt": prompt})
+
+    def _detokenize(self, raw: bytes) -> str:
+        """/detokenize's checks (the count first, from the body's commas before it is parsed; then C
+        loops over slices, engine/llm_engine.py's token_ids_ok) and text, in a worker thread. At most
+        max_model_len ids, as many as any prompt or output has: parsing a million ids and decoding
+        them each hold the GIL throughout, for a large part of a second."""
+        vocab, limit = self.state.vocab_size, self.state.max_model_len
+        if raw.count(b",") > limit and _STRING.sub(b"", raw).count(b",") > limit:  # refused before it is parsed
+            raise APIError(400, f"'tokens' has more than {limit} ids; at most {limit} (the model's context) are "
+                                "allowed", param="tokens")  # fmt: skip
+        body = _loads(raw)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list):
+            raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+        if len(tokens) > limit:
+            raise APIError(400, f"'tokens' has {len(tokens)} ids; at most {limit} (the model's context) are allowed",
+                           param="tokens")  # fmt: skip
+        if not token_ids_ok(tokens, vocab):
+            if set(map(type, tokens)) != {int}:
+                raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+            t = next(t for t in tokens if not 0 <= t < vocab)
+            raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", param="tokens")
+        return self.state.tokenizer.decode(tokens)
 
     async def health(self, request: Request) -> Response:
         alive = self.state.manager.is_running()
@@ -350,8 +446,8 @@ def freeze_startup_objects() -> None:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own 404 and 405 (no such route, wrong method) as OpenAI error JSON."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error(APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
+    message = f"{request.method} {request.url.path[:100]}: {exc.detail}"
+    return _error(APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})), request)
 
 
 def create_app(
@@ -385,11 +481,11 @@ def create_app(
                 state.tokenizer.close()
 
     routes = [
-        Route("/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/v1/models", h.models, methods=["GET"]),
-        Route("/tokenize", h.tokenize, methods=["POST"]),
-        Route("/detokenize", h.detokenize, methods=["POST"]),
+        Route("/v1/completions", _handled(h.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _handled(h.chat), methods=["POST"]),
+        Route("/v1/models", _handled(h.models), methods=["GET"]),
+        Route("/tokenize", _handled(h.tokenize), methods=["POST"]),
+        Route("/detokenize", _handled(h.detokenize), methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/ready", h.ready, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
@@ -406,4 +502,5 @@ def build_state(manager: ContinuousBatchingManager, tokenizer, model_name: str, 
     manager.use_generation_config(tokenizer=tokenizer)
     metrics = ServerMetrics(model_name, max_model_len, manager.stats)
     return ServerState(manager, ServerTokenizer(tokenizer, max_model_len), model_name, max_model_len, metrics,
-                       token_chars=max_token_chars(tokenizer))  # fmt: skip
+                       token_chars=max_token_chars(tokenizer),
+                       constraints=ConstraintCompiler(manager.engine.compile_grammar))  # fmt: skip

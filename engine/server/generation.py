@@ -10,6 +10,7 @@ arrive on the server's event loop through the manager's result handlers.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,9 +19,13 @@ from typing import Any
 
 from engine import ContinuousBatchingManager, GenerationOutput, ParamError, QueueFullError
 from engine.output_processor import TokenLogprob, family_ids, new_logprobs
+from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import HONOURED, APIError, GenerationRequest, context_exceeded
+from engine.server.protocol import HONOURED, GenerationRequest, check_generations, context_exceeded
 from engine.server.tools import ToolStream
+from engine.structured import client_error
+
+logger = logging.getLogger("cbserve.server")
 
 # the engine's parameter names that the API calls otherwise; "input_ids" is "prompt" or "messages"
 API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_return_sequences": "n",
@@ -65,9 +70,11 @@ class Delta:
 
 class Generation:
     def __init__(self, manager: ContinuousBatchingManager, tokenizer, req: GenerationRequest,
-                 metrics: ServerMetrics, max_model_len: int | None) -> None:  # fmt: skip
+                 metrics: ServerMetrics, max_model_len: int | None, request_id: str = "") -> None:  # fmt: skip
         self.manager, self.tokenizer, self.req, self.metrics = manager, tokenizer, req, metrics
         self.max_model_len = max_model_len
+        self.request_id = request_id  # the x-request-id, for the log
+        self.cut_error: APIError | None = None  # set by cut(): what events() raises once woken
         self.id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices: list[Choice] = []
@@ -76,7 +83,8 @@ class Generation:
     def check_fits(self) -> None:
         """A request that could never be served, refused with 400 before any of it is queued: a
         prompt plus `max_tokens` over the model's context (vLLM's wording), or more engine requests
-        (prompts x n) than the admission queue holds at all."""
+        (prompts x n) than the admission queue holds at all (the parser checked that already, before
+        tokenising; again here for a request built otherwise)."""
         req, limit = self.req, self.max_model_len
         words = "messages" if req.kind == "chat" else "prompt"
         for prompt in req.prompts:
@@ -87,22 +95,7 @@ class Generation:
                                     f"{len(prompt) + req.max_tokens} tokens ({len(prompt)} in the {words}, "
                                     f"{req.max_tokens} in the completion). Please reduce the length of the {words} "
                                     "or completion.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-        queue = self.manager.config.max_queue_size
-        if queue and req.num_choices > queue:
-            raise APIError(400, f"this request makes {req.num_choices} generations ({len(req.prompts)} prompts x n="
-                                f"{req.n}); the server queues at most {queue} (max_queue_size): send fewer at a time",
-                           param="n" if req.n > 1 else words)  # fmt: skip
-
-    def compile_constraint(self) -> None:
-        """The request's structured output compiled for the model (slow for a large schema: call it
-        off the event loop); a constraint the grammar engine refuses is a 400 naming its field."""
-        req = self.req
-        if req.structured is None:
-            return
-        try:
-            req.engine_kwargs["structured_output"] = self.manager.engine.compile_grammar(req.structured)
-        except ValueError as exc:
-            raise APIError(400, f"'{req.structured_param}': {exc}", param=req.structured_param) from None
+        check_generations(req, len(req.prompts), self.manager.config.max_queue_size or 0)
 
     def submit(self) -> None:
         """Add one engine request per prompt, n sequences each; on refusal, withdraw the ones already
@@ -157,6 +150,14 @@ class Generation:
         self.cancel()
         self.queue.put_nowait(None)
 
+    def cut(self, error: APIError) -> None:
+        """The server is shutting down: cancel what has not ended, and make `events()` end with `error`
+        (the stream writes it as its last event; a non-streaming request answers it)."""
+        if self.done:
+            return
+        self.cut_error = error
+        self.abandon()
+
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
@@ -173,6 +174,20 @@ class Generation:
             delta = self._advance(choice, out)
             if delta.text or delta.logprobs or delta.finish_reason:
                 yield delta
+        if self.cut_error is not None:
+            raise self.cut_error
+
+    def _failure(self, choice: Choice, error: str) -> APIError:
+        """The error a failed choice answers with. A structured-output grammar that cannot go on
+        (llguidance's parser limits) is the request's: a 400 with the grammar engine's line. Anything
+        else is the server's: logged here, and the client learns only that it failed."""
+        if error.startswith("structured output:"):
+            why = client_error(error.removeprefix("structured output:"))
+            return APIError(400, f"the structured output constraint failed after {choice.completion_tokens} tokens: "
+                                 f"{why}", param=self.req.structured_param, code="structured_output_failed")  # fmt: skip
+        logger.error("generation failed (request %s): %s", self.request_id, error.splitlines()[0][:500] if error else "")
+        return APIError(500, f"generation failed (request {self.request_id}); the server log has the cause",
+                        type="server_error")  # fmt: skip
 
     def _advance(self, choice: Choice, out: GenerationOutput) -> Delta:
         choice.last = out
@@ -180,7 +195,7 @@ class Generation:
         reason = None
         if out.is_finished():
             if out.error is not None:
-                raise APIError(500, f"generation failed: {out.error}", type="server_error")
+                raise self._failure(choice, out.error)
             reason = {"length": "length", "stop": "stop", "abort": "abort"}.get(out.finish_reason, "stop")
         calls = None
         if choice.tools is not None:

@@ -10,6 +10,10 @@ untouched. For each request:
   a chunked body gets 413 as soon as what arrived passes the limit.
 - **Body pace.** A body whose next part does not arrive within `body_timeout` seconds gets 408, so a
   client that sends half a body cannot hold a connection and its buffer forever.
+- **Request id.** Every request gets one: the client's `x-request-id` when it is a plain token (up to
+  128 letters, digits and `-_.:/+=@`), else a new one. The handlers find it in
+  `scope["state"]["request_id"]`, every response carries it back, and every refusal (here and in the
+  handlers, `log_refusal`) is one warning line that names it.
 The body is read here, whole, and handed to the app as one message (every route reads it whole
 anyway); later `receive()` calls, which the handlers use to notice a client leaving, pass through.
 Errors are OpenAI error JSON, as the handlers' are.
@@ -19,17 +23,35 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import re
+import uuid
 from collections.abc import Sequence
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.protocol import APIError
+from engine.server.errors import APIError
+
+logger = logging.getLogger("cbserve.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # about a million tokens as a JSON list of ids
 DEFAULT_BODY_TIMEOUT = 30.0
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:/+=@-]{1,128}")
+
+
+def request_id(given: str | None) -> str:
+    """The client's id when it is a plain token, else a new one: a header echoed into responses and
+    log lines carries no markup, control characters or kilobytes."""
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+def log_refusal(method: str, path: str, error: APIError, rid: str) -> None:
+    """One warning line per refused request: its id, route, status and message (one line, bounded)."""
+    message = " ".join(error.message.split())[:300]
+    logger.warning("request %s: %s %s refused with %d: %s", rid, method, path[:100], error.status, message)
 
 
 def split_keys(value: str | None) -> tuple[str, ...]:
@@ -51,6 +73,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
+        rid = request_id(headers.get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+        send = _with_request_id(send, rid)
         if self.keys and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
             error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                              type="authentication_error", code="invalid_api_key",
@@ -92,7 +117,21 @@ class Guard:
 
     @staticmethod
     async def _reject(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+        log_refusal(scope["method"], scope["path"], error, scope["state"]["request_id"])
         await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+
+def _with_request_id(send: Send, rid: str) -> Send:
+    """A send that puts `x-request-id` on the response's headers (in place of any the app set)."""
+    header = (b"x-request-id", rid.encode())
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+            message = {**message, "headers": [*kept, header]}
+        await send(message)
+
+    return sending
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -10,10 +10,13 @@ from typing import Any
 import jinja2
 
 from engine.llm_engine import token_ids_ok
+from engine.server import tools as toolkit
+from engine.server.errors import APIError, bad
 from engine.structured import STRUCTURED_KEYS, StructuredOutput
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # OpenAI's chat roles
 INT64 = (-(2**63), 2**63 - 1)  # integers beyond these reach no engine knob: refused, not overflowed
 
 logger = logging.getLogger("cbserve.server")
@@ -70,30 +73,6 @@ def _check_fields(body: dict, kind: str) -> None:
         if name not in known and name not in _warned and len(_warned) < 1000:
             _warned.add(name)  # once per field name, and a bounded set: a client cannot flood the log
             logger.warning("ignoring the request field %r, which cbserve does not know", name[:100])
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param)
 
 
 @dataclass
@@ -177,11 +156,13 @@ def max_token_chars(tokenizer) -> int:
 
 
 def _prompt_chars(body: Any) -> int:
+    """The characters of the longest prompt's text (a completion's prompts are one prompt each, a
+    chat's messages together one)."""
     if not isinstance(body, dict):
         return 0
-    total, prompt = 0, body.get("prompt")
-    for p in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []:
-        total += len(p) if isinstance(p, str) else 0
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    total = max((len(p) for p in prompts if isinstance(p, str)), default=0)
     for m in body.get("messages") if isinstance(body.get("messages"), list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         parts = content if isinstance(content, list) else [content]
@@ -302,9 +283,11 @@ def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:
     if not isinstance(whitespace, bool):
         raise bad(name, f"'{name}' whitespace must be a boolean")
     try:
-        return StructuredOutput.of({**spec, "choice": tuple(spec["choice"])} if "choice" in spec else spec), name
+        structured = StructuredOutput.of({**spec, "choice": tuple(spec["choice"])} if "choice" in spec else spec)
+        structured.check()  # the caps, before anything is compiled
     except (TypeError, ValueError) as exc:
         raise bad(name, f"'{name}': {exc}") from None
+    return structured, name
 
 
 def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
@@ -337,12 +320,24 @@ def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
     )
 
 
-def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
+def check_generations(req: GenerationRequest, prompts: int, max_generations: int) -> None:
+    """More engine requests (prompts x n) than the admission queue holds at all (`max_generations`,
+    0: unbounded): a 400 naming the field, before any prompt is tokenised or checked."""
+    if max_generations and prompts * req.n > max_generations:
+        words = "messages" if req.kind == "chat" else "prompt"
+        raise APIError(400, f"this request makes {prompts * req.n} generations ({prompts} prompts x n={req.n}); the "
+                            f"server queues at most {max_generations} (max_queue_size): send fewer at a time",
+                       param="n" if req.n > 1 else words)  # fmt: skip
+
+
+def parse_completion(body: Any, tokenizer, vocab_size: int, max_generations: int = 0) -> GenerationRequest:
     req = _common(body, "completion", vocab_size)
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) is not None:
             raise bad(name, f"'{name}' is a chat field: use /v1/chat/completions")
     prompt = body.get("prompt")
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    check_generations(req, len(prompt) if many else 1, max_generations)
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -370,15 +365,18 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> GenerationRequest
     return req
 
 
-def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
-    from engine.server import tools as toolkit
-
+def parse_chat(body: Any, tokenizer, vocab_size: int, max_generations: int = 0) -> GenerationRequest:
     req = _common(body, "chat", vocab_size)
+    check_generations(req, 1, max_generations)
     req.tools = toolkit.parse_tools(body)
     if req.tools is not None and req.tools.forced:
         if req.structured is not None:
             raise bad(req.structured_param, f"'{req.structured_param}' cannot be combined with a forced 'tool_choice'")
         req.structured, req.structured_param = req.tools.structured_output(), "tool_choice"
+        try:
+            req.structured.check()
+        except ValueError as exc:
+            raise bad("tools", f"'tools': {exc}") from None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -386,7 +384,13 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad("messages", f"messages[{i}] must be an object with a string 'role'")
+        role = message["role"]
+        if role not in ROLES:
+            raise bad("messages", f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {role[:40]!r}")
         content = message.get("content")
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise bad("messages", f"messages[{i}] has no 'content' (only an assistant message with "
+                                  "'tool_calls' may leave it out)")  # fmt: skip
         if isinstance(content, list):  # content parts: keep the text ones
             texts = []
             for part in content:
@@ -398,7 +402,7 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> GenerationRequest:
             content = ""
         if not isinstance(content, str):
             raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
-        turn = {"role": text(message["role"], "messages"), "content": text(content, "messages")}
+        turn = {"role": role, "content": text(content, "messages")}
         if message.get("tool_calls") is not None:
             turn["tool_calls"] = toolkit.message_tool_calls(message["tool_calls"], i)
         for key in ("tool_call_id", "name"):

@@ -11,7 +11,11 @@ and `serve` re-raises the error (one line, exit 2).
 `DrainingServer` is uvicorn's server with SIGTERM handled in two stages: first the app stops
 admitting (new requests 503, `/ready` 503 `{"status": "draining"}`) while the listener stays
 open and in-flight requests finish, up to the drain timeout; then uvicorn's own shutdown closes
-the listener and stops the engine. A second signal exits at once.
+the listener and stops the engine. A second signal exits at once. Requests still running when the
+drain times out are ended by the app itself (`ServerState.cut`: a stream gets an error event and
+`[DONE]`, a non-streaming request a 503; one warning line each), and the drain waits up to
+`CUT_GRACE` seconds for their last bytes, well within uvicorn's own graceful-shutdown timeout (5 s),
+which would otherwise cancel their tasks mid-write.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import uvicorn
 logger = logging.getLogger("cbserve.server")
 
 LOADING_RETRY_AFTER = "10"  # seconds; a model takes that order of time to load and warm
+CUT_GRACE = 2.0  # seconds the drain waits, after cutting what is left, for the cut requests' last bytes
 
 
 class Startup:
@@ -153,8 +158,13 @@ class DrainingServer(uvicorn.Server):
         state = self.boot.state
         try:
             await asyncio.wait_for(state.idle(), self.drain_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("drain timeout: %d request(s) still in flight are cut", state.in_flight)
+            state.cut()
+            try:
+                await asyncio.wait_for(state.idle(), CUT_GRACE)
+            except TimeoutError:
+                logger.warning("%d request(s) did not end within %g s of being cut", state.in_flight, CUT_GRACE)
         self._exit(sig, frame)
 
     def _exit(self, sig: int, frame) -> None:

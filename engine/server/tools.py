@@ -23,10 +23,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server.protocol import bad
+from engine.server.errors import bad
 from engine.structured import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128  # OpenAI's limit
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.S)
 
 
@@ -77,6 +78,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
         return None
     if not isinstance(tools, list):
         raise bad("tools", "'tools' must be a list of {'type': 'function', 'function': {...}}")
+    if len(tools) > MAX_TOOLS:
+        raise bad("tools", f"'tools' has {len(tools)} tools; at most {MAX_TOOLS} are allowed")
     functions = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -94,3 +95,16 @@ def server(model_dir, tmp_path_factory):
     srv = Server(model_dir, tmp_path_factory.mktemp("server"), {"block_size": 16, "num_blocks": 512})
     yield srv
     assert srv.stop() == 0
+
+
+@pytest.fixture
+def quiet_collector():
+    """For tests that time a server from this process, which has run the rest of the suite: a full
+    pass of its own collector over that heap would count against the server. Freeze the heap and
+    pause the collector."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    yield
+    gc.enable()
+    gc.unfreeze()

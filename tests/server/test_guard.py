@@ -3,7 +3,6 @@ and 405 as OpenAI JSON, and large inputs tokenised off the event loop. All again
 
 from __future__ import annotations
 
-import gc
 import json
 import socket
 import threading
@@ -182,18 +181,6 @@ def long_context(tmp_path_factory):
     srv = Server(model, tmp, {"block_size": 16, "num_blocks": 512}, extra_args=["--max-body-bytes", str(16 << 20)])
     yield srv
     assert srv.stop() == 0
-
-
-@pytest.fixture
-def quiet_collector():
-    """The clocks are in this process, which has run the rest of the suite: a full pass of its own
-    collector over that heap would count against the server. Freeze the heap and pause it."""
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    yield
-    gc.enable()
-    gc.unfreeze()
 
 
 def test_a_4_mb_prompt_is_tokenised_while_a_stream_and_health_keep_their_pace(long_context, quiet_collector):

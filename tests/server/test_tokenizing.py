@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from engine.server import tokenizing
-from engine.server.protocol import APIError
+from engine.server.errors import APIError
 from engine.server.tokenizing import ServerTokenizer
 from engine.testing import build_test_tokenizer
 

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the packages checked, each with the modules directly in its folder
-PACKAGES = ["engine", "engine.backends", "engine.backends.cuda"]
+PACKAGES = ["engine", "engine.backends", "engine.backends.cuda", "engine.server"]
 
 
 def modules(packages: list[str]) -> dict[str, Path]:

@@ -44,7 +44,7 @@ gpu-image: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) $(IMAGE
 $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS):
 	rm -rf $(IMAGE_VENV)
 	$(PYTHON) -m venv $(IMAGE_VENV)
-	$(IMAGE_PY) -m pip install -q torch==$(IMAGE_TORCH) transformers==$(IMAGE_TRANSFORMERS) \
+	$(IMAGE_PY) -m pip install -q transformers==$(IMAGE_TRANSFORMERS) torch==$(IMAGE_TORCH) \
 		numpy safetensors prometheus-client httpx ninja uvloop
 	touch $@
 $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) pyproject.toml scripts/gpu_bundle.py

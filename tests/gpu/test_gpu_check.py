@@ -178,3 +178,39 @@ def test_prefix_and_table_helpers():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert matches([[1, 2], [3]], [[1, 2], [4]]) == {"exact": 1, "total": 2, "mean_prefix": 1.0}
     assert table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_rows_with_graphs_skip_on_a_backend_that_graphs_cannot_capture():
+    """On CUDA the graph rows follow the attention backend's `supports_graphs`, not flash-attn: here the
+    backend an engine would get is forced to the SDPA fallback's answer."""
+    load()
+    import torch
+
+    from scripts.gpu_checks import graphs
+    from scripts.gpu_checks.common import Context
+    from scripts.gpu_checks.report import run_check
+
+    ctx = Context(torch.device("cuda:0"), torch.bfloat16, 256, 0.9, ["llama"])
+    ctx.shared["attention"] = ("cuda-sdpa", False)
+    assert not ctx.graphs
+    row = run_check(graphs.NAME, lambda: graphs.run(ctx))
+    assert (row.status, row.reason) == ("skipped", "the CUDA attention backend 'cuda-sdpa' cannot be captured in CUDA graphs")
+
+
+def test_the_kernels_row_holds_the_sdpa_fallback_to_the_reference():
+    """The kernels row compares whatever backend an engine gets on CUDA; the SDPA fallback, run here on
+    the CPU, is within the row's bfloat16 tolerance of flash-attn's reference, alone and with a sliding
+    window. (With a softcap it rounds the capped scores to bfloat16 and can exceed it: the row says so.)"""
+    load()
+    import torch
+
+    from engine.backends.cuda import SDPACudaBackend
+    from scripts.gpu_checks import kernels
+    from scripts.gpu_checks.common import Context
+
+    ctx = Context(torch.device("cpu"), torch.float32, 256, 0.9, ["llama"], quick=True)
+    _, reference = kernels.backends(ctx)
+    variants = [v for v in kernels.VARIANTS.values() if "softcap" not in v]
+    for seed, (seqs, variant) in enumerate((s, v) for s in kernels.STEPS.values() for v in variants):
+        err = kernels.one_case(ctx, SDPACudaBackend(), reference, seqs, 64, torch.bfloat16, variant, seed=seed)
+        assert err <= kernels.TOLERANCE[torch.bfloat16], (seqs, variant, err)

@@ -201,11 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             elif hasattr(module, "requirement") and (absent := module.requirement(context(args, work))):
                 row = report.Row(module.NAME, report.SKIPPED, absent)
             elif left < MIN_START_S:
-                row = report.Row(module.NAME, report.SKIPPED, f"not started: {left:.0f} s of the run's {args.budget:.0f} s budget left")
+                why = f"not started: {left:.0f} s of the run's {args.budget:.0f} s budget left"
+                row = report.Row(module.NAME, report.SKIPPED, why)
             else:
                 print(f"[gpu_check] {module.NAME} ...", file=sys.stderr, flush=True)
                 limit = min(module.TIMEOUT_S, left)
-                why = f"its limit {module.TIMEOUT_S} s" if limit == module.TIMEOUT_S else f"the run's budget had {left:.0f} s left"
+                why = f"its limit {module.TIMEOUT_S} s" if limit == module.TIMEOUT_S else f"the budget had {left:.0f} s left"
                 row = run_row(key, argv, work, logs, limit, why)
                 print(f"[gpu_check] {row.status} in {row.seconds:.1f} s" + (f": {row.reason}" if row.reason else ""),
                       file=sys.stderr, flush=True)  # fmt: skip

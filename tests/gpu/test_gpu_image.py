@@ -27,7 +27,8 @@ def image_python() -> Path:
 
 
 def test_the_image_lacks_what_the_bundle_brings(image_python):
-    probe = "import importlib.util as u; print([m for m in ('psutil', 'xxhash', 'starlette', 'uvicorn', 'engine') if u.find_spec(m)])"
+    wanted = ("psutil", "xxhash", "starlette", "uvicorn", "engine")
+    probe = f"import importlib.util as u; print([m for m in {wanted!r} if u.find_spec(m)])"
     out = subprocess.run([str(image_python), "-c", probe], capture_output=True, text=True, check=True, cwd="/",
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})  # fmt: skip
     assert out.stdout.strip() == "[]"

@@ -9,8 +9,8 @@ prometheus-client, httpx, ninja, triton and uvloop. What cbserve's engine, `cbse
 checks import at module level beyond that is `PACKAGES`, at the versions pyproject.toml allows; `build`
 downloads them and everything they require as CPython 3.12 manylinux x86_64 wheels (binary only, so
 nothing is compiled there). `install` puts into a target folder, with `pip install --no-deps
---no-index`, only the wheels whose distribution the running Python does not already have: the
-image's own packages (pyyaml, click, anyio...) are never shadowed.
+--no-index` (or unzipped, when that Python has no pip), only the wheels whose distribution the running
+Python does not already have: the image's own packages (pyyaml, click, anyio...) are never shadowed.
 """
 
 from __future__ import annotations

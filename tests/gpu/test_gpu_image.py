@@ -73,3 +73,22 @@ def test_gpu_check_sh_runs_offline_in_the_image_venv(image_python, tmp_path):
     assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(
         ["environment.log", "kernels.log", "equality.log", "graphs.log", "sampling.log", "sync.log", "serve.log",
          "memory.log", "throughput.log", "transformers.log"])  # fmt: skip
+
+
+def test_without_pip_the_wheels_are_unpacked_into_the_target(image_python, tmp_path):
+    """A Python without pip still gets the bundle: a wheel is a zip of what a target folder holds."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_bundle
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    for wheel in BUNDLE.glob("*.whl"):
+        if gpu_bundle.wheel_name(wheel) in ("xxhash", "psutil", "starlette", "uvicorn"):
+            gpu_bundle.unpack(wheel, tmp_path / "site")
+    code = "import xxhash, psutil, starlette, uvicorn; print(xxhash.xxh64(b'a').hexdigest())"
+    out = subprocess.run([str(image_python), "-c", code], capture_output=True, text=True, check=True, cwd="/",
+                         env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                              "PYTHONPATH": str(tmp_path / "site")})  # fmt: skip
+    assert out.stdout.strip() == "d24ec4f1a98c6e5b"

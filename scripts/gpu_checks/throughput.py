@@ -16,6 +16,7 @@ every request produced all its tokens: the row is a measurement, its targets rep
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -72,8 +73,13 @@ def bandwidth(ctx: Context) -> dict[str, float]:
     width, and a device-to-device copy of 2 GiB measured (read and write counted)."""
     props = torch.cuda.get_device_properties(ctx.device)
     clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-    src = torch.empty(1 << 30, dtype=torch.int16, device=ctx.device)
-    dst = torch.empty_like(src)
+    gc.collect()
+    torch.cuda.empty_cache()  # the closed engine's cache
+    try:
+        src = torch.empty(1 << 30, dtype=torch.int16, device=ctx.device)
+        dst = torch.empty_like(src)
+    except torch.cuda.OutOfMemoryError:
+        return {"peak": 2 * clock_khz * 1e3 * bus_bits / 8, "copy": 0.0}
     dst.copy_(src)
     ctx.sync()
     start = time.perf_counter()
@@ -143,7 +149,7 @@ def run(ctx: Context) -> dict:
                "weights GB": weight_bytes(m) / 1e9}  # fmt: skip
     if ctx.cuda:
         bw = bandwidth(ctx)
-        limit_ms = 1e3 * weight_bytes(m) / (bw["peak"] or bw["copy"])
+        limit_ms = 1e3 * weight_bytes(m) / (bw["peak"] or bw["copy"] or float("nan"))
         figures.update({"memory bandwidth GB/s (peak)": bw["peak"] / 1e9, "device copy GB/s": bw["copy"] / 1e9,
                         "weight-bandwidth limit ms": limit_ms, "step / limit": step_ms / limit_ms,
                         "step within 20% of the limit": step_ms <= STEP_TARGET * limit_ms})  # fmt: skip

@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--archs", default=",".join(ARCHS), help="test architectures of the equality check")
     p.add_argument("--block-size", type=int, default=256, help="KV block size on CUDA (a multiple of 256)")
     p.add_argument("--min-exact", type=float, default=0.9,
-                   help="share of equal engine-against-engine token rows a half-precision sampling check needs")  # fmt: skip
+                   help="share of exact greedy matches of two ranks against one (tensor-parallel)")  # fmt: skip
     p.add_argument("--small", action="store_true", help="throughput and memory on a 1B-shaped Llama, not 8B")
     p.add_argument("--quick", action="store_true", help="the smallest sizes (the CPU smoke test's)")
     p.add_argument("--vllm", default="auto", help="auto: this Python's vLLM if it has one; off; or the Python "

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TOOLS  := $(VENV)/bin/kubectl $(VENV)/bin/helm
 
-.PHONY: demo test install tools kernels bench loadtest compare clean
+.PHONY: demo test install tools kernels bench loadtest compare clean gpu-bundle gpu-image
 
 install: $(STAMP)
 
@@ -27,7 +27,32 @@ $(TOOLS): $(STAMP) scripts/install_kube_tools.py
 kernels: $(STAMP)
 	$(PY) -m engine.backends.cpu_kernels
 
-test: $(STAMP) $(TOOLS) kernels
+# The wheels scripts/gpu_check.sh installs on the GPU machine (docs/gpu.md): carried there with the tree.
+GPU_BUNDLE := gpu-bundle
+gpu-bundle: $(GPU_BUNDLE)/README.txt
+$(GPU_BUNDLE)/README.txt: pyproject.toml scripts/gpu_bundle.py
+	$(PYTHON) scripts/gpu_bundle.py build --dest $(GPU_BUNDLE) --python-version 3.12
+
+# A venv built the way the GPU machine's image is (its versions where this machine can have them: torch
+# 2.11 has no CPU wheel here, 2.13 is the oldest), and the bundle for its Python: tests/gpu/test_gpu_image.py
+# runs scripts/gpu_check.sh in it, offline, in CPU smoke mode.
+IMAGE_VENV  := .gpu-image-venv
+IMAGE_PY    := $(IMAGE_VENV)/bin/python
+IMAGE_TORCH := 2.13.0
+IMAGE_TRANSFORMERS := 5.17.0
+gpu-image: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) $(IMAGE_VENV)/bundle/README.txt
+$(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS):
+	rm -rf $(IMAGE_VENV)
+	$(PYTHON) -m venv $(IMAGE_VENV)
+	$(IMAGE_PY) scripts/install_torch.py $(IMAGE_PY)
+	$(IMAGE_PY) -m pip install -q transformers==$(IMAGE_TRANSFORMERS) torch==$(IMAGE_TORCH) \
+		numpy safetensors prometheus-client httpx ninja uvloop
+	touch $@
+$(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) pyproject.toml scripts/gpu_bundle.py
+	$(IMAGE_PY) scripts/gpu_bundle.py build --dest $(IMAGE_VENV)/bundle \
+		--python-version $$($(IMAGE_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+
+test: $(STAMP) $(TOOLS) kernels gpu-image
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 demo: $(STAMP) kernels
@@ -44,4 +69,4 @@ bench: $(STAMP) kernels
 	$(PY) benchmarks/throughput.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) reports .pytest_cache
+	rm -rf $(VENV) $(IMAGE_VENV) $(GPU_BUNDLE) reports .pytest_cache gpu_check_out

@@ -405,7 +405,7 @@ def test_operator_image_has_only_the_operator_dependencies(dockerfile):
 
 def test_dockerignore_keeps_the_context_small():
     ignored = (ROOT / ".dockerignore").read_text().split()
-    for entry in (".venv", ".git", "reports"):
+    for entry in (".venv", ".git", "reports", ".gpu-image-venv", "gpu-bundle"):
         assert entry in ignored
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +24,8 @@ class Context:
     small: bool = False  # a smaller throughput model than the 8B shape
     vllm: str = "auto"  # "auto" (install into a venv if the registry has a build), "off", or a venv's python
     two_ranks: bool = False
-    work: Path = Path("/tmp")  # scratch: saved models, the vLLM venv's log
-    shared: dict[str, Any] = field(default_factory=dict)  # objects two checks use (the throughput model)
+    work: Path = Path("/tmp")  # the run's scratch folder, shared by its rows' processes
+    shared: dict[str, Any] = field(default_factory=dict)  # objects kept within one row's process
 
     @property
     def cuda(self) -> bool:
@@ -34,6 +35,33 @@ class Context:
     def exact_required(self) -> bool:
         """float32 on the CPU: tokens must be equal; half precision may flip near-ties."""
         return not self.cuda and self.dtype == torch.float32
+
+    def attention(self) -> tuple[str, bool]:
+        """The attention backend an engine gets on this device: its name, and whether CUDA graphs can
+        capture it (its `supports_graphs`). On the CPU: ("cpu", False) (the checks' graph stand-ins run
+        flash-attn's reference kernels)."""
+        if "attention" not in self.shared:
+            if self.cuda:
+                from engine.backends.cuda import make_backend
+
+                backend = make_backend(self.device)
+                self.shared["attention"] = (backend.name, bool(getattr(backend, "supports_graphs", False)))
+            else:
+                self.shared["attention"] = ("cpu", False)
+        return self.shared["attention"]
+
+    @property
+    def graphs(self) -> bool:
+        """CUDA graphs can run here: on CUDA with a backend that supports them."""
+        return self.cuda and self.attention()[1]
+
+    def no_graphs_reason(self) -> str:
+        return f"the CUDA attention backend '{self.attention()[0]}' cannot be captured in CUDA graphs"
+
+    def earlier(self, check: str) -> dict[str, Any] | None:
+        """The row an earlier check of this run wrote (scripts/gpu_check.py keeps them in work/rows/)."""
+        path = self.work / "rows" / f"{check}.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     def sync(self) -> None:
         if self.cuda:
@@ -45,7 +73,8 @@ class Context:
         return build_test_model(arch, vocab_size=512, **overrides).to(device=self.device, dtype=self.dtype)
 
     def config(self, **fields: Any):
-        """The engine config of a check: the CUDA backend with flash-attn's block size, else the CPU's."""
+        """The engine config of a check: the CUDA backend with blocks of `block_size` (flash-attn's
+        paged kernels want a multiple of 256), else the CPU's."""
         from engine import ContinuousBatchingConfig
 
         if self.cuda:
@@ -95,6 +124,42 @@ def reference_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> li
             ids = torch.tensor([prompt], device=model.device)
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
             out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+# A greedy token may differ from the reference's argmax only where the reference's top two logits are this
+# close, as a share of the position's largest |logit|: float32 sums in another order (1e-4), float16
+# and bfloat16 round each logit to 11 and 8 significant bits (a bfloat16 logit of 8 is rounded to 1/32).
+TOP2_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def teacher_forced(model, prompt: list[int], generated: list[int], tolerance: float) -> dict[str, Any]:
+    """The engine's greedy tokens fed back through one full forward of the model: at each generated
+    position, the model's own top two there. A token equal to the top one is a match; one equal to the
+    second where the gap between the two is at most `tolerance` x the largest |logit| is a near-tie;
+    anything else diverged. Divergence cannot cascade: every position sees the engine's own history."""
+    if not generated:
+        return {"positions": 0, "argmax": 0, "near_ties": 0, "diverged": 0, "largest_gap": 0.0}
+    ids = torch.tensor([prompt + generated[:-1]], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 :].float()
+    top = logits.topk(2, dim=-1)
+    got = torch.tensor(generated, device=logits.device)
+    first = top.indices[:, 0] == got
+    gap = (top.values[:, 0] - top.values[:, 1]) / logits.abs().amax(-1).clamp_min(1e-30)
+    near = ~first & (top.indices[:, 1] == got) & (gap <= tolerance)
+    accepted_gaps = gap[near]
+    return {"positions": len(generated), "argmax": int(first.sum()), "near_ties": int(near.sum()),
+            "diverged": int((~first & ~near).sum()),
+            "largest_gap": float(accepted_gaps.max()) if accepted_gaps.numel() else 0.0}  # fmt: skip
+
+
+def add_counts(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """Sum teacher_forced results (the largest gap is the largest)."""
+    out = dict(total) if total else {"positions": 0, "argmax": 0, "near_ties": 0, "diverged": 0, "largest_gap": 0.0}
+    for key in ("positions", "argmax", "near_ties", "diverged"):
+        out[key] += part[key]
+    out["largest_gap"] = max(out["largest_gap"], part["largest_gap"])
     return out
 
 

@@ -1,4 +1,5 @@
-"""The run's environment: what a person pastes above the results (GPU, driver, CUDA, torch, flash-attn)."""
+"""The run's environment: what a person pastes above the results (GPU, driver, CUDA, torch, transformers,
+flash-attn, the attention backend an engine gets)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import platform
 import subprocess
 
 import torch
+
+from scripts.gpu_checks.common import Context
 
 
 def driver_version() -> str:
@@ -19,12 +22,15 @@ def driver_version() -> str:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
 
 
-def environment(device: torch.device) -> list[tuple[str, str]]:
+def environment(ctx: Context) -> list[tuple[str, str]]:
+    import transformers
+
     from engine.backends.cuda import flash_attn_available
 
+    device = ctx.device
     rows = [("date (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
             ("python", platform.python_version()), ("torch", torch.__version__),
-            ("torch CUDA", str(torch.version.cuda))]  # fmt: skip
+            ("torch CUDA", str(torch.version.cuda)), ("transformers", transformers.__version__)]  # fmt: skip
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         rows += [("GPU", f"{props.name}, {props.total_memory / (1 << 30):.0f} GiB, sm_{props.major}{props.minor}"),
@@ -38,5 +44,10 @@ def environment(device: torch.device) -> list[tuple[str, str]]:
 
         rows.append(("flash-attn", flash_attn.__version__))
     else:
-        rows.append(("flash-attn", "not installed (SDPA on CUDA, no CUDA graphs)"))
+        rows.append(("flash-attn", "not installed"))
+    if ctx.cuda:
+        name, graphs = ctx.attention()
+        rows.append(("attention backend", f"{name} (CUDA graphs: {'yes' if graphs else 'no'})"))
+    else:
+        rows.append(("attention backend", "cpu; the checks' GPU stand-ins run flash-attn's reference kernels"))
     return rows

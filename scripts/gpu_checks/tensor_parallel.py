@@ -17,8 +17,17 @@ from scripts.gpu_checks.common import Context, matches
 from scripts.gpu_checks.report import Skipped, require, table
 
 NAME = "tensor parallel, 2 ranks against 1"
+TIMEOUT_S = 120
 W1 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)  # fmt: skip
+
+
+def requirement(ctx: Context) -> str | None:
+    """Why the row cannot run here (scripts/gpu_check.py asks before starting its process), or None."""
+    gpus = torch.cuda.device_count() if ctx.cuda else 0
+    if gpus < 2 and not (not ctx.cuda and ctx.two_ranks):
+        return f"{gpus} GPU here, it needs two" if ctx.cuda else "two CPU ranks only with --two-ranks"
+    return None
 
 
 def run(ctx: Context) -> dict:
@@ -27,9 +36,9 @@ def run(ctx: Context) -> dict:
     from engine import generate_batch
     from engine.testing import random_prompts
 
-    gpus = torch.cuda.device_count() if ctx.cuda else 0
-    if gpus < 2 and not (not ctx.cuda and ctx.two_ranks):
-        raise Skipped(f"{gpus} GPU here, it needs two" if ctx.cuda else "two CPU ranks only with --two-ranks")
+    absent = requirement(ctx)
+    if absent:
+        raise Skipped(absent)
 
     def generate(model, prompts, ranks: int, new: int) -> list[list[int]]:
         config = dataclasses.replace(ctx.config(use_cuda_graph=False), tensor_parallel_size=ranks)

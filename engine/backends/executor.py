@@ -91,7 +91,11 @@ class Executor:
         plan_heads = num_kv_heads * world if self.device.type == "cpu" else num_kv_heads
         self.sizes: CachePlan = self._plan(num_layers, plan_heads, head_dim, extra_blocks)
         if peers:
-            self.sizes = peers.share_sizes(self.sizes)  # rank 0's, on every rank
+            own, self.sizes = self.sizes, peers.share_sizes(self.sizes)  # rank 0's, on every rank
+            if own.bytes_per_block != self.sizes.bytes_per_block:  # another dtype or model than rank 0's
+                raise ValueError(f"tensor parallel: rank {peers.rank} holds {self.dtype} KV blocks of "
+                                 f"{own.bytes_per_block} bytes, rank 0 blocks of {self.sizes.bytes_per_block}: every "
+                                 "host must load the same model with the same --dtype")  # fmt: skip
         logger.info("cbserve engine: %s", self.placement_line())
         self.cache = PagedKVCache(num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads,
                                   head_dim, self.dtype, self.device)  # fmt: skip

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.server.conftest import Server, free_port
 
-ENGINE = {"block_size": 16, "num_blocks": 256, "tensor_parallel_size": 2}
+# float32 on every host: --dtype auto may differ between CPUs, and the reference is float32
+ENGINE = {"block_size": 16, "num_blocks": 256, "tensor_parallel_size": 2, "dtype": "float32"}
 PROMPT = [17, 230, 41, 99, 7, 301, 12, 88, 150, 5]
 EXIT_WAIT_S = 60
 
@@ -93,6 +94,28 @@ def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_ser
     finally:
         if server is not None:
             server.stop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_host_that_loads_another_dtype_stops_the_group_saying_so(model_dir, tmp_path) -> None:
+    """--dtype auto can differ between two hosts' CPUs: a worker holding bfloat16 against a float32 server
+    stops with a line that names the cause, not only a broken all-reduce."""
+    port = free_port()
+    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(port)]
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(ENGINE))
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--model", str(model_dir), "--config",
+                               str(config), "--dtype", "bfloat16", "--node-rank", "1", *group], stdout=log.open("w"),
+                              stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="server exited with 1"):
+            Server(model_dir, tmp_path, ENGINE, extra_args=group)
+        assert worker.wait(EXIT_WAIT_S) != 0
+        assert "every host must load the same model with the same --dtype" in log.read_text(), log.read_text()
+    finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()

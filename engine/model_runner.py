@@ -19,6 +19,7 @@ from engine import attention
 from engine.attention import StepContext
 from engine.backends import AttentionBackend, AttentionMetadata
 from engine.kv_cache import PagedKVCache
+from engine.rope import DynamicRope
 from engine.scheduler import ScheduledBatch
 from engine.staging import HostStaging
 
@@ -83,6 +84,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
+        self.no_mask = attention.no_mask(self.device)  # spares transformers' mask building (engine/attention.py)
+        self.rope = DynamicRope.of(model)  # dynamic-NTK RoPE, updated from the host before each step
         # pinned host buffers of a step's integers (accelerators), never refilled under a pending copy
         self.staging = HostStaging(self.device) if self.device.type != "cpu" else None
 
@@ -150,6 +153,7 @@ class ModelRunner:
             out = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
+                attention_mask=self.no_mask,
                 use_cache=False,
                 logits_to_keep=logits_rows,
                 cb_step=StepContext(self.backend, self.cache, meta),
@@ -163,5 +167,7 @@ class ModelRunner:
         engine/backends/step_dispatch.py); None: `self.forward`, eagerly."""
         start = time.perf_counter()
         input_ids, positions, meta, logits_rows = self.build_metadata(step)
+        if self.rope is not None:
+            self.rope.update(meta.max_seqlen_k)
         self.last_prepare_s = time.perf_counter() - start
         return (dispatch or self.forward)(input_ids, positions, meta, logits_rows)

@@ -3,7 +3,9 @@ reports (one start-up line, the server's /v1/models)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 
 import pytest
 import torch
@@ -204,3 +206,52 @@ def test_staging_keeps_values_shapes_and_dtypes() -> None:
         for p, m in zip(parts, moved):
             assert torch.equal(p, m) and p.dtype == m.dtype and p.shape == m.shape
     assert staging.send([torch.arange(20)])[0].tolist() == list(range(20))  # a buffer grows when too small
+
+
+def test_on_device_makes_a_gpu_current_and_is_a_no_op_elsewhere(monkeypatch) -> None:
+    from engine import device
+
+    made = []
+    monkeypatch.setattr(device.torch.cuda, "device", lambda d: made.append(d) or contextlib.nullcontext())
+    with device.on_device(torch.device("cuda", 1)):
+        pass
+    with device.on_device(torch.device("cpu")), device.on_device(torch.device("meta")):
+        pass
+    assert made == [torch.device("cuda", 1)]
+
+
+def test_every_thread_that_runs_the_cuda_executor_makes_the_models_device_current(monkeypatch) -> None:
+    """The engine is built on one thread, warmed up on another (the server's, through
+    asyncio.to_thread) and stepped on the manager's: each enters `on_device` with the model's device
+    before any device work. The CUDA executor runs here on a CPU model, its `on_device` recorded."""
+    import threading
+
+    from engine.backends.cuda import executor as cuda_executor
+
+    entered: list[tuple[str, str, torch.device]] = []
+
+    def record(device: torch.device):
+        caller = sys._getframe(1).f_code.co_name
+        entered.append((threading.current_thread().name, caller, device))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(cuda_executor, "on_device", record)
+    monkeypatch.setattr("engine.llm_engine.make_executor", cuda_executor.CUDAExecutor)
+    model = build_test_model()
+    manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(block_size=16,
+                                                                                                   num_blocks=64))
+    assert isinstance(manager.engine.executor, cuda_executor.CUDAExecutor)
+    warm = threading.Thread(target=manager.warmup, name="warm-up")
+    warm.start()
+    warm.join()
+    manager.start()
+    try:
+        rid = manager.add_request([5, 6, 7], max_new_tokens=3, ignore_eos=True)
+        assert len(manager.get_result(rid, timeout=60).generated_tokens) == 3
+    finally:
+        manager.stop(block=True, timeout=30)
+    me = threading.current_thread().name
+    assert (me, "__init__", model.device) in entered
+    assert ("warm-up", "warmup", model.device) in entered and ("warm-up", "execute_model", model.device) in entered
+    assert ("cbserve-engine", "execute_model", model.device) in entered
+    assert {device for *_, device in entered} == {model.device}

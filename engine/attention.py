@@ -12,6 +12,10 @@ interfaces on first use (the mask is the model's own outside engine steps and no
 engine's attention needs no mask), and puts the model's own name back when the last step running on
 that model ends. Between steps the model is as it was: transformers' own continuous batching, which
 accepts only implementations it knows, and `save_pretrained` see its own implementation.
+
+An engine step's forward also gets `attention_mask=no_mask(device)`, an empty 4-D tensor: transformers'
+mask functions return a 4-D mask as it is, before anything else. Without it they would look for
+packed sequences in the position ids and read the answer back to the host (a sync every forward).
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ _registered: set[str] = set()
 _lock = threading.Lock()
 # id(model config) -> (steps running on it, its own implementation, cbserve's name set over it)
 _steps: dict[int, tuple[int, str | None, str]] = {}
+
+
+def no_mask(device: torch.device) -> torch.Tensor:
+    """The `attention_mask` of an engine step: 4-D, so transformers takes it as a prepared mask and
+    builds none; empty, as the paged attention reads no mask."""
+    return torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device)
 
 
 @dataclass
@@ -140,6 +150,11 @@ def installed(model: torch.nn.Module) -> Iterator[None]:
                 _steps[key] = (count - 1, own, wrapped)
             elif config._attn_implementation == wrapped:
                 config._attn_implementation = own
+
+
+def in_engine_step() -> bool:
+    """Whether this thread is inside an engine step's forward."""
+    return _IN_STEP.get()
 
 
 @contextlib.contextmanager

@@ -2,11 +2,13 @@
 
 `probe()` asks torch once; `resolve_device` and `resolve_dtype` take its answer as an argument,
 so every rule is tested on any machine by handing them the answer to test (a GPU with or
-without bfloat16, no GPU at all).
+without bfloat16, no GPU at all). `on_device` makes the model's GPU the current one of whichever
+thread runs device work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -69,3 +71,13 @@ def resolve_dtype(requested: str, device: str, acc: Accelerator) -> str:
     if not device.startswith("cuda"):
         return "bfloat16" if acc.cpu_bf16_dot else "float32"
     return "bfloat16" if acc.bf16_supported else "float16"
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The model's GPU as the calling thread's current CUDA device for the duration (a no-op on any
+    other device). torch keeps the current device per thread, and what takes no device argument
+    follows it: a CUDA graph's capture stream, `torch.cuda.current_stream()`, new events. Without
+    it, a thread working for a model on cuda:1 would capture its graphs on cuda:0."""
+    if device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

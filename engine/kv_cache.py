@@ -35,9 +35,12 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks within the cache, every layer: [(source, destination), ...]."""
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.k[0].device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.k[0].device)
+        """Copy whole blocks within the cache, every layer: [(source, destination), ...]. The pairs
+        reach a GPU through pinned memory without blocking (a step with copies waits for nothing)."""
+        pairs = torch.tensor(copies, dtype=torch.long).view(-1, 2)
+        device = self.k[0].device
+        pairs = (pairs.pin_memory() if device.type == "cuda" else pairs).to(device, non_blocking=True)
+        src, dst = pairs[:, 0], pairs[:, 1]
         for t in self.k + self.v:
             t.index_copy_(0, dst, t.index_select(0, src))
 

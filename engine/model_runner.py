@@ -19,7 +19,9 @@ from engine import attention
 from engine.attention import StepContext
 from engine.backends.base import AttentionBackend, AttentionMetadata
 from engine.kv_cache import PagedKVCache
+from engine.rope import DynamicRope
 from engine.scheduler import ScheduledBatch
+from engine.staging import HostStaging
 
 
 def restore_modes(model: torch.nn.Module, modes: list[bool]) -> None:
@@ -68,23 +70,6 @@ class ModuleSwaps(Protocol):
     def active(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-def one_copy(parts: list[torch.Tensor], device: torch.device, staging: torch.Tensor | None
-             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
-    """Integer host tensors on `device` in one non-blocking copy: packed as int64 into `staging` (a
-    pinned buffer on CUDA, grown when too small and returned for the next step), copied, then viewed
-    back in their shapes and dtypes on the device. Reusing the buffer next step is safe: every step
-    ends in a host sync (its sampled tokens come back to the host) after this copy."""
-    sizes = [p.numel() for p in parts]
-    total = sum(sizes)
-    if staging is None or staging.numel() < total:
-        staging = torch.empty(max(total, 2 * (0 if staging is None else staging.numel())), dtype=torch.long,
-                              pin_memory=device.type == "cuda")  # fmt: skip
-    torch.cat([p.reshape(-1).long() for p in parts], out=staging[:total])
-    flat = staging[:total].to(device, non_blocking=True)
-    moved = [piece.view(p.shape).to(p.dtype) for piece, p in zip(flat.split(sizes), parts)]
-    return staging, moved
-
-
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
@@ -101,14 +86,17 @@ class ModelRunner:
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
         # False on tensor-parallel ranks other than 0: the LM head runs on no row (only rank 0 samples)
         self.computes_logits = True
-        self._staging: torch.Tensor | None = None  # pinned host buffer of a step's integers (accelerators)
+        self.no_mask = attention.no_mask(self.device)  # spares transformers' mask building (engine/attention.py)
+        self.rope = DynamicRope.of(model)  # dynamic-NTK RoPE, updated from the host before each step
+        # pinned host buffers of a step's integers (accelerators), never refilled under a pending copy
+        self.staging = HostStaging(self.device) if self.device.type != "cpu" else None
 
     def build_metadata(
         self, step: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's tensors on the device: input ids, positions, the attention metadata and the rows
         of the logits to keep. Built on the host; on an accelerator they travel in one non-blocking
-        copy from a pinned buffer (`one_copy`), never as a blocking copy per tensor."""
+        copy from a pinned buffer (engine/staging.py), never as a blocking copy per tensor."""
         q_lens, starts, token_ids = step.q_lens, step.starts, step.token_ids
         k_lens = [s + n for s, n in zip(starts, q_lens)]
 
@@ -132,11 +120,10 @@ class ModelRunner:
         seq_lens_k = torch.tensor(k_lens, dtype=torch.int32)
         last = (cu_seqlens_q[1:] - 1).long()
         logits_rows = last[torch.tensor(step.sample_rows, dtype=torch.long)]
-        if self.device.type != "cpu":
-            self._staging, moved = one_copy(
-                [input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_rows],
-                self.device, self._staging,
-            )  # fmt: skip
+        if self.staging is not None:
+            moved = self.staging.send(
+                [input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_rows]
+            )
             input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_rows = moved
 
         num_decodes = 0
@@ -171,6 +158,7 @@ class ModelRunner:
             out = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
+                attention_mask=self.no_mask,
                 use_cache=False,
                 logits_to_keep=logits_rows,
                 cb_step=StepContext(self.backend, self.cache, meta),
@@ -186,6 +174,8 @@ class ModelRunner:
         with the step's metadata before the forward (tensor-parallel ranks agree on its route there)."""
         start = time.perf_counter()
         input_ids, positions, meta, logits_rows = self.build_metadata(step)
+        if self.rope is not None:
+            self.rope.update(meta.max_seqlen_k)
         self.last_prepare_s = time.perf_counter() - start
         if before_forward is not None:
             before_forward(meta)

@@ -178,9 +178,9 @@ class Request:
         self.error: str | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
+        # with a seed: the request's own random stream on the logits' device, seeded at its first sample
+        # (engine/sampler.py)
         self.generator: torch.Generator | None = None
-        if sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling.seed)
         self.num_streamed = 0  # generated tokens already handed out
         self.text_streamed = 0  # characters of text already handed out (engine/output_processor.py)
         self.num_children = 0  # n - 1: sequences forked from this one after its prefill

@@ -2,11 +2,15 @@
 
 Logits arrive in the model's dtype. When every row is greedy and nothing asks for logprobs or
 processing, the argmax is taken on them as they are (the CPU backend's kernel reads bfloat16 in
-place); otherwise they are converted to float32 first. Greedy rows take the argmax. Sampled rows go through
-temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with q ~ Exp(1):
-a request with a seed draws q from its own generator, so its tokens do not depend on what else
-is in the batch. Logprobs are those of the model's raw distribution (log_softmax of the logits), or
-with logprobs_mode "processed_logprobs" those of the distribution the token was drawn from (after
+place); otherwise they are converted to float32 first. Greedy rows take the argmax. Sampled rows go
+through temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with
+q ~ Exp(1). When every sampled row has a top-k, only the batch's largest k candidates per row are
+taken (`topk`) and the rest works on them; the vocabulary is sorted only when a step with a
+sampled row without top-k asks for top-p or top-k. The noise is drawn on the logits' device: a request with a seed
+draws q from its own generator there (seeded at its first sample), in a shape of its own (k values
+with a top-k, the vocabulary's without), so its tokens do not depend on what else is in the batch.
+Logprobs are those of the model's raw distribution (log_softmax of the logits), or with
+logprobs_mode "processed_logprobs" those of the distribution the token was drawn from (after
 bias, penalties, grammar, temperature, top-k, top-p and min-p; greedy rows at temperature 1).
 A request with structured output has the tokens its grammar forbids masked to -inf last, after
 bias and penalties (engine/structured.py).
@@ -99,8 +103,10 @@ class Sampler:
             if want_logprobs and self.processed_logprobs:
                 raw_logprobs = torch.log_softmax(logits, dim=-1)
         else:
-            tokens, probs = self._sample(logits, reqs, greedy)
+            tokens, probs, ids = self._sample(logits, reqs, greedy)
             if want_logprobs and self.processed_logprobs:
+                if ids is not None:  # over the vocabulary: what was not a candidate has probability 0
+                    probs = torch.zeros_like(logits).scatter_(1, ids, probs)
                 drawn_from = torch.where(_on(logits.device, greedy, torch.bool)[:, None], torch.softmax(logits, dim=-1), probs)
                 raw_logprobs = torch.log(drawn_from / drawn_from.sum(dim=-1, keepdim=True))
         token_list = tokens.tolist()
@@ -161,37 +167,95 @@ class Sampler:
                     logits[row].index_copy_(0, ends, saved.clamp(min=torch.finfo(logits.dtype).min))
         return logits
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens, and the (unnormalised after min-p) probabilities the sampled rows drew from."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Tokens, and what the sampled rows drew from: probabilities (unnormalised after min-p) over
+        candidates, and the candidates' token ids (None: the candidates are the whole vocabulary, in
+        order).
+
+        Candidates: when every sampled row has a top-k, the batch's largest k by `topk` (no sort of
+        the vocabulary); when some row has none but a top-k or top-p is asked, the whole vocabulary
+        sorted; else the vocabulary as it is. Ranked candidates are ordered by logit, ties by token id,
+        so a row's candidates do not depend on the batch. Top-k keeps a row's first k, top-p the
+        smallest prefix holding p of the mass, min-p what reaches min_p of the largest probability."""
         num_rows, vocab = logits.shape
         device = logits.device
-        temperature = _on(device, [r.sampling.temperature if not g else 1.0 for r, g in zip(reqs, greedy)], torch.float32)
-        scaled = logits / temperature[:, None]
-        top_k = [r.sampling.top_k for r in reqs]
-        top_p = [r.sampling.top_p for r in reqs]
-        min_p = [r.sampling.min_p for r in reqs]
-        if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
-            remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-            k = _on(device, [k if 0 < k < vocab else vocab for k in top_k], torch.long)
-            remove |= torch.arange(vocab, device=device)[None, :] >= k[:, None]
-            p = _on(device, top_p, torch.float32)
-            probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-            remove |= (torch.cumsum(probs, dim=-1) - probs) >= p[:, None]
+        sampled = [not g for g in greedy]
+        temperature = _on(device, [r.sampling.temperature if s else 1.0 for r, s in zip(reqs, sampled)], torch.float32)
+        top_k = [r.sampling.top_k if s and 0 < r.sampling.top_k < vocab else 0 for r, s in zip(reqs, sampled)]
+        top_p = [r.sampling.top_p if s else 1.0 for r, s in zip(reqs, sampled)]
+        min_p = [r.sampling.min_p if s else 0.0 for r, s in zip(reqs, sampled)]
+        ids: torch.Tensor | None = None
+        if all(k for k, s in zip(top_k, sampled) if s):  # every sampled row has a top-k
+            values, ids = _ranked_top(logits, max(top_k))  # a temperature keeps the order: scale k values only
+            values = values / temperature[:, None]
+        elif any(top_k) or any(p < 1.0 for p in top_p):
+            values, ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+        else:
+            values = logits / temperature[:, None]
+        width = values.shape[1]
+        if any(top_k):
+            k = _on(device, [k or width for k in top_k], torch.long)
+            values.masked_fill_(torch.arange(width, device=device)[None, :] >= k[:, None], float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            probs = torch.softmax(values, dim=-1)
+            before = torch.cumsum(probs, dim=-1).sub_(probs)  # the mass ranked above each candidate
+            remove = before >= _on(device, top_p, torch.float32)[:, None]
             remove[:, 0] = False
-            scaled = scaled.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
-        probs = torch.softmax(scaled, dim=-1)
+            values.masked_fill_(remove, float("-inf"))
+            del probs, before, remove
+        probs = torch.softmax(values, dim=-1)
         if any(m > 0 for m in min_p):
             threshold = _on(device, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [row for row, r in enumerate(reqs) if r.generator is None]
+            probs.masked_fill_(probs < threshold, 0.0)
+        noise = self._noise(reqs, sampled, top_k, ids, width, device)
+        choice = torch.div(probs, noise, out=noise).argmax(dim=-1)
+        tokens = choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
+        return torch.where(_on(device, greedy, torch.bool), logits.argmax(dim=-1), tokens), probs, ids
+
+    def _noise(self, reqs: list[Request], sampled: list[bool], top_k: list[int], ids: torch.Tensor | None,
+               width: int, device: torch.device) -> torch.Tensor:  # fmt: skip
+        """Exp(1) noise over the candidates, drawn on the device. Unseeded rows draw together from
+        the sampler's stream. A seeded row draws from its own stream a shape of its own: its top-k
+        candidates' k values, by rank; without a top-k, the vocabulary's, by token id."""
+        noise = torch.ones(len(reqs), width, device=device)
+        unseeded = [row for row, (r, s) in enumerate(zip(reqs, sampled)) if s and r.sampling.seed is None]
         if unseeded:
-            drawn = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self._generator(device))
+            drawn = torch.empty(len(unseeded), width, device=device).exponential_(generator=self._generator(device))
             noise.index_copy_(0, _on(device, unseeded, torch.long), drawn)
         for row, req in enumerate(reqs):
-            if req.generator is not None and not greedy[row]:
-                # drawn on the host from the request's own generator: the same tokens on any device
-                noise[row] = to_device(torch.empty(vocab).exponential_(generator=req.generator), device)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(_on(device, greedy, torch.bool), logits.argmax(dim=-1), sampled), probs
+            if not sampled[row] or req.sampling.seed is None:
+                continue
+            if req.generator is None:
+                req.generator = _new_generator(device, req.sampling.seed)
+            if top_k[row]:
+                noise[row, : top_k[row]] = _exponential(top_k[row], req.generator, device)
+            elif ids is None:  # no top-k: the candidates are the whole vocabulary (width), by token id
+                noise[row] = _exponential(width, req.generator, device)
+            else:  # the whole vocabulary ranked: each token id's noise, in rank order
+                noise[row] = _exponential(width, req.generator, device)[ids[row]]
+        return noise
+
+
+def _ranked_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row and their ids, by value, ties by id (as a stable sort of the row
+    would give: which tied value `topk` lists first is not defined)."""
+    values, ids = x.topk(k, dim=-1)
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order)
+
+
+def _new_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on `device` seeded with `seed`; on the host for a device without generators (meta)."""
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except RuntimeError:
+        return torch.Generator().manual_seed(seed)
+
+
+def _exponential(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """n Exp(1) draws of `generator`, on `device` (drawn where the generator lives)."""
+    if generator.device == device:
+        return torch.empty(n, device=device).exponential_(generator=generator)
+    return to_device(torch.empty(n).exponential_(generator=generator), device)

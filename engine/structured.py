@@ -29,6 +29,7 @@ backtrace, becomes a sentence of ours).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -276,11 +277,21 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     The bitmask's bytes (little-endian: token 8k + j is bit j of byte k) look up an additive
     0 / -inf row of eight in a 256-entry table: one gather and one add, several times faster on the
     CPU than unpacking the bits and a masked_fill (`python benchmarks/structured.py`)."""
-    vocab = logits.shape[1]
-    table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
-    codes = bitmask.view(torch.uint8).to(device=logits.device, dtype=torch.long)
+    vocab, device = logits.shape[1], logits.device
+    table = _byte_bias(device, logits.dtype)
+    codes = _to(bitmask.view(torch.uint8), device).long()
     bias = torch.nn.functional.embedding(codes, table).reshape(bitmask.shape[0], -1)[:, :vocab]
     if rows == list(range(rows[0], rows[0] + len(rows))):
         logits[rows[0] : rows[0] + len(rows)].add_(bias)
     else:
-        logits.index_add_(0, torch.tensor(rows, dtype=torch.long, device=logits.device), bias)
+        logits.index_add_(0, _to(torch.tensor(rows, dtype=torch.long), device), bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return _BYTE_BIAS.to(device=device, dtype=dtype)
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on a GPU through pinned memory, without blocking."""
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)

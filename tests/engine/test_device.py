@@ -3,9 +3,11 @@ reports (one start-up line, the server's /v1/models)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -134,14 +136,137 @@ def test_a_steps_tensors_reach_an_accelerator_in_one_copy_with_the_host_paths_va
     assert rows.tolist() == [0, 4] and meta.seq_lens_k.tolist() == [21, 20]
 
 
-def test_one_copy_keeps_values_shapes_and_dtypes_and_reuses_its_buffer() -> None:
-    from engine.model_runner import one_copy
+class LaggingDevice:
+    """A stand-in device that runs behind the host: a copy is queued and reads its host buffer only
+    when the queue runs, up to a fence being waited on or at the end."""
+
+    def __init__(self) -> None:
+        self.queue: list = []  # callables, in stream order
+        self.waits = 0  # fences waited on before they had passed
+
+    def run(self, upto: int | None = None) -> None:
+        n = len(self.queue) if upto is None else upto
+        for op in self.queue[:n]:
+            op()
+        del self.queue[:n]
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(host)
+        self.queue.append(lambda: out.copy_(host))
+        return out
+
+    def fence(self):
+        device = self
+
+        class Fence:
+            passed = True
+
+            def record(self) -> None:
+                self.passed = False
+                device.queue.append(lambda: setattr(self, "passed", True))
+
+            def synchronize(self) -> None:
+                if not self.passed:
+                    device.waits += 1
+                    while not self.passed:
+                        device.run(1)
+
+        return Fence()
+
+
+def test_staging_never_refills_a_buffer_that_a_pending_copy_still_reads() -> None:
+    """Steps that end in no host sync (prompt chunks) follow each other while the device lags: each
+    step's values arrive as they were packed, however far behind the device runs, and the host waits
+    only for the buffer it is about to refill."""
+    from engine.staging import HostStaging
+
+    device = LaggingDevice()
+    staging = HostStaging(torch.device("cpu"), copy=device.copy, new_fence=device.fence)
+    steps = [[torch.arange(n) * (i + 1), torch.full((2, 3), i)] for i, n in enumerate([5, 3, 40, 7, 2, 9])]
+    sent = [staging.send(parts) for parts in steps]  # the device has run nothing yet
+    device.run()
+    for parts, moved in zip(steps, sent):
+        assert all(torch.equal(p, m) for p, m in zip(parts, moved))
+    assert device.waits == len(steps) - 2  # two buffers: from the third step on, the one two steps back
+    assert len([b for b in staging.buffers if b is not None]) == 2
+    # a device that keeps up: no wait at all, and the buffers are reused, not reallocated
+    again = [b.data_ptr() for b in staging.buffers]
+    for parts in steps[:2] * 3:
+        moved = staging.send(parts)
+        device.run()
+        assert all(torch.equal(p, m) for p, m in zip(parts, moved))
+    assert device.waits == len(steps) - 2 and [b.data_ptr() for b in staging.buffers] == again
+
+
+def test_one_buffer_without_fences_would_lose_a_pending_copy() -> None:
+    """The stand-in device is strict enough to catch the fault the fences prevent: with the fences
+    left out, a lagging copy reads the next step's values."""
+    from engine.staging import HostStaging
+
+    device = LaggingDevice()
+    staging = HostStaging(torch.device("cpu"), slots=1, copy=device.copy)
+    first = staging.send([torch.arange(4)])
+    staging.send([torch.arange(4) + 10])
+    device.run()
+    assert first[0].tolist() == [10, 11, 12, 13]
+
+
+def test_staging_keeps_values_shapes_and_dtypes() -> None:
+    from engine.staging import HostStaging
 
     parts = [torch.arange(5), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([], dtype=torch.long)]
-    staging, moved = one_copy(parts, torch.device("cpu"), None)
-    for p, m in zip(parts, moved):
-        assert torch.equal(p, m) and p.dtype == m.dtype
-    again, _ = one_copy(parts[:1], torch.device("cpu"), staging)
-    assert again is staging  # big enough: the same pinned buffer next step
-    bigger, moved = one_copy([torch.arange(20)], torch.device("cpu"), staging)
-    assert bigger.numel() >= 20 and moved[0].tolist() == list(range(20))
+    staging = HostStaging(torch.device("cpu"))
+    for _ in range(3):
+        moved = staging.send(parts)
+        for p, m in zip(parts, moved):
+            assert torch.equal(p, m) and p.dtype == m.dtype and p.shape == m.shape
+    assert staging.send([torch.arange(20)])[0].tolist() == list(range(20))  # a buffer grows when too small
+
+
+def test_on_device_makes_a_gpu_current_and_is_a_no_op_elsewhere(monkeypatch) -> None:
+    from engine import device
+
+    made = []
+    monkeypatch.setattr(device.torch.cuda, "device", lambda d: made.append(d) or contextlib.nullcontext())
+    with device.on_device(torch.device("cuda", 1)):
+        pass
+    with device.on_device(torch.device("cpu")), device.on_device(torch.device("meta")):
+        pass
+    assert made == [torch.device("cuda", 1)]
+
+
+def test_every_thread_that_runs_the_cuda_executor_makes_the_models_device_current(monkeypatch) -> None:
+    """The engine is built on one thread, warmed up on another (the server's, through
+    asyncio.to_thread) and stepped on the manager's: each enters `on_device` with the model's device
+    before any device work. The CUDA executor runs here on a CPU model, its `on_device` recorded."""
+    import threading
+
+    from engine.backends.cuda import executor as cuda_executor
+
+    entered: list[tuple[str, str, torch.device]] = []
+
+    def record(device: torch.device):
+        caller = sys._getframe(1).f_code.co_name
+        entered.append((threading.current_thread().name, caller, device))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(cuda_executor, "on_device", record)
+    monkeypatch.setattr("engine.llm_engine.make_executor", cuda_executor.CUDAExecutor)
+    model = build_test_model()
+    manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(block_size=16,
+                                                                                                   num_blocks=64))
+    assert isinstance(manager.engine.executor, cuda_executor.CUDAExecutor)
+    warm = threading.Thread(target=manager.warmup, name="warm-up")
+    warm.start()
+    warm.join()
+    manager.start()
+    try:
+        rid = manager.add_request([5, 6, 7], max_new_tokens=3, ignore_eos=True)
+        assert len(manager.get_result(rid, timeout=60).generated_tokens) == 3
+    finally:
+        manager.stop(block=True, timeout=30)
+    me = threading.current_thread().name
+    assert (me, "__init__", model.device) in entered
+    assert ("warm-up", "warmup", model.device) in entered and ("warm-up", "execute_model", model.device) in entered
+    assert ("cbserve-engine", "execute_model", model.device) in entered
+    assert {device for *_, device in entered} == {model.device}

@@ -197,3 +197,71 @@ def test_every_sampling_tensor_is_made_on_the_logits_device(mode) -> None:
     logits = torch.empty(len(reqs), VOCAB, device="meta")
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
         Sampler(seed=0, logprobs_mode=mode)(logits, reqs, default_logprobs=True)
+
+
+def _request(seed=None, **params):
+    from engine.request import Request, SamplingParams
+
+    return Request(f"r{seed}", [1, 2, 3], 64, SamplingParams(temperature=1.0, seed=seed, **params), frozenset())
+
+
+def _tied_logits(steps: int, rows: int, vocab: int = 1000) -> list[torch.Tensor]:
+    """Logits rounded to bfloat16, as a bf16 model's are: many exact ties among the top ones."""
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(rows, vocab, generator=g) * 3).bfloat16().float() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("target", [dict(top_k=5), dict(top_k=40, top_p=0.8), dict(top_p=0.9), dict(), dict(min_p=0.05)])
+def test_a_seeded_row_draws_the_same_tokens_whatever_the_batch_makes_the_sampler_do(target) -> None:
+    """A seeded request alone, then with rows that make the sampler take the batch's largest top-k,
+    sort the whole vocabulary (top-p with a row without top-k) or keep it as it is: the same tokens."""
+    from engine.sampler import Sampler
+
+    companions = [[], [dict(top_k=50)], [dict(top_k=3, top_p=0.5), dict()], [dict(top_p=0.7)], [dict(), dict(min_p=0.1)],
+                  [dict(top_k=2000)]]  # fmt: skip
+    logits = _tied_logits(12, 3)
+    runs = []
+    for others in companions:
+        reqs = [_request(seed=5, **target)] + [_request(**o) for o in others]
+        sampler = Sampler(seed=1)
+        runs.append([sampler(step[: len(reqs)], reqs).tokens[0] for step in logits])
+    assert all(run == runs[0] for run in runs), runs
+    assert len(set(runs[0])) > 1
+
+
+@pytest.mark.parametrize("params", [dict(top_k=3), dict(top_p=0.7), dict(top_k=3, top_p=0.6), dict(min_p=0.3), dict()])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_frequencies_follow_the_kept_distribution(params, seeded) -> None:
+    """Many rows over one distribution: the tokens drawn come at the renormalised probabilities of
+    the tokens top-k, top-p and min-p keep (transformers' rules), seeded rows (each its own stream)
+    and unseeded ones alike."""
+    from engine.sampler import Sampler
+
+    p = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.07])
+    kept = torch.ones(6, dtype=torch.bool)
+    if "top_k" in params:
+        kept[params["top_k"]:] = False
+    if "top_p" in params:
+        q = torch.where(kept, p, 0.0) / torch.where(kept, p, 0.0).sum()
+        kept &= (torch.cumsum(q, 0) - q) < params["top_p"]
+    if "min_p" in params:
+        kept &= p >= params["min_p"] * p.max()
+    want = torch.where(kept, p, 0.0) / torch.where(kept, p, 0.0).sum()
+    rows = 3000
+    reqs = [_request(seed=i if seeded else None, **params) for i in range(rows)]
+    tokens = Sampler(seed=2)(torch.log(p).repeat(rows, 1), reqs).tokens
+    freq = torch.bincount(torch.tensor(tokens), minlength=6).float() / rows
+    assert torch.all(freq[~kept] == 0)
+    assert (freq - want).abs().max() < 0.035, (freq, want)
+
+
+def test_top_k_rows_sort_only_their_candidates(monkeypatch) -> None:
+    """With a top-k on every sampled row, nothing as wide as the vocabulary is sorted."""
+    from engine.sampler import Sampler
+
+    widths = []
+    sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: widths.append(self.shape[-1]) or sort(self, *a, **k))
+    reqs = [_request(seed=3, top_k=20, top_p=0.9), _request(top_k=50, min_p=0.05), _request(top_k=7)]
+    Sampler(seed=0)(_tied_logits(1, 3, vocab=4096)[0], reqs)
+    assert widths and max(widths) == 50

@@ -118,7 +118,7 @@ def test_sdpa_fallback_equals_the_cpu_backend(seqs, kw):
 
 GPU_MODULES = ["engine/backends/cuda/__init__.py", "engine/backends/cuda/flex.py", "engine/backends/cuda/sdpa.py", "engine/backends/cuda/graphs.py", "engine/backends/cuda/varlen_graphs.py",
                "engine/backends/cuda/executor.py", "engine/backends/step_dispatch.py", "engine/backends/memory.py",
-               "engine/backends/compile.py", "engine/device.py"]  # fmt: skip
+               "engine/backends/compile.py", "engine/device.py", "engine/staging.py", "engine/rope.py"]  # fmt: skip
 
 
 def test_gpu_modules_type_check_without_flash_attn_or_cuda(tmp_path):

@@ -15,13 +15,17 @@ request handling with one that behaves like an API server where clients look:
 - merge, strategic-merge (approximated as merge), JSON-patch (a failed `test` is 422) and
   server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces;
   a `metadata.resourceVersion` precondition answers 409 Conflict; a no-op write changes nothing;
-- lists carry kind, apiVersion and the current resourceVersion; label and field selectors;
+- lists carry kind, apiVersion and the current resourceVersion; label and field selectors; pages
+  (`limit` and `continue`, with `remainingItemCount`); `items_sent` counts the objects each client
+  (User-Agent) received in lists and watch events;
 - watches are JSON lines (application/json), honour `resourceVersion` (only later events) and
   `timeoutSeconds`; finalizers delay deletion;
 - `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns);
 - deleting an object deletes what it owns (background cascading garbage collection);
 - custom resources are pruned, defaulted and validated against their CRD's schema, CEL rules and
-  list types (no duplicate keys in an `x-kubernetes-list-type: map` list, nor items in a `set`).
+  list types (no duplicate keys in an `x-kubernetes-list-type: map` list, nor items in a `set`);
+  a CRD whose rule's estimated CEL cost is over the per-rule limit is refused (a coarse estimate:
+  list macros over lists without maxItems, strings without maxLength).
 
 Still missing by design: controllers (a Deployment never becomes ready and makes no ReplicaSets on
 its own: tests patch its status and create what the controller would), admission webhooks, RBAC
@@ -34,6 +38,8 @@ enforcement, protobuf.
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
 import copy
 import datetime
 import json
@@ -41,9 +47,9 @@ import re
 import secrets
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp.web
 import attrs
@@ -54,6 +60,7 @@ from kmock import KubernetesEmulator, ResourceInfo, resource
 from kmock._internal.k8s import KubernetesError
 
 Obj = dict[str, Any]
+T = TypeVar("T")
 ServerVersion = {"major": "1", "minor": "34", "gitVersion": "v1.34.0", "platform": "linux/amd64"}
 
 
@@ -209,6 +216,49 @@ def _cel_problems(schema: Obj, value: Any, path: str) -> list[str]:
     return problems
 
 
+_MAX_REQUEST_BYTES = 3 * 1024 * 1024  # the API server's request size limit, which bounds what CEL may be handed
+_RULE_COST_LIMIT = 10_000_000  # apiextensions' StaticEstimatedCostLimit, per rule
+_STRING_COST_FACTOR = 0.1  # CEL's cost of traversing one character
+_LIST_MACRO = re.compile(r"\bself\.(all|exists|exists_one|map|filter)\(\s*(\w+)\s*,")
+
+
+def _rule_cost(schema: Obj, rule: str) -> float:
+    """A coarse upper estimate of a rule's CEL cost, the part the API server's estimator makes decisive:
+    a macro over the list at the rule's node costs, per item, a few steps plus a traversal of each
+    string of the item it reads; the list holds maxItems items, or without it as many as fit in a
+    request (3 MiB over the smallest item: 2 bytes); a string without maxLength may be a request long."""
+    m = _LIST_MACRO.search(rule)
+    if m is None or schema.get("type") != "array":
+        return 0.0
+    items = schema.get("items") or {}
+    smallest = 1 if items.get("type") in ("integer", "number", "boolean") else 2
+    count = schema.get("maxItems", _MAX_REQUEST_BYTES // (smallest + 1))
+    var = m[2]
+    strings = [items] if items.get("type") == "string" and re.search(rf"\b{var}\b", rule) else []
+    strings += [sub for key, sub in (items.get("properties") or {}).items()
+                if sub.get("type") == "string" and re.search(rf"\b{var}\.{key}\b", rule)]  # fmt: skip
+    return count * (10 + sum(_STRING_COST_FACTOR * s.get("maxLength", _MAX_REQUEST_BYTES) for s in strings))
+
+
+def _cost_problems(schema: Any, path: str) -> list[str]:
+    """Every rule of a CRD version's schema whose estimated cost is over the per-rule limit, in the API
+    server's words (it refuses such a CRD, at create and update)."""
+    if not isinstance(schema, dict):
+        return []
+    problems = []
+    for i, rule in enumerate(schema.get("x-kubernetes-validations") or []):
+        cost = _rule_cost(schema, rule.get("rule", ""))
+        if cost > _RULE_COST_LIMIT:
+            problems.append(f"{path}.x-kubernetes-validations[{i}].rule: Forbidden: estimated rule cost exceeds "
+                            f"budget by factor of {cost / _RULE_COST_LIMIT:.1f}x (try simplifying the rule, or adding "
+                            "maxItems, maxProperties, and maxLength where arrays, maps, and strings are declared)")
+    for key, sub in (schema.get("properties") or {}).items():
+        problems += _cost_problems(sub, f"{path}.properties[{key}]")
+    if isinstance(schema.get("items"), dict):
+        problems += _cost_problems(schema["items"], f"{path}.items")
+    return problems
+
+
 def _list_problems(schema: Obj, value: Any, path: str) -> list[str]:
     """What the API server refuses by `x-kubernetes-list-type` (the `x-kubernetes-map-type` and `atomic`
     lists only steer server-side apply's merging): two items of a `map` list with the same
@@ -303,6 +353,8 @@ class Emulator(KubernetesEmulator):
     # (method, path?query, User-Agent) of every request, for assertions
     journal: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     validate_custom_resources: bool = attrs.field(default=True, init=False)
+    # objects sent to each User-Agent, in list items and watch events: what a client had to take in
+    items_sent: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -407,7 +459,9 @@ class Emulator(KubernetesEmulator):
             if method == "GET" and params.get("watch") in ("true", "1"):
                 return await self._watch(raw, target, params)
             if method == "GET":
-                return self._respond(raw, target, self._list(target, params))
+                listed = self._list(target, params)
+                self.items_sent[raw.headers.get("User-Agent", "")] += len(listed["items"])
+                return self._respond(raw, target, listed)
             if method == "POST":
                 data = self._decode(raw, body)
                 obj = await self._create(target, data, info, raw.headers.get("User-Agent", ""))
@@ -505,6 +559,11 @@ class Emulator(KubernetesEmulator):
     def _register_crd(self, crd: Obj) -> None:
         spec = crd["spec"]
         names = spec["names"]
+        problems = [p for i, version in enumerate(spec.get("versions", [])) for p in _cost_problems(
+            (version.get("schema") or {}).get("openAPIV3Schema"), f"spec.versions[{i}].schema.openAPIV3Schema")]
+        if problems:
+            raise _error(422, "Invalid", f'CustomResourceDefinition.apiextensions.k8s.io "{crd["metadata"]["name"]}" '
+                                         f"is invalid: [{', '.join(problems)}]")
         for version in spec.get("versions", []):
             if not version.get("served", True):
                 continue
@@ -595,10 +654,36 @@ class Emulator(KubernetesEmulator):
                 and _match_fields(o, fields)]
 
     def _list(self, target: Target, params: dict[str, str]) -> Obj:
+        """A list, in pages when the client sends `limit` (ordered by namespace and name, as etcd's keys
+        are): `metadata.continue` names where the next page starts and carries the first page's
+        resourceVersion, which every page reports; `remainingItemCount` counts what is left. A token
+        that is not one of ours is a 400, as on the API server. (The API server serves every page from
+        the first page's snapshot; the emulator serves the objects as they are now.)"""
         info = self._info(target.res)
         api_version = f"{target.res.group}/{target.res.version}" if target.res.group else target.res.version
-        return {"apiVersion": api_version, "kind": f"{info.kind}List",
-                "metadata": {"resourceVersion": str(self._rv)}, "items": self._selected(target, params)}
+        items = self._selected(target, params)
+        meta: Obj = {"resourceVersion": str(self._rv)}
+        limit = params.get("limit", "")
+        if not limit.isdigit() and limit:
+            raise _error(400, "BadRequest", f"limit: Invalid value: {limit!r}")
+        if limit and int(limit) > 0:
+            items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+            after: tuple[str, str] | None = None
+            if params.get("continue"):
+                try:
+                    token = json.loads(base64.urlsafe_b64decode(params["continue"]))
+                    after, meta["resourceVersion"] = (token["ns"], token["name"]), token["rv"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise _error(400, "BadRequest", "continue key is not valid") from e
+                items = [o for o in items if (o["metadata"].get("namespace") or "", o["metadata"]["name"]) > after]
+            page, rest = items[: int(limit)], len(items) - int(limit)
+            if rest > 0:
+                last = page[-1]["metadata"]
+                meta["continue"] = base64.urlsafe_b64encode(json.dumps(
+                    {"rv": meta["resourceVersion"], "ns": last.get("namespace") or "", "name": last["name"]}).encode()).decode()
+                meta["remainingItemCount"] = rest
+            items = page
+        return {"apiVersion": api_version, "kind": f"{info.kind}List", "metadata": meta, "items": items}
 
     def _table(self, res: resource, items: list[Obj], list_meta: Obj) -> Obj:
         columns: list[Obj] = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
@@ -655,6 +740,7 @@ class Emulator(KubernetesEmulator):
         position = 0
         if since == "0":  # no version: synthetic ADDED events for everything there is now
             for obj in self._selected(target, params):
+                self.items_sent[raw.headers.get("User-Agent", "")] += 1
                 await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
             position = len(self._log)
         else:
@@ -673,6 +759,7 @@ class Emulator(KubernetesEmulator):
                         continue
                     if not (_match_labels(obj["metadata"].get("labels", {}) or {}, labels) and _match_fields(obj, fields)):
                         continue
+                    self.items_sent[raw.headers.get("User-Agent", "")] += 1
                     await response.write(json.dumps({"type": type_, "object": obj}).encode() + b"\n")
                 async with self._changed:
                     if position >= len(self._log):
@@ -900,6 +987,16 @@ class EmulatorThread:
             self._ready.set()
             await self._stop.wait()
             await emulator.close_watches()
+
+    def call(self, fn: Callable[["Emulator"], T]) -> T:
+        """Run `fn(emulator)` on the emulator's own event loop (between requests) and return its result."""
+        assert self._loop is not None and self.emulator is not None
+        emulator = self.emulator
+
+        async def run() -> T:
+            return fn(emulator)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(300)
 
     def hold(self, method: str, path_pattern: str) -> Gate:
         """Pause the next request matching `method` and `path_pattern` until `gate.release()`."""

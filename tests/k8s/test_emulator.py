@@ -148,3 +148,28 @@ def test_a_leaderworkerset_is_judged_by_its_published_schema(cluster: Cluster) -
     assert status == 422 and "'leaderWorkerTemplate' is a required property" in refused["message"]
     scale = cluster.api(path + "/g/scale")  # LWS declares the scale subresource
     assert scale["spec"]["replicas"] == 1  # type: ignore[index]
+
+
+def test_lists_come_in_pages_and_watches_filter_by_label(cluster: Cluster) -> None:
+    for i in range(5):
+        call(cluster, "POST", "/api/v1/namespaces/pages/configmaps",
+             {"metadata": {"name": f"p{i}", "labels": {"mine": "yes" if i % 2 else "no"}}})
+    status, first = call(cluster, "GET", "/api/v1/namespaces/pages/configmaps?limit=2")
+    assert status == 200 and [o["metadata"]["name"] for o in first["items"]] == ["p0", "p1"]
+    assert first["metadata"]["remainingItemCount"] == 3
+    names, page = [], first
+    while page["metadata"].get("continue"):
+        names += [o["metadata"]["name"] for o in page["items"]]
+        status, page = call(cluster, "GET", f"/api/v1/namespaces/pages/configmaps?limit=2&continue={page['metadata']['continue']}")
+        assert page["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    assert names + [o["metadata"]["name"] for o in page["items"]] == ["p0", "p1", "p2", "p3", "p4"]
+    assert call(cluster, "GET", "/api/v1/namespaces/pages/configmaps?limit=2&continue=nonsense")[0] == 400
+    # kubectl pages by 500 by default; --chunk-size pages smaller
+    out = cluster.kubectl("get", "configmaps", "-n", "pages", "--chunk-size=2", "-o", "name").stdout.split()
+    assert out == [f"configmap/p{i}" for i in range(5)]
+    rv = first["metadata"]["resourceVersion"]
+    call(cluster, "PATCH", "/api/v1/namespaces/pages/configmaps/p0", {"data": {"a": "1"}}, "application/merge-patch+json")
+    call(cluster, "PATCH", "/api/v1/namespaces/pages/configmaps/p1", {"data": {"a": "1"}}, "application/merge-patch+json")
+    events = watch(cluster, f"/api/v1/namespaces/pages/configmaps?watch=true&labelSelector=mine%3Dyes"
+                            f"&resourceVersion={rv}&timeoutSeconds=1")
+    assert [e["object"]["metadata"]["name"] for e in events] == ["p1"]

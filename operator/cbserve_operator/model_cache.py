@@ -74,6 +74,7 @@ def render_job(spec: CBDeploymentSpec) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the download never calls the Kubernetes API
         "containers": [container],
         "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": claim_name(spec)}},
                     {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}],  # fmt: skip

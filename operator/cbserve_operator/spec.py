@@ -270,6 +270,7 @@ _COUNT_OR_PERCENT = "an integer >= 0 or a percentage like 50%"
 # the operator's own volumes and mount paths in the server pod (workload.py)
 RESERVED_VOLUMES = ("config", "cache", "tmp", "dshm", "model")
 RESERVED_MOUNTS = ("/dev/shm", "/etc/cbserve", "/cache", "/tmp")
+MAX_POD_LIST_ITEMS = 64  # the CRD's maxItems of podTemplate.volumes and volumeMounts (bounds its CEL rules' cost)
 
 
 def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDeploymentSpec:
@@ -318,6 +319,9 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     r.check(bool(_RESOURCE_NAME.match(resources.gpu_resource_name)) and len(resources.gpu_resource_name) <= 253,
             f"resources.gpuResourceName must be an extended resource name such as nvidia.com/gpu, "
             f"got {resources.gpu_resource_name!r}")
+    r.check("kubernetes.io/" not in resources.gpu_resource_name and not resources.gpu_resource_name.startswith("requests."),
+            "resources.gpuResourceName must be an extended resource name: the API server keeps names in the "
+            "kubernetes.io domains and those starting with requests. for its own")
 
     warnings: list[str] = []
     engine = _parse_engine(r, r.section(spec, "engine"), warnings)
@@ -552,6 +556,8 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
         volume_mounts=list(r.get(p, "podTemplate.volumeMounts", (list,), [])),
         termination_grace_period_seconds=r.get(p, "podTemplate.terminationGracePeriodSeconds", (int,), 120),
     )
+    for path, items in (("podTemplate.volumes", tpl.volumes), ("podTemplate.volumeMounts", tpl.volume_mounts)):
+        r.check(len(items) <= MAX_POD_LIST_ITEMS, f"{path} may have at most {MAX_POD_LIST_ITEMS} items")
     for path, items in (("podTemplate.env", tpl.env), ("podTemplate.volumes", tpl.volumes),
                         ("podTemplate.volumeMounts", tpl.volume_mounts)):
         r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),

@@ -207,6 +207,7 @@ def pod_template(spec: CBDeploymentSpec, config_hash: str, container: dict[str, 
         "volumes": _volumes(spec, config_hash),
         "terminationGracePeriodSeconds": tpl.termination_grace_period_seconds,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,

@@ -188,3 +188,20 @@ def test_the_docs_field_table_is_the_crds() -> None:
     check = subprocess.run([sys.executable, str(REPO / "scripts" / "crd_fields.py"), "--check"],
                            capture_output=True, text=True)  # fmt: skip
     assert check.returncode == 0, check.stderr
+
+
+def _properties(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for key, sub in (node.get("properties") or {}).items():
+        found += [(f"{path}.{key}", sub), *_properties(sub, f"{path}.{key}")]
+    if isinstance(node.get("items"), dict):
+        found += _properties(node["items"], f"{path}[]")
+    return found
+
+
+def test_every_property_has_a_description() -> None:
+    """What `kubectl explain cbdeployment.spec...` prints for each field."""
+    for version in CRD["spec"]["versions"]:
+        properties = _properties(version["schema"]["openAPIV3Schema"])
+        assert len(properties) > 130
+        assert [p for p, sub in properties if not str(sub.get("description") or "").strip()] == []

@@ -173,3 +173,25 @@ def test_lists_come_in_pages_and_watches_filter_by_label(cluster: Cluster) -> No
     events = watch(cluster, f"/api/v1/namespaces/pages/configmaps?watch=true&labelSelector=mine%3Dyes"
                             f"&resourceVersion={rv}&timeoutSeconds=1")
     assert [e["object"]["metadata"]["name"] for e in events] == ["p1"]
+
+
+def test_a_crd_whose_rule_cost_is_unbounded_is_refused(cluster: Cluster) -> None:
+    """The API server estimates each CEL rule's cost at CRD create and update: a macro over a list
+    without maxItems, reading strings without maxLength, is over the per-rule budget."""
+    def crd(bounded: bool) -> dict[str, Any]:
+        items: dict[str, Any] = {"type": "object", "properties": {"name": {"type": "string"}}}
+        volumes: dict[str, Any] = {"type": "array", "items": items,
+                                   "x-kubernetes-validations": [{"rule": "self.all(v, v.name != 'config')"}]}
+        if bounded:
+            volumes["maxItems"], items["properties"]["name"]["maxLength"] = 64, 63
+        return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                "metadata": {"name": "costs.example.com"},
+                "spec": {"group": "example.com", "scope": "Namespaced",
+                         "names": {"plural": "costs", "singular": "cost", "kind": "Cost"},
+                         "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                             "type": "object", "properties": {"spec": {"type": "object", "properties": {
+                                 "volumes": volumes}}}}}}]}}  # fmt: skip
+    status, body = call(cluster, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd(False))
+    assert status == 422 and "estimated rule cost exceeds budget" in body["message"], body
+    assert "properties[spec].properties[volumes].x-kubernetes-validations[0].rule" in body["message"]
+    assert call(cluster, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd(True))[0] == 201

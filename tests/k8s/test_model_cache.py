@@ -91,6 +91,7 @@ def test_a_pinned_model_is_downloaded_once_then_every_replica_serves_it(operator
     job = c.get("batch/v1", "jobs", ns, name)
     assert job is not None
     pod = job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
     download = pod["containers"][0]
     assert download["command"] == ["cbserve", "download", URI, "--to", "/models/hf"]
     env = {e["name"]: e for e in download["env"]}

@@ -95,6 +95,7 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["automountServiceAccountToken"] is False  # the server never calls the Kubernetes API
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -619,6 +620,12 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
      "the operator's own volume names"),
     ("rollout", {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0", "cannot both be 0"),
+    # one of the two left to its default, which is 0: maxSurge on a GPU, maxUnavailable on the CPU
+    ("gpu-unavail0", {"resources": {"gpu": 1}, "rollout": {"maxUnavailable": 0}}, "cannot both be 0",
+     "cannot both be 0"),
+    ("cpu-surge0", {"resources": {"gpu": 0}, "rollout": {"maxSurge": "0%"}}, "cannot both be 0", "cannot both be 0"),
+    ("k8s-io-gpu", {"resources": {"gpu": 1, "gpuResourceName": "kubernetes.io/gpu"}},
+     "the API server keeps names in the kubernetes.io domains", "the API server keeps names in the kubernetes.io"),
     ("runtime", {"podTemplate": {"runtimeClassName": "Nvidia GPU"}}, "podTemplate.runtimeClassName",
      "podTemplate.runtimeClassName must be a DNS-1123 subdomain"),
     ("spread", {"podTemplate": {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "zone",
@@ -680,6 +687,11 @@ def test_the_crd_and_the_operator_refuse_what_the_children_would_be_refused_for(
     ("tp-three-nodes", {"model": {"uri": "/m", "numKeyValueHeads": 6}, "resources": {"gpu": 1, "nodes": 3}}),
     ("cpu-any-heads", {"model": {"uri": "/m", "numKeyValueHeads": 5}, "resources": {"gpu": 0}, "engine": {}}),
     ("a" * 40, {"resources": {"gpu": 1, "nodes": 2}}),
+    # one rollout value given as 0, the other's default not 0
+    ("gpu-surge0", {"resources": {"gpu": 1}, "rollout": {"maxSurge": 0}}),
+    ("cpu-unavail0", {"resources": {"gpu": 0}, "rollout": {"maxUnavailable": 0}}),
+    ("recreate", {"rollout": {"strategy": "Recreate"}}),
+    ("amd-gpu", {"resources": {"gpu": 1, "gpuResourceName": "amd.com/gpu"}}),
 ])
 def test_the_crd_accepts_what_the_engine_runs(crd_cluster: Cluster, name: str, changes: dict[str, Any]) -> None:
     """The GPU rules' other side: a multiple of 256 and a half-precision dtype on a GPU, anything on the

@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from . import GROUP, KIND, PLURAL, VERSION, group, model_cache, naming
+from . import GROUP, KIND, PLURAL, VERSION, group, model_cache, naming, revision
 from .children import fingerprint, render_children, served_template, workload_ref
 from .kube import ApiError, Kube
 from .settings import configure
@@ -26,6 +26,16 @@ OPTIONAL_APIS = {"keda.sh/v1alpha1", "monitoring.coreos.com/v1"}
 
 def default_image() -> str:
     return os.environ.get("CBSERVE_SERVER_IMAGE") or DEFAULT_IMAGE
+
+
+def server_image(raw_spec: Mapping[str, Any], status: Mapping[str, Any], generation: int | None) -> str:
+    """The image a spec without `image` runs: the one recorded in status when this revision of the
+    spec was first reconciled, else the operator's default now. An operator upgrade with a new
+    default restarts no server until its own spec changes (replicas aside)."""
+    recorded = status.get("defaultImage") or {}
+    if recorded.get("image") and revision.same_revision(recorded, raw_spec, generation):
+        return str(recorded["image"])
+    return default_image()
 
 
 @kopf.on.startup()
@@ -197,8 +207,9 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
             condition("Ready", False, reason, ready_message, generation),
         ])
 
+    image = server_image(raw_spec, status, generation)
     try:
-        spec = parse_spec(name, raw_spec, default_image())
+        spec = parse_spec(name, raw_spec, image)
     except SpecError as e:
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     for message in spec.warnings:
@@ -234,6 +245,7 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         "url": naming.service_url(name, namespace, spec.service.port),
         "configHash": owned_template_fields(served_template(deployment or {}))[0],
         "observedGeneration": generation,
+        "defaultImage": None if raw_spec.get("image") else {"image": image, **revision.stamp(raw_spec, generation)},
         "conditions": merge_conditions(old_conditions, [
             condition("ConfigValid", True, "Valid", valid_message, generation), *rollout]),
     })
@@ -307,8 +319,9 @@ def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any
         return None
     if (cr.get("status", {}) or {}).get("observedGeneration") != cr["metadata"].get("generation"):
         return None
+    raw_spec, status = cr.get("spec", {}) or {}, cr.get("status", {}) or {}
     try:
-        return cr, parse_spec(owner, cr.get("spec", {}), default_image())
+        return cr, parse_spec(owner, raw_spec, server_image(raw_spec, status, cr["metadata"].get("generation")))
     except SpecError:
         return None
 

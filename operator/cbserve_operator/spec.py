@@ -366,7 +366,8 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
                 or (isinstance(value, str) and bool(_PERCENT.match(value))),
                 f"pdb.{key} must be {_COUNT_OR_PERCENT}, got {value!r}")
 
-    rollout = _parse_rollout(r, r.section(spec, "rollout"), gpu=resources.gpu > 0)
+    rollout = _parse_rollout(r, r.section(spec, "rollout"),
+                             no_spare=resources.gpu > 0 and (replicas > 1 or resources.nodes > 1))
 
     sm = r.section(spec, "serviceMonitor")
     service_monitor = ServiceMonitor(
@@ -519,14 +520,17 @@ _PERCENT = re.compile(r"^(100|[1-9]?\d)%$")
 ROLLOUT_STRATEGIES = ("RollingUpdate", "Recreate")
 
 
-def _parse_rollout(r: _Reader, data: dict[str, Any], gpu: bool) -> Rollout:
-    """RollingUpdate by default: on GPUs one pod down at a time and none extra (a full GPU cluster has
-    no GPU for a surge pod, which would sit Pending until the progress deadline), elsewhere one extra
-    pod and none down (a new pod loads its model before an old one leaves)."""
+def _parse_rollout(r: _Reader, data: dict[str, Any], no_spare: bool) -> Rollout:
+    """RollingUpdate by default. A new pod loads its model before an old one leaves (maxSurge 1,
+    maxUnavailable 0), so one replica keeps serving through a rollout; on a GPU that surge pod needs
+    a spare GPU, and without one it waits Pending while the old pod serves. `no_spare`: GPU pods of
+    more than one replica, or groups: one down at a time and none extra (maxSurge 0, maxUnavailable
+    1), since the others serve meanwhile and a full GPU pool has no room for a surge pod or group.
+    An unset maxUnavailable is 1 when maxSurge is 0, else 0."""
     strategy = r.get(data, "rollout.strategy", (str,), "RollingUpdate")
     r.check(strategy in ROLLOUT_STRATEGIES, f"rollout.strategy must be one of {ROLLOUT_STRATEGIES}, got {strategy!r}")
-    surge = r.get(data, "rollout.maxSurge", (int, str), 0 if gpu else 1)
-    unavailable = r.get(data, "rollout.maxUnavailable", (int, str), 1 if gpu else 0)
+    surge = r.get(data, "rollout.maxSurge", (int, str), 0 if no_spare else 1)
+    unavailable = r.get(data, "rollout.maxUnavailable", (int, str), 1 if surge in (0, "0%") else 0)
     for key, value in (("maxSurge", surge), ("maxUnavailable", unavailable)):
         r.check((isinstance(value, int) and value >= 0) or (isinstance(value, str) and bool(_PERCENT.match(value))),
                 f"rollout.{key} must be an integer >= 0 or a percentage like 25%, got {value!r}")
@@ -535,7 +539,8 @@ def _parse_rollout(r: _Reader, data: dict[str, Any], gpu: bool) -> Rollout:
                 "rollout.maxSurge and rollout.maxUnavailable apply to RollingUpdate only, not Recreate")
     else:
         r.check(surge not in (0, "0%") or unavailable not in (0, "0%"),
-                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: no pod could ever be replaced")
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: no pod could ever be replaced "
+                "(unset, maxSurge is 0 for GPU pods of more than one replica or groups, else 1)")
     return Rollout(strategy, surge, unavailable)
 
 

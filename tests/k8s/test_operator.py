@@ -620,10 +620,11 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
      "the operator's own volume names"),
     ("rollout", {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0", "cannot both be 0"),
-    # one of the two left to its default, which is 0: maxSurge on a GPU, maxUnavailable on the CPU
-    ("gpu-unavail0", {"resources": {"gpu": 1}, "rollout": {"maxUnavailable": 0}}, "cannot both be 0",
+    # maxSurge left to its default, 0 for GPU pods of more than one replica (or groups)
+    ("gpu-unavail0", {"replicas": 2, "resources": {"gpu": 1}, "rollout": {"maxUnavailable": 0}}, "cannot both be 0",
      "cannot both be 0"),
-    ("cpu-surge0", {"resources": {"gpu": 0}, "rollout": {"maxSurge": "0%"}}, "cannot both be 0", "cannot both be 0"),
+    ("group-unavail0", {"resources": {"gpu": 1, "nodes": 2}, "rollout": {"maxUnavailable": "0%"}}, "cannot both be 0",
+     "cannot both be 0"),
     ("k8s-io-gpu", {"resources": {"gpu": 1, "gpuResourceName": "kubernetes.io/gpu"}},
      "the API server keeps names in the kubernetes.io domains", "the API server keeps names in the kubernetes.io"),
     ("runtime", {"podTemplate": {"runtimeClassName": "Nvidia GPU"}}, "podTemplate.runtimeClassName",
@@ -689,7 +690,9 @@ def test_the_crd_and_the_operator_refuse_what_the_children_would_be_refused_for(
     ("a" * 40, {"resources": {"gpu": 1, "nodes": 2}}),
     # one rollout value given as 0, the other's default not 0
     ("gpu-surge0", {"resources": {"gpu": 1}, "rollout": {"maxSurge": 0}}),
+    ("cpu-surge0", {"resources": {"gpu": 0}, "rollout": {"maxSurge": "0%"}}),
     ("cpu-unavail0", {"resources": {"gpu": 0}, "rollout": {"maxUnavailable": 0}}),
+    ("gpu1-unavail0", {"resources": {"gpu": 1}, "rollout": {"maxUnavailable": 0}}),
     ("recreate", {"rollout": {"strategy": "Recreate"}}),
     ("amd-gpu", {"resources": {"gpu": 1, "gpuResourceName": "amd.com/gpu"}}),
 ])

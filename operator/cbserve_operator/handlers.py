@@ -214,11 +214,13 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     for message in spec.warnings:
         kopf.warn(body, reason="DeprecatedField", message=message)
-    rolled_back = None if spec.multi_node else _recorded_rollback(kube, namespace, name, status, generation)
+    rolled_back = None if spec.multi_node else _recorded_rollback(kube, namespace, name, status, raw_spec, generation)
     if rolled_back is None:  # a new spec rolls forward: no rollback to keep or report
         old_conditions = [c for c in old_conditions if c.get("type") != "RolledBack"]
         if status.get("rolledBack"):
             patch.status["rolledBack"] = None
+    else:  # kept through this revision (a replicas change too): stamped with it
+        patch.status["rolledBack"] = {**status["rolledBack"], **revision.stamp(raw_spec, generation)}
     try:
         deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=rolled_back)
     except ChildRefused as e:
@@ -379,12 +381,13 @@ def _earlier_render(kube: Kube, namespace: str, owner: str, deployment: dict[str
     return kube.get("v1", "ConfigMap", namespace, _config_map_of(owner, template)) is not None
 
 
-def _recorded_rollback(kube: Kube, namespace: str, name: str, status: dict[str, Any],
+def _recorded_rollback(kube: Kube, namespace: str, name: str, status: dict[str, Any], raw_spec: dict[str, Any],
                        generation: int | None) -> dict[str, Any] | None:  # fmt: skip
-    """The pod template to keep when status records a rollout undo of this very generation (an
-    operator restart or a label edit re-runs the reconcile: the rollback stays); else None."""
+    """The pod template to keep when status records a rollout undo of this revision of the spec (an
+    operator restart or a label edit re-runs the reconcile; an autoscaler's replicas bump the
+    generation but change no more: the rollback stays); else None."""
     recorded = status.get("rolledBack") or {}
-    if not recorded or recorded.get("generation") != generation:
+    if not revision.same_revision(recorded, raw_spec, generation):
         return None
     deployment = kube.get("apps/v1", "Deployment", namespace, name)
     template = (deployment or {}).get("spec", {}).get("template")
@@ -402,7 +405,7 @@ def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeplo
     owner, generation = cr["metadata"]["name"], cr["metadata"].get("generation")
     status = cr.get("status", {}) or {}
     recorded = status.get("rolledBack") or {}
-    known = recorded.get("render") == digest and recorded.get("generation") == generation
+    known = recorded.get("render") == digest and revision.same_revision(recorded, cr.get("spec", {}) or {}, generation)
     if known and deployment["spec"].get("replicas") == replicas:
         return deployment  # already kept and reported: the pods of the undo rolling out
     try:
@@ -415,7 +418,7 @@ def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeplo
     config_hash = owned_template_fields(template)[0]
     message = (f"kubectl rollout undo brought back an earlier revision (engine config {config_hash}); the "
                f"operator keeps it until the CBDeployment's spec changes")
-    rolled = {"generation": generation, "configHash": config_hash, "render": digest}
+    rolled = {**revision.stamp(cr.get("spec", {}) or {}, generation), "configHash": config_hash, "render": digest}
     conditions = merge_conditions(status.get("conditions", []) or [],
                                   [condition("RolledBack", True, "RolloutUndone", message, generation)])
     kube.patch_status(API_VERSION, KIND, namespace, owner, {"rolledBack": rolled, "conditions": conditions})

@@ -253,8 +253,19 @@ def test_kubectl_rollout_undo_brings_the_old_knobs_back_until_the_spec_changes(o
     reconciled(c, ns)
     assert _config_hash(c, ns) == first and conditions(cbd(c, ns))["RolledBack"]["status"] == "True"
 
+    # An autoscaler's replicas (through the scale subresource, which bumps the generation) keep it:
+    # the undo holds through the incident it was made for.
+    generation = cbd(c, ns)["metadata"]["generation"]
+    c.kubectl("scale", "cbd", "smollm2", "-n", ns, "--replicas=3")
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["replicas"] == 3,  # type: ignore[index]
+             what="3 replicas")
+    obj = reconciled(c, ns)
+    assert obj["metadata"]["generation"] > generation
+    assert _config_hash(c, ns) == first and conditions(obj)["RolledBack"]["status"] == "True"
+    assert obj["status"]["rolledBack"]["generation"] == obj["metadata"]["generation"]
+
     # The next spec change rolls forward and clears the rollback.
-    apply(c, ns, example(engine__blockSize=512, replicas=2))
+    apply(c, ns, example(engine__blockSize=512, replicas=3, podTemplate__labels={"tier": "gold"}))
     obj = reconciled(c, ns)
     assert _config_hash(c, ns) == second
     assert "rolledBack" not in obj["status"] and "RolledBack" not in conditions(obj)

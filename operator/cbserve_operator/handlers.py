@@ -50,14 +50,35 @@ def apiserver_reachable(memo: kopf.Memo, **_: Any) -> str:
     return str(memo.kube.request("GET", "/version").get("gitVersion", "unknown"))
 
 
-# Answers worth retrying: conflicts, throttling, timeouts and the server's own failures. Any other
-# 4xx (422 Invalid, 403 Forbidden, 400) says the same thing again until the spec changes.
-RETRYABLE = {408, 409, 429}
+# Answers worth retrying: conflicts, throttling, timeouts, the server's own failures, and 403
+# Forbidden (an exceeded ResourceQuota, a missing RoleBinding, a terminating namespace: each can go
+# away with no change of the spec). Any other 4xx (422 Invalid, 400) says the same thing again until
+# the spec changes.
+RETRYABLE = {403, 408, 409, 429}
 MAX_RETRY_DELAY = 300
 
 
 class ChildRefused(Exception):
     """The API server refused a child for good (a 4xx other than RETRYABLE)."""
+
+
+class ChildForbidden(kopf.TemporaryError):
+    """A 403 for a child: retried with backoff, and said in status meanwhile (`reason`, `message`)."""
+
+    def __init__(self, reason: str, message: str, delay: float) -> None:
+        super().__init__(message, delay=delay)
+        self.reason = reason
+        self.message = message
+
+
+def forbidden_reason(message: str) -> str:
+    """Why the API server answered 403, from its message: QuotaExceeded, NamespaceTerminating or Forbidden
+    (authorization: the operator's Role or ClusterRole lacks the verb)."""
+    if "exceeded quota" in message:
+        return "QuotaExceeded"
+    if "being terminated" in message:
+        return "NamespaceTerminating"
+    return "Forbidden"
 
 
 def _retry_delay(retry: int) -> int:
@@ -73,6 +94,10 @@ NO_GROUP_API = (f"resources.nodes > 1 needs the LeaderWorkerSet API ({group.API_
 def _failed(what: str, e: ApiError, retry: int) -> Exception:
     if 400 <= e.status < 500 and e.status not in RETRYABLE:
         return ChildRefused(f"the API server refused {what}: {e.message}")
+    if e.status == 403:
+        delay = _retry_delay(retry)
+        return ChildForbidden(forbidden_reason(e.message), f"the API server forbade {what} (403; retrying in "
+                              f"{delay} s, and on every change): {e.message}", delay)  # fmt: skip
     return kopf.TemporaryError(f"{what}: {e}", delay=_retry_delay(retry))
 
 
@@ -225,6 +250,16 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=rolled_back)
     except ChildRefused as e:
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
+    except ChildForbidden as e:  # not the spec's fault: said in status, retried with backoff
+        kopf.warn(body, reason=e.reason, message=e.message)
+        patch.status["phase"] = "Pending" if status.get("phase") in (None, "Pending", "Failed") else status["phase"]
+        patch.status["observedGeneration"] = generation
+        patch.status["conditions"] = merge_conditions(old_conditions, [
+            condition("ConfigValid", True, "Valid", "the spec is valid", generation),
+            condition("Ready", False, e.reason, e.message, generation),
+            condition("Progressing", True, e.reason, e.message, generation),
+        ])
+        raise
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
     phase, counts, rollout = rollout_status(deployment, spec.replicas, generation, workload_ref(spec)[1])

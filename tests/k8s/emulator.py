@@ -24,6 +24,8 @@ request handling with one that behaves like an API server where clients look:
 - deleting an object deletes what it owns (background cascading garbage collection);
 - custom resources are pruned, defaulted and validated against their CRD's schema, CEL rules and
   list types (no duplicate keys in an `x-kubernetes-list-type: map` list, nor items in a `set`);
+- creates in a terminating namespace, or over a ResourceQuota's object count, are 403s in the API
+  server's words (NamespaceLifecycle and ResourceQuota admission; no compute-resource quotas);
   a CRD whose rule's estimated CEL cost is over the per-rule limit is refused (a coarse estimate:
   list macros over lists without maxItems, strings without maxLength).
 
@@ -396,6 +398,30 @@ class Emulator(KubernetesEmulator):
                 prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
                 path = f"{prefix}/namespaces/{namespace}/{res.plural}/{ref['name']}/finalizers"
                 self.journal.append(("PUT", path, agent))
+
+    # the ResourceQuota object counts of the core kinds that have a name of their own (besides count/...)
+    _LEGACY_COUNTS = {"configmaps", "services", "secrets", "persistentvolumeclaims", "pods",
+                      "replicationcontrollers", "resourcequotas"}
+
+    def _admit_namespace(self, res: resource, namespace: str, name: str) -> None:
+        """The NamespaceLifecycle and ResourceQuota admission plugins, for a create: 403 in a terminating
+        namespace, and 403 when an object count of a ResourceQuota in the namespace (`count/<plural>.<group>`,
+        `count/<plural>` or a core kind's own name) would go over its hard limit, in the API server's words."""
+        ns = self._live(resource("", "v1", "namespaces"), None, namespace)
+        if ns is not None and (ns["metadata"].get("deletionTimestamp") or (ns.get("status") or {}).get("phase") == "Terminating"):
+            raise _error(403, "Forbidden", f'{res.plural} "{name}" is forbidden: unable to create new content in '
+                         f"namespace {namespace} because it is being terminated")
+        keys = {f"count/{res.plural}.{res.group}" if res.group else f"count/{res.plural}"}
+        if not res.group and res.plural in self._LEGACY_COUNTS:
+            keys.add(res.plural)
+        for quota in self._items(resource("", "v1", "resourcequotas"), namespace):
+            hard = (quota.get("spec") or {}).get("hard") or {}
+            for key in sorted(keys & set(hard)):
+                used = sum(1 for _ in self._items(res, namespace))
+                if used + 1 > int(hard[key]):
+                    raise _error(403, "Forbidden", f'{res.plural} "{name}" is forbidden: exceeded quota: '
+                                 f"{quota['metadata']['name']}, requested: {key}=1, used: {key}={used}, "
+                                 f"limited: {key}={hard[key]}")
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -802,6 +828,8 @@ class Emulator(KubernetesEmulator):
             raise _error(400, "BadRequest", "the namespace of the object does not match the URL")
         if self._live(target.res, namespace, meta["name"]) is not None:
             raise _error(409, "AlreadyExists", f'{target.res.plural} "{meta["name"]}" already exists')
+        if namespace is not None:
+            self._admit_namespace(target.res, namespace, meta["name"])
         api_version = f"{target.res.group}/{target.res.version}" if target.res.group else target.res.version
         data.setdefault("apiVersion", api_version)
         data.setdefault("kind", info.kind)

@@ -195,3 +195,23 @@ def test_a_crd_whose_rule_cost_is_unbounded_is_refused(cluster: Cluster) -> None
     assert status == 422 and "estimated rule cost exceeds budget" in body["message"], body
     assert "properties[spec].properties[volumes].x-kubernetes-validations[0].rule" in body["message"]
     assert call(cluster, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd(True))[0] == 201
+
+
+def test_quota_and_terminating_namespaces_are_403s(cluster: Cluster) -> None:
+    call(cluster, "POST", "/api/v1/namespaces/q/resourcequotas",
+         {"metadata": {"name": "small"}, "spec": {"hard": {"count/deployments.apps": "1", "configmaps": "0"}}})
+    status, body = call(cluster, "POST", "/api/v1/namespaces/q/configmaps", {"metadata": {"name": "a"}})
+    assert status == 403 and body["reason"] == "Forbidden"
+    assert body["message"] == ('configmaps "a" is forbidden: exceeded quota: small, requested: configmaps=1, '
+                               "used: configmaps=0, limited: configmaps=0")
+    dep = {"metadata": {"name": "d"}, "spec": {"selector": {"matchLabels": {"a": "b"}},
+                                               "template": {"metadata": {"labels": {"a": "b"}}}}}
+    assert call(cluster, "POST", "/apis/apps/v1/namespaces/q/deployments", dep)[0] == 201
+    assert call(cluster, "POST", "/apis/apps/v1/namespaces/q/deployments", {**dep, "metadata": {"name": "e"}})[0] == 403
+    assert call(cluster, "POST", "/api/v1/namespaces/q/services", {"metadata": {"name": "s"}})[0] == 201  # no limit
+
+    # deleted, held by a finalizer while its content goes: terminating
+    call(cluster, "POST", "/api/v1/namespaces", {"metadata": {"name": "leaving", "finalizers": ["kubernetes"]}})
+    assert call(cluster, "DELETE", "/api/v1/namespaces/leaving")[0] == 200
+    status, body = call(cluster, "POST", "/api/v1/namespaces/leaving/configmaps", {"metadata": {"name": "a"}})
+    assert status == 403 and "because it is being terminated" in body["message"]

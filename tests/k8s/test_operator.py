@@ -409,6 +409,33 @@ def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator
     assert len(c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/llama-8b")) == 1
 
 
+def test_a_forbidden_child_is_retried_and_said_in_status(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """A 403 (here an exceeded ResourceQuota) is not the spec's fault and can go away by itself: the
+    reason is in Ready and Progressing, ConfigValid stays True, and the operator retries with backoff
+    until it passes, with no edit of the spec."""
+    c, ns = crd_cluster, "quota"
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-services", "namespace": ns},
+             "spec": {"hard": {"services": "0"}}}  # fmt: skip
+    c.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(quota))
+    apply(c, ns, EXAMPLE)
+    obj = wait_for(lambda: o if conditions(o := cbd(c, ns)).get("Ready", {}).get("reason") == "QuotaExceeded" else None,
+                   what="Ready False with reason QuotaExceeded")  # fmt: skip
+    ready = conditions(obj)["Ready"]
+    assert ready["status"] == "False" and "exceeded quota: no-services" in ready["message"], ready
+    assert conditions(obj)["Progressing"]["reason"] == "QuotaExceeded"
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+    assert obj["status"]["phase"] == "Pending"
+    wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "QuotaExceeded"],
+             what="a QuotaExceeded Event")
+    assert c.get("v1", "services", ns, "smollm2") is None
+
+    c.kubectl("delete", "resourcequota", "no-services", "-n", ns)
+    wait_for(lambda: c.get("v1", "services", ns, "smollm2"), what="the Service, at the next retry")
+    obj = wait_for(lambda: o if conditions(o := cbd(c, ns))["Ready"]["reason"] != "QuotaExceeded" else None,
+                   what="the reason gone")  # fmt: skip
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+
+
 def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "drift"
     apply(c, ns, EXAMPLE)

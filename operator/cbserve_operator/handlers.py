@@ -391,7 +391,7 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment:
     logger.info(f"the {kind} of {namespace}/{owner} was {what}; restoring it")
     try:
         restored, _, _ = _apply_children(kube, cr, spec, namespace)
-    except ChildRefused as e:  # the reconcile of this spec met the same refusal and says so in status
+    except (ChildRefused, ChildForbidden) as e:  # the reconcile of this spec meets the same and says so in status
         logger.warning(str(e))
         return deployment
     reason = f"{kind}Recreated" if deployment is None else f"{kind}Restored"

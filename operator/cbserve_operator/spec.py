@@ -206,6 +206,31 @@ def parse_model_uri(uri: Any) -> ModelSource:
 ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany")
 
 
+RWO_MANY_PODS = ("model.cache with more than one pod (replicas > 1, or autoscaling up to more) needs "
+                 "model.cache.accessMode set: ReadWriteMany (a storage class that offers it: EFS, Filestore, Azure "
+                 "Files, CephFS, NFS) for pods on any node, or ReadWriteOnce to keep every pod on the one node the "
+                 "volume attaches to (EBS, PD and Azure Disk attach to one node; a pod elsewhere would hang in "
+                 "ContainerCreating)")
+RWO_GROUP = ("model.cache with resources.nodes > 1 needs model.cache.accessMode: ReadWriteMany: a group's pods run "
+             "on several nodes, and a ReadWriteOnce volume attaches to one")
+
+
+def many_pods(replicas: int, autoscaling: "Autoscaling") -> bool:
+    """Whether the Deployment may run more than one pod."""
+    return replicas > 1 or (autoscaling.enabled and autoscaling.max_replicas > 1)
+
+
+def _check_cache_access(r: "_Reader", data: dict[str, Any], cache: ModelCache, replicas: int,
+                        autoscaling: "Autoscaling", nodes: int) -> None:  # fmt: skip
+    """A claim the operator creates for pods on several nodes: ReadWriteMany, or ReadWriteOnce by choice."""
+    if not cache.enabled or cache.claim_name is not None:
+        return  # an existing claim's access mode is its owner's business
+    if nodes > 1:
+        r.check(cache.access_mode == "ReadWriteMany", RWO_GROUP)
+    else:
+        r.check("accessMode" in data or not many_pods(replicas, autoscaling), RWO_MANY_PODS)
+
+
 def _parse_cache(r: "_Reader", data: dict[str, Any], model: ModelSource | None) -> ModelCache:
     """model.cache: the rules the CRD states on `spec.model`, again (an old object, no CEL)."""
     claim_name = r.get(data, "model.cache.claimName", (str,))
@@ -328,6 +353,8 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     _check_gpu_engine(r, resources.gpu, engine)
     _check_parallel(r, name, resources, heads)
     autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
+    cache_data = model_data.get("cache") if isinstance(model_data.get("cache"), dict) else {}
+    _check_cache_access(r, cache_data, cache, replicas, autoscaling, resources.nodes)
 
     svc = r.section(spec, "service")
     service = Service(

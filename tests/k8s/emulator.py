@@ -11,7 +11,8 @@ request handling with one that behaves like an API server where clients look:
   only), creationTimestamp; `generateName`; `namespace` from the URL;
 - status subresources: the main endpoint ignores `status`, `/status` changes nothing else (and is
   pruned and validated against the CRD's status schema, as the API server does);
-  the scale subresource (Scale objects) for Deployments and CRDs that declare it;
+  the scale subresource (Scale objects) for Deployments and CRDs that declare it (a custom
+  resource's new replicas are judged by its CRD's schema and rules, as the API server does);
 - merge, strategic-merge (approximated as merge), JSON-patch (a failed `test` is 422) and
   server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces;
   a `metadata.resourceVersion` precondition answers 409 Conflict; a no-op write changes nothing;
@@ -930,6 +931,7 @@ class Emulator(KubernetesEmulator):
             node = node.setdefault(key, {})
         node[keys[-1]] = replicas
         if new != old:
+            self._validate_custom(target.res, new)  # the whole object is judged, CEL rules included
             new = await self._commit(target, old, new)
         return self._scale_of(target, new)
 

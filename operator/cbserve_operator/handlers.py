@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -14,10 +15,13 @@ from .children import fingerprint, render_children, served_template, workload_re
 from .kube import ApiError, Kube
 from .settings import configure
 from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
-from .status import condition, merge_conditions, rollout_status
+from .pods import Problem, first_problem
+from .status import condition, headline, merge_conditions, rollout_status
 from .workload import owned_template_fields, render_digest
 
 DEPLOYMENT, GROUP_KIND = "Deployment", group.KIND
+kopf_logger = logging.getLogger(__name__)
+MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}  # what every child is labelled with (client-side filter too)
 
 API_VERSION = f"{GROUP}/{VERSION}"
 # Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
@@ -231,6 +235,7 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
             condition("ConfigValid", False, reason, message, generation),
             condition("Ready", False, reason, ready_message, generation),
         ])
+        patch.status.update(headline(patch.status["conditions"]))
 
     image = server_image(raw_spec, status, generation)
     try:
@@ -259,10 +264,12 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
             condition("Ready", False, e.reason, e.message, generation),
             condition("Progressing", True, e.reason, e.message, generation),
         ])
+        patch.status.update(headline(patch.status["conditions"]))
         raise
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
-    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation, workload_ref(spec)[1])
+    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation, workload_ref(spec)[1],
+                                            _pods_problem(kube, namespace, name, deployment))  # fmt: skip
     valid_message = "; ".join(warnings) or "the spec is valid"
     if cache is None:  # no cache (any more): no ModelCached condition
         old_conditions = [c for c in old_conditions if c.get("type") != "ModelCached"]
@@ -286,6 +293,20 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         "conditions": merge_conditions(old_conditions, [
             condition("ConfigValid", True, "Valid", valid_message, generation), *rollout]),
     })
+    patch.status.update(headline(patch.status["conditions"]))
+
+
+def _pods_problem(kube: Kube, namespace: str, owner: str, workload: dict[str, Any] | None) -> Problem | None:
+    """Why the owner's pods do not start (pods.py), from the workload and the pods as they are."""
+    if workload is None:
+        return None
+    try:
+        pods = kube.list("v1", "Pod", namespace,
+                         f"{naming.selector_string(owner)},{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY}")
+    except ApiError as e:  # the rollout's own status still says what it can
+        kopf_logger.warning(f"listing the pods of {namespace}/{owner}: {e}")
+        return None
+    return first_problem(workload, pods)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY})
@@ -304,6 +325,23 @@ def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type
     workload = kube.get(api_version, kind, namespace, body["metadata"]["name"])
     workload = _repair_drift(kube, namespace, owner, kind, workload, logger)
     _mirror_status(kube, namespace, owner, kind, workload, logger)
+
+
+@kopf.on.event("", "v1", "pods", labels=MANAGED)
+def pod_changed(namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo, logger: kopf.Logger,
+                **_: Any) -> None:  # fmt: skip
+    """A server pod changed (scheduled or not, pulling, crashing, ready): mirror its workload again, so
+    status says why pods do not start within one event (pods.py)."""
+    owner = labels.get(naming.LABEL_OWNER)
+    if not owner or type is None or labels.get(naming.LABEL_COMPONENT) not in ("server", "worker"):
+        return  # the initial listing (resume covers it), or a download Job's pod
+    kube: Kube = memo.kube
+    cr = kube.get(API_VERSION, KIND, namespace, owner)
+    if cr is None:
+        return
+    kind, name = (GROUP_KIND, naming.group_name(owner)) if _multi_node(cr) else (DEPLOYMENT, owner)
+    api_version = group.API_VERSION if kind == GROUP_KIND else "apps/v1"
+    _mirror_status(kube, namespace, owner, kind, kube.get(api_version, kind, namespace, name), logger)
 
 
 def _multi_node(cr: dict[str, Any]) -> bool:
@@ -325,7 +363,8 @@ def _mirror_status(kube: Kube, namespace: str, owner: str, kind: str, deployment
         status = cr.get("status", {}) or {}
         desired = int((cr.get("spec", {}) or {}).get("replicas", 1))
         reconciled = status.get("observedGeneration")
-        phase, counts, rollout = rollout_status(deployment, desired, reconciled, kind)
+        phase, counts, rollout = rollout_status(deployment, desired, reconciled, kind,
+                                                _pods_problem(kube, namespace, owner, deployment))  # fmt: skip
         new_status: dict[str, Any] = {**counts}
         # an invalid spec, or a model not cached yet, decides the phase and Ready: not the Deployment
         held = [c for c in status.get("conditions", []) or [] if c.get("type") in ("ConfigValid", "ModelCached")
@@ -333,6 +372,7 @@ def _mirror_status(kube: Kube, namespace: str, owner: str, kind: str, deployment
         if not held:
             new_status["phase"] = phase
             new_status["conditions"] = merge_conditions(status.get("conditions", []) or [], rollout)
+            new_status.update(headline(new_status["conditions"]))
         try:
             kube.patch_status(API_VERSION, KIND, namespace, owner, new_status,
                               resource_version=cr["metadata"].get("resourceVersion"))
@@ -461,8 +501,6 @@ def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeplo
     logger.info(f"{namespace}/{owner}: {message}")
     return kept
 
-
-MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 
 
 def _changed_childs_owner(kube: Kube, namespace: str, labels: kopf.Labels, type: str | None) -> Any:

@@ -24,6 +24,7 @@ WATCHED_CHILDREN = (
     ("policy", "v1", "poddisruptionbudgets"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("monitoring.coreos.com", "v1", "servicemonitors"),
+    ("", "v1", "pods"),  # the server pods: why they do not start (pods.py)
 )
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 # Initial lists come in pages of this many objects (the size client-go's pager uses), so a first list

@@ -112,8 +112,9 @@ def test_names_columns_and_subresources() -> None:
     assert CRD["metadata"]["name"] == "cbdeployments.cbserve.io" and VERSION["name"] == "v1alpha1"
     assert names["shortNames"] == ["cbd"] and "all" in names["categories"]
     columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
-    assert list(columns) == ["Model", "Replicas", "Ready", "Phase", "Age", "URL"]
+    assert list(columns) == ["Model", "Replicas", "Ready", "Phase", "Reason", "Age", "URL", "Message"]
     assert columns["URL"]["priority"] == 1 and columns["Phase"]["jsonPath"] == ".status.phase"
+    assert columns["Reason"]["jsonPath"] == ".status.reason" and columns["Message"]["priority"] == 1
     assert VERSION["subresources"]["status"] == {}
     assert VERSION["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",

@@ -301,7 +301,7 @@ def test_ready_deployment_makes_the_cbdeployment_ready(operator: KopfRunner, crd
     assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
 
     table = c.kubectl("get", "cbd", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "PHASE", "AGE"]
+    assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "PHASE", "REASON", "AGE"]
     assert table[1].split()[:5] == ["smollm2", "pvc://models/SmolLM2-135M-Instruct", "2", "2", "Ready"]
     wide = c.kubectl("get", "cbdeployments.cbserve.io", "-n", ns, "-o", "wide").stdout
     assert f"http://smollm2.{ns}.svc:8000" in wide
@@ -316,6 +316,76 @@ def test_ready_deployment_makes_the_cbdeployment_ready(operator: KopfRunner, crd
     events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "RolloutStuck"],
                       what="a RolloutStuck Event")
     assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "smollm2"
+
+
+def _server_pod(c: Cluster, ns: str, name: str) -> None:
+    """A server pod as the Deployment's ReplicaSet would create it (the emulator runs no controllers)."""
+    labels = {"app.kubernetes.io/name": "cbserve", "app.kubernetes.io/instance": "smollm2",
+              "app.kubernetes.io/component": "server", "app.kubernetes.io/managed-by": "cbserve-operator",
+              "cbserve.io/cbdeployment": "smollm2", "pod-template-hash": "abc"}  # fmt: skip
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": labels},
+           "spec": {"containers": [{"name": "server", "image": "localhost/cbserve:0.1.0"}]}}  # fmt: skip
+    c.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(pod))
+
+
+def _pod_status(c: Cluster, ns: str, name: str, status: dict[str, Any]) -> None:
+    c.kubectl("patch", "pod", name, "-n", ns, "--subresource=status", "--type", "merge",
+              "-p", json.dumps({"status": status}))
+
+
+def _waiting(reason: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"conditions": [{"type": "PodScheduled", "status": "True"}], "containerStatuses": [{
+        "name": "server", "ready": False, "restartCount": 3, "image": "localhost/cbserve:0.1.0", "imageID": "",
+        "state": {"waiting": {"reason": reason, "message": message}}, **extra}]}  # fmt: skip
+
+
+def test_status_says_why_pods_do_not_start(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """The pods' own status, not the Deployment's 35-minute deadline: unschedulable with the scheduler's
+    message, an image that cannot be pulled, a crash loop, a quota the ReplicaSet meets; in the Ready
+    condition, status.reason and message, and `kubectl get cbd`'s REASON column, on the pod's event."""
+    c, ns = crd_cluster, "why"
+    apply(c, ns, example())
+    reconciled(c, ns)
+    _server_pod(c, ns, "smollm2-abc-1")
+
+    def why(reason: str) -> dict[str, Any]:
+        return wait_for(lambda: o if (o := cbd(c, ns))["status"].get("reason") == reason else None,
+                        what=f"status.reason {reason}")  # fmt: skip
+
+    _pod_status(c, ns, "smollm2-abc-1", {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]})
+    obj = why("Unschedulable")
+    assert "pod smollm2-abc-1: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu." in obj["status"]["message"]
+    ready, progressing = conditions(obj)["Ready"], conditions(obj)["Progressing"]
+    assert ready["status"] == "False" and ready["reason"] == "Unschedulable" and "Insufficient" in ready["message"]
+    assert progressing["reason"] == "Unschedulable"
+    table = c.kubectl("get", "cbd", "-n", ns).stdout.splitlines()
+    assert table[0].split()[5] == "REASON" and table[1].split()[5] == "Unschedulable"
+    assert "4 Insufficient nvidia.com/gpu" in c.kubectl("get", "cbd", "-n", ns, "-o", "wide").stdout
+
+    _pod_status(c, ns, "smollm2-abc-1", _waiting("ImagePullBackOff", 'Back-off pulling image "localhost/cbserve:0.1.0"'))
+    assert 'container server: Back-off pulling image' in why("ImagePullBackOff")["status"]["message"]
+
+    _pod_status(c, ns, "smollm2-abc-1", _waiting("CrashLoopBackOff", "back-off 5m0s restarting failed container",
+                                                 lastState={"terminated": {"exitCode": 1, "reason": "Error"}}))
+    assert "last exit code 1 (Error)" in why("CrashLoopBackOff")["status"]["message"]
+
+    quota = ('pods "smollm2-abc-2" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+             "used: requests.nvidia.com/gpu=4, limited: requests.nvidia.com/gpu=4")
+    _patch_deployment_status(c, ns, {"conditions": [{"type": "ReplicaFailure", "status": "True",
+                                                     "reason": "FailedCreate", "message": quota}]})  # fmt: skip
+    assert why("QuotaExceeded")["status"]["message"].endswith(quota)
+
+    # All well: the reason goes.
+    generation = c.get("apps/v1", "deployments", ns, "smollm2")["metadata"]["generation"]  # type: ignore[index]
+    _pod_status(c, ns, "smollm2-abc-1", {"phase": "Running", "containerStatuses": [{
+        "name": "server", "ready": True, "restartCount": 3, "image": "localhost/cbserve:0.1.0", "imageID": "",
+        "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})  # fmt: skip
+    _patch_deployment_status(c, ns, {"observedGeneration": generation, "replicas": 1, "updatedReplicas": 1,
+                                     "readyReplicas": 1, "conditions": []})  # fmt: skip
+    ready = wait_for(lambda: o if (o := cbd(c, ns))["status"].get("phase") == "Ready" else None, what="phase Ready")
+    assert "reason" not in ready["status"] and "message" not in ready["status"]
 
 
 def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunner, crd_cluster: Cluster) -> None:

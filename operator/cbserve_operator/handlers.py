@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -216,26 +216,63 @@ def _collect_old_configs(kube: Kube, namespace: str, name: str, current: set[str
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
-              status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
+              status: kopf.Status, memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
     """Make the children match the spec. Idempotent: every child is server-side applied by name."""
-    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch, retry)
+    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), retry)
 
 
-def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
-               generation: int | None, status: dict[str, Any], patch: kopf.Patch, retry: int = 0) -> None:
+def write_status(kube: Kube, namespace: str, name: str,
+                 update: Callable[[dict[str, Any]], dict[str, Any] | None]) -> dict[str, Any] | None:  # fmt: skip
+    """The one way the operator writes a CBDeployment's status: read it, compute the change from the
+    object as it is now (`update`; None: nothing to write), and merge-patch the status with that
+    resourceVersion, so a write computed from an older object is refused (409) and computed again.
+    Returns the object the change was computed from, or None when there was none to make."""
+    for _attempt in range(8):
+        cr = kube.get(API_VERSION, KIND, namespace, name)
+        if cr is None:
+            return None
+        change = update(cr)
+        if not change:
+            return None
+        try:
+            kube.patch_status(API_VERSION, KIND, namespace, name, change,
+                              resource_version=cr["metadata"].get("resourceVersion"))
+            return cr
+        except ApiError as e:
+            if e.status != 409:
+                raise
+    raise kopf.TemporaryError(f"the CBDeployment {namespace}/{name} kept changing while its status was written",
+                              delay=1)  # fmt: skip
+
+
+def _conditions_of(cr: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((cr.get("status", {}) or {}).get("conditions", []) or [])
+
+
+def _write_reconciled(kube: Kube, namespace: str, name: str, fields: dict[str, Any],
+                      conditions: list[dict[str, Any]], drop: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """A reconcile's status: `fields`, and `conditions` merged into the current ones less `drop`."""
+    def update(cr: dict[str, Any]) -> dict[str, Any]:
+        merged = merge_conditions([c for c in _conditions_of(cr) if c.get("type") not in drop], conditions)
+        return {**fields, "conditions": merged, **headline(merged)}
+
+    write_status(kube, namespace, name, update)
+
+
+def _reconcile(kube: Kube, body: Mapping[str, Any], raw_spec: dict[str, Any], name: str, namespace: str,
+               generation: int | None, status: dict[str, Any], retry: int = 0) -> None:
     old_conditions = list(status.get("conditions", []) or [])
+    fields: dict[str, Any] = {"observedGeneration": generation}
+    drop: set[str] = set()
 
     def failed(reason: str, message: str, ready_message: str) -> None:
         """Not a crash or retry loop: the old children keep serving until the spec changes; the
         user sees why, once, in status and an Event."""
         kopf.warn(body, reason=reason, message=message)
-        patch.status["phase"] = "Failed"
-        patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = merge_conditions(old_conditions, [
+        _write_reconciled(kube, namespace, name, {**fields, "phase": "Failed"}, [
             condition("ConfigValid", False, reason, message, generation),
             condition("Ready", False, reason, ready_message, generation),
-        ])
-        patch.status.update(headline(patch.status["conditions"]))
+        ], drop)
 
     image = server_image(raw_spec, status, generation)
     try:
@@ -246,25 +283,24 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         kopf.warn(body, reason="DeprecatedField", message=message)
     rolled_back = None if spec.multi_node else _recorded_rollback(kube, namespace, name, status, raw_spec, generation)
     if rolled_back is None:  # a new spec rolls forward: no rollback to keep or report
-        old_conditions = [c for c in old_conditions if c.get("type") != "RolledBack"]
+        drop.add("RolledBack")
         if status.get("rolledBack"):
-            patch.status["rolledBack"] = None
+            fields["rolledBack"] = None
     else:  # kept through this revision (a replicas change too): stamped with it
-        patch.status["rolledBack"] = {**status["rolledBack"], **revision.stamp(raw_spec, generation)}
+        fields["rolledBack"] = {**status["rolledBack"], **revision.stamp(raw_spec, generation)}
     try:
         deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=rolled_back)
     except ChildRefused as e:
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
     except ChildForbidden as e:  # not the spec's fault: said in status, retried with backoff
         kopf.warn(body, reason=e.reason, message=e.message)
-        patch.status["phase"] = "Pending" if status.get("phase") in (None, "Pending", "Failed") else status["phase"]
-        patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = merge_conditions(old_conditions, [
+        phase = status.get("phase")
+        _write_reconciled(kube, namespace, name, {
+            **fields, "phase": "Pending" if phase in (None, "Pending", "Failed") else phase}, [
             condition("ConfigValid", True, "Valid", "the spec is valid", generation),
             condition("Ready", False, e.reason, e.message, generation),
             condition("Progressing", True, e.reason, e.message, generation),
-        ])
-        patch.status.update(headline(patch.status["conditions"]))
+        ], drop)  # fmt: skip
         raise
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
@@ -272,7 +308,7 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
                                             _pods_problem(kube, namespace, name, deployment))  # fmt: skip
     valid_message = "; ".join(warnings) or "the spec is valid"
     if cache is None:  # no cache (any more): no ModelCached condition
-        old_conditions = [c for c in old_conditions if c.get("type") != "ModelCached"]
+        drop.add("ModelCached")
     else:
         rollout.append(condition("ModelCached", cache.ready, cache.reason, cache.message, generation))
         if not cache.ready:
@@ -282,18 +318,16 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         before: dict[str, Any] = next((c for c in old_conditions if c.get("type") == "ModelCached"), {})
         if cache.failed and before.get("reason") != "DownloadFailed":
             kopf.warn(body, reason="ModelDownloadFailed", message=cache.message)
-    patch.status.update({
+    fields.update({
         "phase": phase,
         **counts,
         "selector": naming.selector_string(name, servers_only=spec.multi_node),  # what an HPA averages over
         "url": naming.service_url(name, namespace, spec.service.port),
         "configHash": owned_template_fields(served_template(deployment or {}))[0],
-        "observedGeneration": generation,
         "defaultImage": None if raw_spec.get("image") else {"image": image, **revision.stamp(raw_spec, generation)},
-        "conditions": merge_conditions(old_conditions, [
-            condition("ConfigValid", True, "Valid", valid_message, generation), *rollout]),
     })
-    patch.status.update(headline(patch.status["conditions"]))
+    _write_reconciled(kube, namespace, name, fields,
+                      [condition("ConfigValid", True, "Valid", valid_message, generation), *rollout], drop)
 
 
 def _pods_problem(kube: Kube, namespace: str, owner: str, workload: dict[str, Any] | None) -> Problem | None:
@@ -352,39 +386,38 @@ def _multi_node(cr: dict[str, Any]) -> bool:
 
 def _mirror_status(kube: Kube, namespace: str, owner: str, kind: str, deployment: dict[str, Any] | None,
                    logger: kopf.Logger) -> None:  # fmt: skip
-    """Patch the CBDeployment's status from `deployment` (a Deployment or LeaderWorkerSet, `kind`),
-    re-reading the owner on conflicts; nothing when the owner's spec runs the other kind."""
-    for _attempt in range(5):
-        cr = kube.get(API_VERSION, KIND, namespace, owner)
-        if cr is None or _multi_node(cr) != (kind == GROUP_KIND):
-            return
+    """Patch the CBDeployment's status from `deployment` (a Deployment or LeaderWorkerSet, `kind`)
+    through write_status; nothing when the owner's spec runs the other kind."""
+    problem = _pods_problem(kube, namespace, owner, deployment)
+    outcome: dict[str, Any] = {}
+
+    def update(cr: dict[str, Any]) -> dict[str, Any] | None:
+        if _multi_node(cr) != (kind == GROUP_KIND):
+            return None
         if deployment is not None and not _owned_by(deployment, cr):
-            return
+            return None
         status = cr.get("status", {}) or {}
         desired = int((cr.get("spec", {}) or {}).get("replicas", 1))
-        reconciled = status.get("observedGeneration")
-        phase, counts, rollout = rollout_status(deployment, desired, reconciled, kind,
-                                                _pods_problem(kube, namespace, owner, deployment))  # fmt: skip
+        phase, counts, rollout = rollout_status(deployment, desired, status.get("observedGeneration"), kind, problem)
         new_status: dict[str, Any] = {**counts}
         # an invalid spec, or a model not cached yet, decides the phase and Ready: not the Deployment
-        held = [c for c in status.get("conditions", []) or [] if c.get("type") in ("ConfigValid", "ModelCached")
+        held = [c for c in _conditions_of(cr) if c.get("type") in ("ConfigValid", "ModelCached")
                 and c.get("status") == "False"]  # fmt: skip
         if not held:
             new_status["phase"] = phase
-            new_status["conditions"] = merge_conditions(status.get("conditions", []) or [], rollout)
+            new_status["conditions"] = merge_conditions(_conditions_of(cr), rollout)
             new_status.update(headline(new_status["conditions"]))
-        try:
-            kube.patch_status(API_VERSION, KIND, namespace, owner, new_status,
-                              resource_version=cr["metadata"].get("resourceVersion"))
-        except ApiError as e:
-            if e.status == 409:
-                continue  # the CBDeployment changed since we read it: read again
-            raise
-        if new_status.get("phase") == "Degraded" and status.get("phase") != "Degraded":
-            kopf.warn(cr, reason="RolloutStuck",
-                      message=next(c["message"] for c in rollout if c["type"] == "Degraded"))
+        outcome.update(before=status.get("phase"), after=new_status.get("phase"), rollout=rollout)
+        return new_status
+
+    try:
+        cr = write_status(kube, namespace, owner, update)
+    except kopf.TemporaryError as e:
+        logger.warning(f"gave up mirroring {namespace}/{owner}: {e}")
         return
-    logger.warning(f"gave up mirroring {namespace}/{owner}: it kept changing")
+    if cr is not None and outcome.get("after") == "Degraded" and outcome.get("before") != "Degraded":
+        kopf.warn(cr, reason="RolloutStuck",
+                  message=next(c["message"] for c in outcome["rollout"] if c["type"] == "Degraded"))
 
 
 def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any], CBDeploymentSpec] | None:
@@ -494,9 +527,9 @@ def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeplo
     message = (f"kubectl rollout undo brought back an earlier revision (engine config {config_hash}); the "
                f"operator keeps it until the CBDeployment's spec changes")
     rolled = {**revision.stamp(cr.get("spec", {}) or {}, generation), "configHash": config_hash, "render": digest}
-    conditions = merge_conditions(status.get("conditions", []) or [],
-                                  [condition("RolledBack", True, "RolloutUndone", message, generation)])
-    kube.patch_status(API_VERSION, KIND, namespace, owner, {"rolledBack": rolled, "conditions": conditions})
+    undone = condition("RolledBack", True, "RolloutUndone", message, generation)
+    write_status(kube, namespace, owner, lambda now: {
+        "rolledBack": rolled, "conditions": merge_conditions(_conditions_of(now), [undone])})
     kopf.warn(cr, reason="RolloutUndone", message=message)
     logger.info(f"{namespace}/{owner}: {message}")
     return kept
@@ -525,11 +558,9 @@ def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type
     owner = cr["metadata"]["name"]
     if not spec.model.cache.enabled or body["metadata"]["name"] != model_cache.job_name(spec):
         return  # a Job of an earlier revision
-    patch = kopf.Patch()
     try:
         _reconcile(kube, cr, dict(cr.get("spec", {})), owner, namespace, cr["metadata"].get("generation"),
-                   dict(cr.get("status", {}) or {}), patch)  # fmt: skip
-        kube.patch_status(API_VERSION, KIND, namespace, owner, dict(patch.status))
+                   dict(cr.get("status", {}) or {}))  # fmt: skip
     except (kopf.TemporaryError, ApiError) as e:  # the next event, or the next reconcile, tries again
         logger.warning(f"reconciling {namespace}/{owner} after its Job changed: {e}")
 

@@ -358,6 +358,8 @@ class Emulator(KubernetesEmulator):
     validate_custom_resources: bool = attrs.field(default=True, init=False)
     # objects sent to each User-Agent, in list items and watch events: what a client had to take in
     items_sent: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
+    # (User-Agent, plural, whether it carried a resourceVersion precondition) of every status write
+    status_writes: list[tuple[str, str, bool]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -881,6 +883,8 @@ class Emulator(KubernetesEmulator):
             new = _merge(old, data, strategic=strategic)
         else:
             raise _error(415, "UnsupportedMediaType", f"unsupported patch type {content_type}")
+        if target.subresource == "status":
+            self.status_writes.append((agent, target.res.plural, precondition is not None))
         if precondition is not None and str(precondition) != old["metadata"]["resourceVersion"]:
             raise _error(409, "Conflict", f'the object has been modified; {target.res.plural} "{target.name}"')
 

@@ -700,6 +700,16 @@ def _rbac_request(method: str, path_qs: str) -> list[tuple[str, str, str]]:
     return [(group, resource, verb) for verb in verbs]
 
 
+def test_every_status_write_of_the_operator_is_guarded_by_its_resource_version(crd_cluster: Cluster) -> None:
+    """One way to write status (handlers.write_status): computed from the object as read, and refused
+    (409, computed again) if the object moved on since, so a stale Ready cannot win. Runs after the
+    tests above, over every status write they made the operator do."""
+    assert crd_cluster.server.emulator is not None
+    writes = [w for w in crd_cluster.server.emulator.status_writes if w[0].startswith(("kopf/", "cbserve-operator"))]
+    assert len([w for w in writes if w[1] == "cbdeployments"]) > 50
+    assert [w for w in writes if not w[2]] == []
+
+
 def test_cluster_role_covers_every_request_the_operator_made(crd_cluster: Cluster, tools: Any) -> None:
     """Runs last in this module: checks the chart's ClusterRole against all the operator did above."""
     allowed = cluster_role_grants(tools)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 
 from . import GROUP, KIND, PLURAL, VERSION, group, model_cache, naming, revision
-from .children import fingerprint, render_children, served_template, workload_ref
+from .children import in_sync, render_children, served_template, workload_ref
 from .kube import ApiError, Kube
-from .settings import configure
+from .settings import configure, resync_seconds
 from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
 from .pods import Problem, first_problem
 from .status import condition, headline, merge_conditions, rollout_status
@@ -46,6 +47,57 @@ def server_image(raw_spec: Mapping[str, Any], status: Mapping[str, Any], generat
 def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings)
     memo.kube = Kube.from_environment()
+    memo.known = set()  # (namespace, name) of every CBDeployment reconciled: what the resync visits
+    memo.resync_stop = threading.Event()
+    memo.resync = threading.Thread(target=_resync_loop, name="cbserve-resync", daemon=True,
+                                   args=(memo.kube, memo.known, memo.resync_stop, resync_seconds()))  # fmt: skip
+    memo.resync.start()
+
+
+@kopf.on.cleanup()
+def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync_stop.set()
+    memo.resync.join(30)
+
+
+def _resync_loop(kube: Kube, known: set[tuple[str, str]], stop: threading.Event, every: float) -> None:
+    """Every `every` seconds, resync each known CBDeployment (no Kopf timer: that would put a finalizer
+    on every CBDeployment). What the events missed, and repairs that failed, are put right by then."""
+    while not stop.wait(every):
+        for namespace, name in sorted(known):
+            if stop.is_set():
+                return
+            try:
+                if not resync(kube, namespace, name):
+                    known.discard((namespace, name))
+            except Exception as e:  # noqa: BLE001 - one object's failure must not end the loop; the next round retries
+                kopf_logger.warning(f"resync of {namespace}/{name} failed: {e}")
+
+
+def resync(kube: Kube, namespace: str, name: str) -> bool:
+    """Repair the workload and re-apply every other child of one CBDeployment (server-side apply: no
+    change, no write), then mirror its status. False when the CBDeployment is gone."""
+    if kube.get(API_VERSION, KIND, namespace, name) is None:
+        return False
+    settled = _settled_spec(kube, namespace, name)
+    if settled is None:
+        return True  # a reconcile is due or under way, or the spec is invalid: it says so itself
+    cr, spec = settled
+    api_version, kind, workload_name = workload_ref(spec)
+    workload = _repair_drift(kube, namespace, name, kind, kube.get(api_version, kind, namespace, workload_name),
+                             kopf_logger)  # fmt: skip
+    wanted, _ = render_children(spec, namespace, model_cached=_model_cached(kube, spec, namespace))
+    for child in wanted:
+        if child["kind"] == kind:
+            continue  # the workload: repaired above, rollback and model cache taken into account
+        _stamp(child, cr)
+        try:
+            kube.apply(child)
+        except ApiError as e:
+            if not (e.status == 404 and child["apiVersion"] in OPTIONAL_APIS):
+                kopf_logger.warning(f"resync of {namespace}/{name}: the {child['kind']} {child['metadata']['name']}: {e}")
+    _mirror_status(kube, namespace, name, kind, workload, kopf_logger)
+    return True
 
 
 @kopf.on.probe(id="apiserver")
@@ -218,6 +270,7 @@ def _collect_old_configs(kube: Kube, namespace: str, name: str, current: set[str
 def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
               status: kopf.Status, memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
     """Make the children match the spec. Idempotent: every child is server-side applied by name."""
+    memo.known.add((namespace, name))
     _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), retry)
 
 
@@ -232,8 +285,9 @@ def write_status(kube: Kube, namespace: str, name: str,
         if cr is None:
             return None
         change = update(cr)
-        if not change:
-            return None
+        current = cr.get("status", {}) or {}
+        if not change or all(current.get(k) == v for k, v in change.items()):
+            return None  # nothing would change (a None value: the field is absent already)
         try:
             kube.patch_status(API_VERSION, KIND, namespace, name, change,
                               resource_version=cr["metadata"].get("resourceVersion"))
@@ -438,8 +492,9 @@ def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any
 
 def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment: dict[str, Any] | None,
                   logger: kopf.Logger) -> dict[str, Any] | None:  # fmt: skip
-    """Put back a deleted Deployment (or LeaderWorkerSet, `kind`), or one whose replicas, image, command
-    or config hash (a group's size) were edited; one of the layout the spec no longer runs is left to go.
+    """Put back a deleted Deployment (or LeaderWorkerSet, `kind`), or one with any field the operator
+    renders edited (replicas, image, command, config hash, a group's size, resources, env, probes,
+    tolerations, securityContext...); one of the layout the spec no longer runs is left to go.
 
     Level-based without a timer (a Kopf timer would add a finalizer to every CBDeployment): the
     workload's own events tell when it drifted from what the current spec renders.
@@ -456,7 +511,7 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment:
         return deployment  # held as it is until the model is cached (the reconcile says so in status)
     wanted, _ = render_children(spec, namespace, model_cached=cached)
     desired = next(o for o in wanted if o["kind"] == kind)
-    if deployment is not None and fingerprint(deployment) == fingerprint(desired):
+    if deployment is not None and in_sync(deployment, desired):
         return deployment
     if kind == DEPLOYMENT and deployment is not None and _earlier_render(kube, namespace, owner, deployment, desired):
         return _keep_rollback(kube, namespace, cr, spec, deployment, desired["spec"]["replicas"], logger)
@@ -567,6 +622,7 @@ def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type
 
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)
 @kopf.on.event("", "v1", "services", labels=MANAGED)
+@kopf.on.event("", "v1", "persistentvolumeclaims", labels=MANAGED)  # the model cache's claim
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=MANAGED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 @kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=MANAGED)  # watched once KEDA's CRD exists

@@ -25,6 +25,7 @@ WATCHED_CHILDREN = (
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("monitoring.coreos.com", "v1", "servicemonitors"),
     ("", "v1", "pods"),  # the server pods: why they do not start (pods.py)
+    ("", "v1", "persistentvolumeclaims"),  # the model cache's claim
 )
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 # Initial lists come in pages of this many objects (the size client-go's pager uses), so a first list
@@ -43,6 +44,11 @@ def seconds_from_env(env: str, default: float) -> float:
     if value <= 0:
         raise ValueError(f"{env} must be > 0, got {raw!r}")
     return value
+
+
+def resync_seconds() -> float:
+    """How often every CBDeployment's children are re-applied (CBSERVE_RESYNC_SECONDS, default 600)."""
+    return seconds_from_env("CBSERVE_RESYNC_SECONDS", 600)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:

@@ -287,6 +287,20 @@ def test_more_than_one_pod_on_the_default_read_write_once_cache_needs_a_choice(o
     assert refused.returncode != 0 and "a group's pods run on several nodes" in refused.stderr
 
 
+def test_a_deleted_model_cache_claim_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """The claim is watched like the other children (on a real cluster its deletion waits for the pods
+    that mount it to go, pvc-protection; then it is created again, and the Job fills it again)."""
+    c, ns = crd_cluster, "cache-claim"
+    apply(c, ns, manifest(name="kept"))
+    reconciled(c, ns, "kept")
+    old = c.get("v1", "persistentvolumeclaims", ns, "kept-model-cache")
+    assert old is not None
+    c.kubectl("delete", "pvc", "kept-model-cache", "-n", ns)
+    new = wait_for(lambda: (p := c.get("v1", "persistentvolumeclaims", ns, "kept-model-cache")) and
+                   p["metadata"]["uid"] != old["metadata"]["uid"] and p, what="the claim to be recreated")  # fmt: skip
+    assert new["spec"] == old["spec"]
+
+
 def test_rendering_a_long_name_keeps_the_job_name_a_label_value() -> None:
     name = "m" * 63
     parsed = spec_module.parse_spec(name, manifest(name=name)["spec"])

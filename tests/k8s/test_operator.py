@@ -527,6 +527,41 @@ def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Clus
     wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRestored"],
              what="a DeploymentRestored Event")
 
+    # Any field the operator renders, edited by hand, is drift: resources, env, probes, tolerations,
+    # securityContext. What the API server or others add (an annotation of kubectl rollout restart) stays.
+    def container() -> dict[str, Any]:
+        return c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+
+    rendered = container()
+    edits = [
+        ["set", "env", "deployment/smollm2", "FOO=bar"],
+        ["set", "resources", "deployment/smollm2", "--limits=memory=64Gi"],
+        ["patch", "deployment", "smollm2", "--type", "json", "-p", json.dumps([
+            {"op": "replace", "path": "/spec/template/spec/containers/0/readinessProbe/periodSeconds", "value": 99}])],
+        ["patch", "deployment", "smollm2", "--type", "json", "-p", json.dumps([
+            {"op": "replace", "path": "/spec/template/spec/containers/0/securityContext/readOnlyRootFilesystem",
+             "value": False}])],
+    ]
+    for edit in edits:
+        c.kubectl(*edit, "-n", ns)
+        wait_for(lambda: container() == rendered, what=f"the operator to undo `kubectl {' '.join(edit[:3])}`")
+    gpu_taint = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    apply(c, ns, example(podTemplate__tolerations=gpu_taint))
+    reconciled(c, ns)
+    c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--type", "merge", "-p", json.dumps(
+        {"spec": {"template": {"spec": {"tolerations": [{"key": "x", "operator": "Exists"}]}}}}))
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["spec"]  # type: ignore[index]
+             ["tolerations"] == gpu_taint, what="the tolerations edit undone")
+    mark = c.server.mark()
+    c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--type", "merge", "-p", json.dumps(
+        {"spec": {"template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": "now"}}}}}))
+    # Kopf handles one object's events in order: once a later status change is mirrored, that edit was seen.
+    _patch_deployment_status(c, ns, {"readyReplicas": 0, "replicas": 3})
+    wait_for(lambda: cbd(c, ns)["status"].get("replicas") == 3, what="the later event mirrored")
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    assert dep["spec"]["template"]["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] == "now"  # type: ignore[index]
+    assert not c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/deployments/smollm2\?.*cbserve-operator")
+
 
 def test_every_other_child_deleted_or_edited_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
     """ConfigMap, Service, HPA and PDB: each deleted comes back (same spec, a ChildRecreated Event),

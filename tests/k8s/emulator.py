@@ -14,7 +14,11 @@ request handling with one that behaves like an API server where clients look:
   the scale subresource (Scale objects) for Deployments and CRDs that declare it (a custom
   resource's new replicas are judged by its CRD's schema and rules, as the API server does);
 - merge, strategic-merge (approximated as merge), JSON-patch (a failed `test` is 422) and
-  server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces;
+  server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces; field
+  ownership as server-side apply keeps it: each manager's fields (lists atomic), a conflict (409)
+  when an apply changes another manager's field without `force`, fields an apply leaves out that
+  its manager applied before removed, updates (patches, PUT, the scale subresource) taking over
+  the fields they change;
   a `metadata.resourceVersion` precondition answers 409 Conflict; a no-op write changes nothing;
 - lists carry kind, apiVersion and the current resourceVersion; label and field selectors; pages
   (`limit` and `continue`, with `remainingItemCount`); `items_sent` counts the objects each client
@@ -146,6 +150,58 @@ def _merge(base: Any, patch: Any, strategic: bool = False) -> Any:
         else:
             result[key] = _merge(result.get(key), value, strategic)
     return result
+
+
+FieldPath = tuple[str, ...]
+_MISSING = object()
+# what server-side apply never records as a manager's field
+_UNOWNED = {("apiVersion",), ("kind",), ("metadata", "name"), ("metadata", "namespace"),
+            ("metadata", "resourceVersion"), ("metadata", "uid"), ("metadata", "generation"),
+            ("metadata", "creationTimestamp"), ("metadata", "managedFields"), ("metadata", "deletionTimestamp")}
+
+
+def _fields(obj: Any, prefix: FieldPath = ()) -> dict[FieldPath, Any]:
+    """The leaf fields of an object, by path: maps are walked, lists are one field (atomic), as
+    server-side apply sees them without the schema's list keys."""
+    if isinstance(obj, dict) and obj:
+        out: dict[FieldPath, Any] = {}
+        for key, value in obj.items():
+            path = (*prefix, key)
+            if path not in _UNOWNED:
+                out.update(_fields(value, path))
+        return out
+    return {prefix: obj} if prefix else {}
+
+
+def _at(obj: Any, path: FieldPath) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
+def _overlaps(a: FieldPath, b: FieldPath) -> bool:
+    return a[: len(b)] == b or b[: len(a)] == a
+
+
+def _remove_field(obj: Obj, path: FieldPath) -> None:
+    """Remove a field, and the maps it leaves empty."""
+    chain = [obj]
+    for key in path[:-1]:
+        nxt = chain[-1].get(key)
+        if not isinstance(nxt, dict):
+            return
+        chain.append(nxt)
+    chain[-1].pop(path[-1], None)
+    for parent, key in zip(reversed(chain[:-1]), reversed(path[:-1])):
+        if parent.get(key) == {}:
+            del parent[key]
+
+
+def _manager(params: dict[str, str], agent: str) -> str:
+    """The field manager of a write: `fieldManager`, else the User-Agent up to its first '/'."""
+    return params.get("fieldManager") or agent.split("/")[0] or "unknown"
 
 
 def _jsonpath(obj: Obj, path: str) -> Any:
@@ -360,6 +416,8 @@ class Emulator(KubernetesEmulator):
     items_sent: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     # (User-Agent, plural, whether it carried a resourceVersion precondition) of every status write
     status_writes: list[tuple[str, str, bool]] = attrs.field(factory=list, init=False)
+    # server-side apply's field ownership: per object, the fields of each manager
+    _owners: dict[tuple[resource, str | None, str], dict[str, set[FieldPath]]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -493,7 +551,8 @@ class Emulator(KubernetesEmulator):
                 return self._respond(raw, target, listed)
             if method == "POST":
                 data = self._decode(raw, body)
-                obj = await self._create(target, data, info, raw.headers.get("User-Agent", ""))
+                agent = raw.headers.get("User-Agent", "")
+                obj = await self._create(target, data, info, agent, _manager(params, agent))
                 return json_(obj, status=201)
             raise _error(405, "MethodNotAllowed", f"{method} on a collection")
 
@@ -508,8 +567,9 @@ class Emulator(KubernetesEmulator):
         if method in ("PATCH", "PUT"):
             data = self._decode(raw, body)
             content_type = raw.headers.get("Content-Type", "application/json").split(";")[0]
-            obj = await self._write(target, info, method, content_type, data, raw.headers.get("User-Agent", ""))
-            return json_(obj)
+            existed = self._live(target.res, target.namespace, target.name) is not None
+            obj = await self._write(target, info, method, content_type, data, raw.headers.get("User-Agent", ""), params)
+            return json_(obj, status=200 if existed or target.subresource else 201)  # an apply that created: 201
         raise _error(405, "MethodNotAllowed", f"{method} on an object")
 
     def _parse_target(self, parts: list[str]) -> Target:
@@ -814,7 +874,7 @@ class Emulator(KubernetesEmulator):
         self.objects[res, namespace, meta["name"]] = obj
         return obj
 
-    async def _create(self, target: Target, data: Any, info: ResourceInfo, agent: str = "") -> Obj:
+    async def _create(self, target: Target, data: Any, info: ResourceInfo, agent: str = "", manager: str = "") -> Obj:
         if not isinstance(data, dict):
             raise _error(400, "BadRequest", "the body must be an object")
         meta = data.setdefault("metadata", {})
@@ -843,21 +903,28 @@ class Emulator(KubernetesEmulator):
         if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
             self._register_crd(data)
         obj = self._store_new(target.res, namespace, data)
+        self._owners[target.res, namespace, obj["metadata"]["name"]] = {manager or "unknown": set(_fields(
+            {k: v for k, v in obj.items() if k != "status"}))}
         await self._emit(target.res, "ADDED", obj)
         return obj
 
     async def _write(self, target: Target, info: ResourceInfo, method: str, content_type: str, data: Any,
-                     agent: str = "") -> Obj:
+                     agent: str = "", params: dict[str, str] | None = None) -> Obj:
         assert target.name is not None
+        params = params or {}
+        manager = _manager(params, agent)
+        applying = content_type == "application/apply-patch+yaml"
+        if applying and not params.get("fieldManager"):
+            raise _error(422, "Invalid", "fieldManager: Required value: is required for apply patch")
         old = self._live(target.res, target.namespace, target.name)
         if old is None:
-            if content_type == "application/apply-patch+yaml" and target.subresource is None:
+            if applying and target.subresource is None:
                 data.setdefault("metadata", {})["name"] = target.name
-                return await self._create(target, data, info, agent)
+                return await self._create(target, data, info, agent, manager)
             raise _error(404, "NotFound", f'{target.res.plural} "{target.name}" not found')
 
         if target.subresource == "scale":
-            return await self._write_scale(target, old, method, content_type, data)
+            return await self._write_scale(target, old, method, content_type, data, manager)
 
         precondition = None
         if method == "PUT":
@@ -874,8 +941,13 @@ class Emulator(KubernetesEmulator):
                 raise _error(422, "Invalid", f"the JSON patch test failed: {e}") from e
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
                 raise _error(422, "Invalid", f"the JSON patch cannot be applied: {e}") from e
+        elif applying:
+            if not isinstance(data, dict):
+                raise _error(400, "BadRequest", "an apply patch must be an object")
+            precondition = (data.get("metadata") or {}).get("resourceVersion")
+            new = self._apply(target, old, data, manager, params.get("force") == "true")
         elif content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json",
-                              "application/apply-patch+yaml", "application/json"):
+                              "application/json"):
             if not isinstance(data, dict):
                 raise _error(400, "BadRequest", "a merge patch must be an object")
             precondition = (data.get("metadata") or {}).get("resourceVersion")
@@ -914,9 +986,46 @@ class Emulator(KubernetesEmulator):
             self._register_crd(new)
         if new == old:
             return old  # a no-op write: no new resourceVersion, no event
+        if not applying:
+            self._take_fields(target, old, new, manager)
         return await self._commit(target, old, new)
 
-    async def _write_scale(self, target: Target, old: Obj, method: str, content_type: str, data: Any) -> Obj:
+    def _apply(self, target: Target, old: Obj, config: Obj, manager: str, force: bool) -> Obj:
+        """Server-side apply of `config` by `manager`: a field it sets to another value than the one another
+        manager owns is a conflict (409, unless `force`, which takes the field over); fields it applied
+        before and leaves out now are removed, unless another manager owns them too; it then owns exactly
+        the fields of `config`. Lists are atomic (without the built-in kinds' schemas, no list keys)."""
+        owners = self._owners.setdefault((target.res, target.namespace, target.name or ""), {})
+        wanted = {p: v for p, v in _fields(config).items() if p[0] != "status"}
+        conflicts = sorted({(other, path) for path, value in wanted.items() if _at(old, path) != value
+                            for other, fields in owners.items() if other != manager
+                            and any(_overlaps(path, f) for f in fields)})  # fmt: skip
+        if conflicts and not force:
+            listed = "\n".join(f'- conflict with "{other}": .{".".join(path)}' for other, path in conflicts)
+            raise _error(409, "Conflict", f"Apply failed with {len(conflicts)} conflict{'s' if len(conflicts) > 1 else ''}:"
+                                          f"\n{listed}")
+        for other, path in conflicts:  # forced: the field changes hands
+            owners[other] = {f for f in owners[other] if not _overlaps(f, path)}
+        new = _merge(old, config)
+        kept = set().union(*(f for other, f in owners.items() if other != manager))
+        for gone in owners.get(manager, set()) - set(wanted):
+            if not any(_overlaps(gone, f) for f in kept | set(wanted)):
+                _remove_field(new, gone)
+        owners[manager] = set(wanted)
+        return new
+
+    def _take_fields(self, target: Target, old: Obj, new: Obj, manager: str) -> None:
+        """An update (not an apply): the fields it changed are `manager`'s from now on, no one else's."""
+        before, after = _fields(old), _fields(new)
+        changed = {p for p in before.keys() | after.keys() if before.get(p, _MISSING) != after.get(p, _MISSING)}
+        owners = self._owners.setdefault((target.res, target.namespace, target.name or ""), {})
+        for other in list(owners):
+            if other != manager:
+                owners[other] = {f for f in owners[other] if not any(_overlaps(f, p) for p in changed)}
+        owners.setdefault(manager, set()).update(p for p in changed if p in after)
+
+    async def _write_scale(self, target: Target, old: Obj, method: str, content_type: str, data: Any,
+                           manager: str = "unknown") -> Obj:
         scale = self._scale_of(target, old)
         if method == "PUT":
             new_scale = data
@@ -936,6 +1045,7 @@ class Emulator(KubernetesEmulator):
         node[keys[-1]] = replicas
         if new != old:
             self._validate_custom(target.res, new)  # the whole object is judged, CEL rules included
+            self._take_fields(target, old, new, manager)
             new = await self._commit(target, old, new)
         return self._scale_of(target, new)
 

@@ -88,7 +88,7 @@ def test_server_side_apply_creates_then_updates_from_yaml(cluster: Cluster) -> N
     body = b"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: ssa\ndata:\n  k: v1\n"
     path = CM + "/ssa?fieldManager=test&force=true"
     status, created = call(cluster, "PATCH", path, body, "application/apply-patch+yaml")
-    assert status == 200 and created["data"] == {"k": "v1"} and created["metadata"]["uid"]
+    assert status == 201 and created["data"] == {"k": "v1"} and created["metadata"]["uid"]  # created: 201
     _, updated = call(cluster, "PATCH", path, body.replace(b"v1\n", b"v2\n"), "application/apply-patch+yaml")
     assert updated["data"] == {"k": "v2"} and updated["metadata"]["uid"] == created["metadata"]["uid"]
 
@@ -215,3 +215,52 @@ def test_quota_and_terminating_namespaces_are_403s(cluster: Cluster) -> None:
     assert call(cluster, "DELETE", "/api/v1/namespaces/leaving")[0] == 200
     status, body = call(cluster, "POST", "/api/v1/namespaces/leaving/configmaps", {"metadata": {"name": "a"}})
     assert status == 403 and "because it is being terminated" in body["message"]
+
+
+def _apply(cluster: Cluster, path: str, body: dict[str, Any], manager: str, force: bool = False) -> tuple[int, Any]:
+    query = f"?fieldManager={manager}" + ("&force=true" if force else "")
+    return call(cluster, "PATCH", path + query, body, "application/apply-patch+yaml")
+
+
+def test_server_side_apply_keeps_field_ownership(cluster: Cluster) -> None:
+    path = "/api/v1/namespaces/ssa/configmaps/owned"
+    assert _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                  "data": {"a": "1", "b": "2", "old": "x"}}, "one")[0] == 201
+    # another manager updates b and adds c: those fields are its own now
+    call(cluster, "PATCH", path + "?fieldManager=two", {"data": {"b": "3", "c": "4"}}, "application/merge-patch+json")
+    status, body = _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                          "data": {"a": "1", "b": "2"}}, "one")  # fmt: skip
+    assert status == 409 and body["message"] == 'Apply failed with 1 conflict:\n- conflict with "two": .data.b'
+    # forced, b changes hands; "old", applied before by "one" and left out now, goes; c, two's, stays
+    status, body = _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                          "data": {"a": "1", "b": "2"}}, "one", force=True)  # fmt: skip
+    assert status == 200 and body["data"] == {"a": "1", "b": "2", "c": "4"}
+    # the same apply again changes nothing; leaving b out now removes it (one owns it alone)
+    rv = body["metadata"]["resourceVersion"]
+    assert _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                  "data": {"a": "1", "b": "2"}}, "one")[1]["metadata"]["resourceVersion"] == rv
+    status, body = _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                          "data": {"a": "1"}}, "one")  # fmt: skip
+    assert body["data"] == {"a": "1", "c": "4"}
+    assert _apply(cluster, path, {"data": {}}, "")[0] == 422  # apply needs a field manager
+
+
+def test_an_autoscalers_replicas_conflict_with_a_server_side_apply_that_sets_them(crd_cluster: Cluster) -> None:
+    """The HPA writes spec.replicas through the scale subresource (its manager, from its User-Agent,
+    owns the field); a `kubectl apply --server-side` of a manifest that sets replicas then conflicts,
+    one that leaves replicas out keeps the autoscaler's (docs/kubernetes.md: leave replicas out)."""
+    c, ns = crd_cluster, "ssa-hpa"
+    manifest = {"apiVersion": "cbserve.io/v1alpha1", "kind": "CBDeployment", "metadata": {"name": "m", "namespace": ns},
+                "spec": {"model": {"uri": "/models/m"}, "replicas": 1}}  # fmt: skip
+    c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(manifest))
+    req = urllib.request.Request(f"{c.server.url}/apis/cbserve.io/v1alpha1/namespaces/{ns}/cbdeployments/m/scale",
+                                 data=json.dumps({"spec": {"replicas": 3}}).encode(), method="PATCH", headers={
+                                     "Content-Type": "application/merge-patch+json",
+                                     "User-Agent": "kube-controller-manager/v1.34.0 (linux/amd64) kubernetes/abc"})
+    urllib.request.urlopen(req, timeout=10).close()
+    again = c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(manifest), check=False)
+    assert again.returncode != 0 and 'conflict with "kube-controller-manager"' in again.stderr
+    assert ".spec.replicas" in again.stderr
+    del manifest["spec"]["replicas"]
+    c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(manifest))
+    assert c.get("cbserve.io/v1alpha1", "cbdeployments", ns, "m")["spec"]["replicas"] == 3  # type: ignore[index]

@@ -6,7 +6,7 @@ kmock 0.8 as shipped fails real clients in many small ways (see the Kubernetes r
 request handling with one that behaves like an API server where clients look:
 
 - discovery: `/api` with the `v1` group-version, `/apis`, per-group-version resource lists with
-  subresources, `/version` 1.34; CRDs created through the API are served at once (Established);
+  subresources, `/version` 1.34, `/openapi/v3` for custom resources (what `kubectl explain` reads); CRDs created through the API are served at once (Established);
 - objects get uid, resourceVersion (one cluster-wide counter), generation (bumped by spec changes
   only), creationTimestamp; `generateName`; `namespace` from the URL;
 - status subresources: the main endpoint ignores `status`, `/status` changes nothing else (and is
@@ -526,6 +526,8 @@ class Emulator(KubernetesEmulator):
         if method == "GET":
             if parts == ["version"]:
                 return json_(ServerVersion)
+            if parts[:2] == ["openapi", "v3"]:
+                return json_(self._openapi_v3(parts[2:]))
             if parts == ["api"]:
                 return json_({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
                     {"clientCIDR": "0.0.0.0/0", "serverAddress": raw.host}]})
@@ -644,6 +646,34 @@ class Emulator(KubernetesEmulator):
             raise _error(404, "NotFound", f"the server could not find the requested resource ({group}/{version})")
         group_version = f"{group}/{version}" if group else version
         return {"apiVersion": "v1", "kind": "APIResourceList", "groupVersion": group_version, "resources": entries}
+
+    def _openapi_v3(self, rest: list[str]) -> Obj:
+        """OpenAPI v3 for custom resources, what `kubectl explain` reads: the index of group-versions,
+        and one document per group-version with each kind's schema (its descriptions included). The
+        built-in kinds have none here."""
+        group_versions = sorted({(r.group, r.version) for r in self._crds})
+        if not rest:
+            return {"paths": {f"apis/{g}/{v}": {"serverRelativeURL": f"/openapi/v3/apis/{g}/{v}?hash=0"}
+                              for g, v in group_versions}}  # fmt: skip
+        if len(rest) != 3 or rest[0] != "apis" or (rest[1], rest[2]) not in group_versions:
+            raise _error(404, "NotFound", f"the server could not find the requested resource (openapi/v3/{'/'.join(rest)})")
+        group, version = rest[1], rest[2]
+        schemas, paths = {}, {}
+        for res, crd in self._crds.items():
+            if (res.group, res.version) == (group, version):
+                kind = crd["names"]["kind"]
+                gvk = {"group": group, "kind": kind, "version": version}
+                name = f"{'.'.join(reversed(group.split('.')))}.{version}.{kind}"
+                schema = copy.deepcopy(crd["version"].get("schema", {}).get("openAPIV3Schema", {}))
+                schema["x-kubernetes-group-version-kind"] = [gvk]
+                schemas[name] = schema
+                scope = "namespaces/{namespace}/" if self.resources[res].namespaced else ""
+                paths[f"/apis/{group}/{version}/{scope}{res.plural}/{{name}}"] = {"get": {
+                    "x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk,
+                    "responses": {"200": {"description": "OK", "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}}}  # fmt: skip
+        return {"openapi": "3.0.0", "info": {"title": "Kubernetes CRD Swagger", "version": "v0.1.0"},
+                "paths": paths, "components": {"schemas": schemas}}
 
     def _register_crd(self, crd: Obj) -> None:
         spec = crd["spec"]

@@ -13,7 +13,7 @@ import yaml
 from cbserve_operator import spec as spec_module
 from cbserve_operator import status as status_module
 
-from .conftest import CRD_FILE, REPO
+from .conftest import CRD_FILE, REPO, Cluster
 
 CRD = yaml.safe_load(CRD_FILE.read_text())
 VERSION = CRD["spec"]["versions"][0]
@@ -206,3 +206,12 @@ def test_every_property_has_a_description() -> None:
         properties = _properties(version["schema"]["openAPIV3Schema"])
         assert len(properties) > 130
         assert [p for p, sub in properties if not str(sub.get("description") or "").strip()] == []
+
+
+def test_kubectl_explain_prints_the_descriptions(crd_cluster: Cluster) -> None:
+    """`kubectl explain` reads the CRD's OpenAPI v3 from the API server (the emulator serves it)."""
+    out = crd_cluster.kubectl("explain", "cbdeployment.spec.replicas").stdout
+    assert "Server pods (with resources.nodes > 1, groups of pods)" in out
+    out = crd_cluster.kubectl("explain", "cbd.spec.model.cache.accessMode").stdout
+    assert "FIELD: accessMode" in out
+    assert crd_cluster.kubectl("explain", "cbd.status.reason").stdout.count("While not Ready") == 1

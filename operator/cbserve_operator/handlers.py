@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -178,8 +179,10 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     warnings: list[str] = []
     for obj in wanted:
         _stamp(obj, body)
-        if obj["kind"] == DEPLOYMENT and keep_template is not None:
-            obj["spec"]["template"] = keep_template
+        if obj["kind"] == DEPLOYMENT:
+            if keep_template is not None:
+                obj["spec"]["template"] = keep_template
+            _record_template(obj, body)
         try:
             if obj["kind"] == kind and cache is not None and not cache.ready:
                 deployment = kube.get(api_version, kind, namespace, name)
@@ -209,6 +212,34 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     except ApiError as e:
         raise _failed(f"cleaning up old ConfigMaps and Jobs of {spec.name}", e, retry) from e
     return deployment, warnings, cache
+
+
+def _record_template(deployment: dict[str, Any], owner: Mapping[str, Any]) -> None:
+    """Annotate the Deployment (not its pods) with the pod template applied and the spec revision it is
+    for: a later operator, whose rendering may differ, keeps it while the spec does (_recorded_template)."""
+    annotations = deployment["metadata"].setdefault("annotations", {})
+    annotations[naming.ANNOTATION_TEMPLATE] = revision.pack(deployment["spec"]["template"])
+    annotations[naming.ANNOTATION_TEMPLATE_FOR] = json.dumps(revision.stamp(
+        owner.get("spec", {}) or {}, (owner.get("metadata", {}) or {}).get("generation")), sort_keys=True)
+
+
+def _recorded_template(deployment: dict[str, Any] | None, raw_spec: Mapping[str, Any],
+                       generation: int | None) -> dict[str, Any] | None:  # fmt: skip
+    """The pod template the Deployment was last applied with, when that was for this revision of the spec
+    (replicas aside): what it keeps, whatever this operator would render now. An operator upgrade that
+    renders differently (a new flag, a new pod field) so restarts no server until its own spec changes;
+    an edit of the template by hand is drift from this template and is put back to it."""
+    annotations = ((deployment or {}).get("metadata", {}) or {}).get("annotations", {}) or {}
+    stamp, packed = annotations.get(naming.ANNOTATION_TEMPLATE_FOR), annotations.get(naming.ANNOTATION_TEMPLATE)
+    if not stamp or not packed:
+        return None
+    try:
+        recorded = json.loads(stamp)
+    except ValueError:
+        return None
+    if not isinstance(recorded, dict) or not revision.same_revision(recorded, raw_spec, generation):
+        return None
+    return revision.unpack(packed)
 
 
 def _ensure_model_job(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
@@ -342,8 +373,11 @@ def _reconcile(kube: Kube, body: Mapping[str, Any], raw_spec: dict[str, Any], na
             fields["rolledBack"] = None
     else:  # kept through this revision (a replicas change too): stamped with it
         fields["rolledBack"] = {**status["rolledBack"], **revision.stamp(raw_spec, generation)}
+    keep = rolled_back
+    if keep is None and not spec.multi_node:
+        keep = _recorded_template(kube.get("apps/v1", DEPLOYMENT, namespace, name), raw_spec, generation)
     try:
-        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=rolled_back)
+        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=keep)
     except ChildRefused as e:
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
     except ChildForbidden as e:  # not the spec's fault: said in status, retried with backoff
@@ -511,6 +545,11 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment:
         return deployment  # held as it is until the model is cached (the reconcile says so in status)
     wanted, _ = render_children(spec, namespace, model_cached=cached)
     desired = next(o for o in wanted if o["kind"] == kind)
+    kept = None
+    if kind == DEPLOYMENT:
+        kept = _recorded_template(deployment, cr.get("spec", {}) or {}, cr["metadata"].get("generation"))
+        if kept is not None:
+            desired["spec"]["template"] = kept
     if deployment is not None and in_sync(deployment, desired):
         return deployment
     if kind == DEPLOYMENT and deployment is not None and _earlier_render(kube, namespace, owner, deployment, desired):
@@ -518,7 +557,7 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment:
     what = "deleted" if deployment is None else "changed outside its CBDeployment"
     logger.info(f"the {kind} of {namespace}/{owner} was {what}; restoring it")
     try:
-        restored, _, _ = _apply_children(kube, cr, spec, namespace)
+        restored, _, _ = _apply_children(kube, cr, spec, namespace, keep_template=kept)
     except (ChildRefused, ChildForbidden) as e:  # the reconcile of this spec meets the same and says so in status
         logger.warning(str(e))
         return deployment

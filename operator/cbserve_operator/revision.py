@@ -8,8 +8,10 @@ generation, or the same spec but for `replicas`.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,3 +32,16 @@ def same_revision(recorded: Mapping[str, Any] | None, spec: Mapping[str, Any], g
     if not recorded:
         return False
     return recorded.get("generation") == generation or recorded.get("specHash") == spec_hash(spec)
+
+
+def pack(template: Mapping[str, Any]) -> str:
+    """A pod template as an annotation value (zlib, base64: a rendered template is a few KB)."""
+    return base64.b64encode(zlib.compress(json.dumps(template, sort_keys=True).encode(), 9)).decode()
+
+
+def unpack(value: str) -> dict[str, Any] | None:
+    try:
+        template = json.loads(zlib.decompress(base64.b64decode(value)))
+    except (ValueError, zlib.error):
+        return None
+    return template if isinstance(template, dict) else None

@@ -63,3 +63,44 @@ def test_an_operator_with_a_new_default_image_restarts_nothing_until_the_spec_ch
                   json.dumps({"spec": {"image": "registry.example.com/mine:1"}}))
         wait_for(lambda: _image(_deployment(c, ns)) == "registry.example.com/mine:1", what="the spec's image")
         assert "defaultImage" not in reconciled(c, ns)["status"]
+
+
+def test_an_operator_that_renders_differently_restarts_nothing_until_the_spec_changes(
+        crd_cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The Deployment records the pod template it was applied with, and the spec revision it was for
+    (annotations on the Deployment, not its pods). An upgraded operator whose rendering differs (here:
+    one more env variable) keeps it until the spec changes, repairs drift back to it, and a change of
+    replicas alone keeps it too."""
+    from cbserve_operator import workload
+
+    c, ns = crd_cluster, "upgrade-render"
+    with operator_running(c):
+        apply(c, ns, EXAMPLE)
+        reconciled(c, ns)
+    before = _deployment(c, ns)["spec"]["template"]
+
+    rendered = workload.server_env
+    monkeypatch.setattr(workload, "server_env", lambda spec, api_key=True: [
+        *rendered(spec, api_key), {"name": "CBSERVE_NEW_SETTING", "value": "1"}])  # the next release's rendering
+
+    def env() -> set[str]:
+        return {e["name"] for e in _deployment(c, ns)["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    mark = c.server.mark()
+    with operator_running(c):
+        wait_for(lambda: c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/smollm2\b"),
+                 what="the resumed reconcile")  # fmt: skip
+        assert _deployment(c, ns)["spec"]["template"] == before
+
+        c.kubectl("set", "env", "deployment/smollm2", "-n", ns, "FOO=bar")  # drift: back to the kept template
+        wait_for(lambda: _deployment(c, ns)["spec"]["template"] == before, what="the kept template restored")
+
+        c.kubectl("scale", "cbd", "smollm2", "-n", ns, "--replicas=2")
+        wait_for(lambda: _deployment(c, ns)["spec"]["replicas"] == 2, what="2 replicas")
+        reconciled(c, ns)
+        assert _deployment(c, ns)["spec"]["template"] == before
+
+        c.kubectl("patch", "cbd", "smollm2", "-n", ns, "--type", "merge", "-p",
+                  json.dumps({"spec": {"engine": {"blockSize": 512}}}))
+        wait_for(lambda: "CBSERVE_NEW_SETTING" in env(), what="the new rendering, at the spec's change")
+        assert "FOO" not in env()

@@ -344,7 +344,7 @@ def _write_reconciled(kube: Kube, namespace: str, name: str, fields: dict[str, A
     write_status(kube, namespace, name, update)
 
 
-def _reconcile(kube: Kube, body: Mapping[str, Any], raw_spec: dict[str, Any], name: str, namespace: str,
+def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
                generation: int | None, status: dict[str, Any], retry: int = 0) -> None:
     old_conditions = list(status.get("conditions", []) or [])
     fields: dict[str, Any] = {"observedGeneration": generation}

@@ -353,7 +353,7 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     _check_gpu_engine(r, resources.gpu, engine)
     _check_parallel(r, name, resources, heads)
     autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
-    cache_data = model_data.get("cache") if isinstance(model_data.get("cache"), dict) else {}
+    cache_data: dict[str, Any] = model_data["cache"] if isinstance(model_data.get("cache"), dict) else {}
     _check_cache_access(r, cache_data, cache, replicas, autoscaling, resources.nodes)
 
     svc = r.section(spec, "service")

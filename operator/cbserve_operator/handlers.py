@@ -65,7 +65,7 @@ def _resync_loop(kube: Kube, known: set[tuple[str, str]], stop: threading.Event,
     """Every `every` seconds, resync each known CBDeployment (no Kopf timer: that would put a finalizer
     on every CBDeployment). What the events missed, and repairs that failed, are put right by then."""
     while not stop.wait(every):
-        for namespace, name in sorted(known):
+        for namespace, name in sorted(known.copy()):  # handlers add to it meanwhile
             if stop.is_set():
                 return
             try:

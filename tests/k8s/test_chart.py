@@ -121,6 +121,10 @@ def test_values_schema_rejects_bad_values(tools: Tools) -> None:
 def test_notes_tell_the_next_command(tools: Tools) -> None:
     out = helm(tools, "install", "--dry-run=client", "cbserve", str(CHART), "--namespace", "cbserve-system").stdout
     assert "kubectl get cbd -w" in out and "rollout status deployment/cbserve-operator" in out
+    assert "--set test.cbdeployment=<name>" in out  # how to get a helm test
+    named = helm(tools, "install", "--dry-run=client", "cbserve", str(CHART), "--namespace", "cbserve-system",
+                 "--set", "example.enabled=true").stdout  # fmt: skip
+    assert "helm test cbserve -n cbserve-system" in named
 
 
 def test_operator_children_are_valid_for_kubernetes_1_34(tmp_path: Path) -> None:

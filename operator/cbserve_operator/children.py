@@ -174,6 +174,34 @@ def fingerprint(workload: dict[str, Any]) -> tuple[Any, ...]:
             *owned_template_fields(lwt.get("workerTemplate", {}) or {}))  # fmt: skip
 
 
+def _quantity(value: Any) -> Any:
+    """A resource quantity's value (the API server writes `0.5` back as `500m`), else the value itself."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        return parse_quantity(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+    except ValueError:
+        return value
+
+
+def covers(live: Any, wanted: Any) -> bool:
+    """Whether `live` holds everything `wanted` (a rendering) sets: maps compared on the rendered keys
+    (what the API server defaults, or others add, is left alone), lists item by item, quantities by
+    value."""
+    if isinstance(wanted, dict):
+        return isinstance(live, dict) and all(covers(live.get(k), v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(live, list) and len(live) == len(wanted) and all(map(covers, live, wanted))
+    return live == wanted or (live is not None and _quantity(live) == _quantity(wanted))
+
+
+def in_sync(workload: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """Whether a Deployment or LeaderWorkerSet still is what the operator rendered: its fingerprint, and
+    every field of the rendered spec (resources, env, probes, tolerations, securityContext... edited by
+    hand, they are drift)."""
+    return fingerprint(workload) == fingerprint(desired) and covers(workload.get("spec"), desired.get("spec"))
+
+
 def render_children(spec: CBDeploymentSpec, namespace: str, model_cached: bool = True,
                     ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:  # fmt: skip
     """(objects to apply, (apiVersion, kind, name) of children to remove) for one CBDeployment: the

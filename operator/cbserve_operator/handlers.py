@@ -3,21 +3,27 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 
-from . import GROUP, KIND, PLURAL, VERSION, group, model_cache, naming
-from .children import fingerprint, render_children, served_template, workload_ref
+from . import GROUP, KIND, PLURAL, VERSION, group, model_cache, naming, revision
+from .children import in_sync, render_children, served_template, workload_ref
 from .kube import ApiError, Kube
-from .settings import configure
+from .settings import configure, resync_seconds
 from .spec import DEFAULT_IMAGE, CBDeploymentSpec, SpecError, parse_spec
-from .status import condition, merge_conditions, rollout_status
+from .pods import Problem, first_problem
+from .status import condition, headline, merge_conditions, rollout_status
 from .workload import owned_template_fields, render_digest
 
 DEPLOYMENT, GROUP_KIND = "Deployment", group.KIND
+kopf_logger = logging.getLogger(__name__)
+MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}  # what every child is labelled with (client-side filter too)
 
 API_VERSION = f"{GROUP}/{VERSION}"
 # Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
@@ -28,10 +34,71 @@ def default_image() -> str:
     return os.environ.get("CBSERVE_SERVER_IMAGE") or DEFAULT_IMAGE
 
 
+def server_image(raw_spec: Mapping[str, Any], status: Mapping[str, Any], generation: int | None) -> str:
+    """The image a spec without `image` runs: the one recorded in status when this revision of the
+    spec was first reconciled, else the operator's default now. An operator upgrade with a new
+    default restarts no server until its own spec changes (replicas aside)."""
+    recorded = status.get("defaultImage") or {}
+    if recorded.get("image") and revision.same_revision(recorded, raw_spec, generation):
+        return str(recorded["image"])
+    return default_image()
+
+
 @kopf.on.startup()
 def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings)
     memo.kube = Kube.from_environment()
+    memo.known = set()  # (namespace, name) of every CBDeployment reconciled: what the resync visits
+    memo.resync_stop = threading.Event()
+    memo.resync = threading.Thread(target=_resync_loop, name="cbserve-resync", daemon=True,
+                                   args=(memo.kube, memo.known, memo.resync_stop, resync_seconds()))  # fmt: skip
+    memo.resync.start()
+
+
+@kopf.on.cleanup()
+def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync_stop.set()
+    memo.resync.join(30)
+
+
+def _resync_loop(kube: Kube, known: set[tuple[str, str]], stop: threading.Event, every: float) -> None:
+    """Every `every` seconds, resync each known CBDeployment (no Kopf timer: that would put a finalizer
+    on every CBDeployment). What the events missed, and repairs that failed, are put right by then."""
+    while not stop.wait(every):
+        for namespace, name in sorted(known.copy()):  # handlers add to it meanwhile
+            if stop.is_set():
+                return
+            try:
+                if not resync(kube, namespace, name):
+                    known.discard((namespace, name))
+            except Exception as e:  # noqa: BLE001 - one object's failure must not end the loop; the next round retries
+                kopf_logger.warning(f"resync of {namespace}/{name} failed: {e}")
+
+
+def resync(kube: Kube, namespace: str, name: str) -> bool:
+    """Repair the workload and re-apply every other child of one CBDeployment (server-side apply: no
+    change, no write), then mirror its status. False when the CBDeployment is gone."""
+    if kube.get(API_VERSION, KIND, namespace, name) is None:
+        return False
+    settled = _settled_spec(kube, namespace, name)
+    if settled is None:
+        return True  # a reconcile is due or under way, or the spec is invalid: it says so itself
+    cr, spec = settled
+    api_version, kind, workload_name = workload_ref(spec)
+    workload = _repair_drift(kube, namespace, name, kind, kube.get(api_version, kind, namespace, workload_name),
+                             kopf_logger)  # fmt: skip
+    wanted, _ = render_children(spec, namespace, model_cached=_model_cached(kube, spec, namespace))
+    for child in wanted:
+        if child["kind"] == kind:
+            continue  # the workload: repaired above, rollback and model cache taken into account
+        _stamp(child, cr)
+        try:
+            kube.apply(child)
+        except ApiError as e:
+            if not (e.status == 404 and child["apiVersion"] in OPTIONAL_APIS):
+                kopf_logger.warning(f"resync of {namespace}/{name}: the {child['kind']} {child['metadata']['name']}: {e}")
+    _mirror_status(kube, namespace, name, kind, workload, kopf_logger)
+    return True
 
 
 @kopf.on.probe(id="apiserver")
@@ -40,14 +107,35 @@ def apiserver_reachable(memo: kopf.Memo, **_: Any) -> str:
     return str(memo.kube.request("GET", "/version").get("gitVersion", "unknown"))
 
 
-# Answers worth retrying: conflicts, throttling, timeouts and the server's own failures. Any other
-# 4xx (422 Invalid, 403 Forbidden, 400) says the same thing again until the spec changes.
-RETRYABLE = {408, 409, 429}
+# Answers worth retrying: conflicts, throttling, timeouts, the server's own failures, and 403
+# Forbidden (an exceeded ResourceQuota, a missing RoleBinding, a terminating namespace: each can go
+# away with no change of the spec). Any other 4xx (422 Invalid, 400) says the same thing again until
+# the spec changes.
+RETRYABLE = {403, 408, 409, 429}
 MAX_RETRY_DELAY = 300
 
 
 class ChildRefused(Exception):
     """The API server refused a child for good (a 4xx other than RETRYABLE)."""
+
+
+class ChildForbidden(kopf.TemporaryError):
+    """A 403 for a child: retried with backoff, and said in status meanwhile (`reason`, `message`)."""
+
+    def __init__(self, reason: str, message: str, delay: float) -> None:
+        super().__init__(message, delay=delay)
+        self.reason = reason
+        self.message = message
+
+
+def forbidden_reason(message: str) -> str:
+    """Why the API server answered 403, from its message: QuotaExceeded, NamespaceTerminating or Forbidden
+    (authorization: the operator's Role or ClusterRole lacks the verb)."""
+    if "exceeded quota" in message:
+        return "QuotaExceeded"
+    if "being terminated" in message:
+        return "NamespaceTerminating"
+    return "Forbidden"
 
 
 def _retry_delay(retry: int) -> int:
@@ -63,6 +151,10 @@ NO_GROUP_API = (f"resources.nodes > 1 needs the LeaderWorkerSet API ({group.API_
 def _failed(what: str, e: ApiError, retry: int) -> Exception:
     if 400 <= e.status < 500 and e.status not in RETRYABLE:
         return ChildRefused(f"the API server refused {what}: {e.message}")
+    if e.status == 403:
+        delay = _retry_delay(retry)
+        return ChildForbidden(forbidden_reason(e.message), f"the API server forbade {what} (403; retrying in "
+                              f"{delay} s, and on every change): {e.message}", delay)  # fmt: skip
     return kopf.TemporaryError(f"{what}: {e}", delay=_retry_delay(retry))
 
 
@@ -87,8 +179,10 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     warnings: list[str] = []
     for obj in wanted:
         _stamp(obj, body)
-        if obj["kind"] == DEPLOYMENT and keep_template is not None:
-            obj["spec"]["template"] = keep_template
+        if obj["kind"] == DEPLOYMENT:
+            if keep_template is not None:
+                obj["spec"]["template"] = keep_template
+            _record_template(obj, body)
         try:
             if obj["kind"] == kind and cache is not None and not cache.ready:
                 deployment = kube.get(api_version, kind, namespace, name)
@@ -118,6 +212,34 @@ def _apply_children(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
     except ApiError as e:
         raise _failed(f"cleaning up old ConfigMaps and Jobs of {spec.name}", e, retry) from e
     return deployment, warnings, cache
+
+
+def _record_template(deployment: dict[str, Any], owner: Mapping[str, Any]) -> None:
+    """Annotate the Deployment (not its pods) with the pod template applied and the spec revision it is
+    for: a later operator, whose rendering may differ, keeps it while the spec does (_recorded_template)."""
+    annotations = deployment["metadata"].setdefault("annotations", {})
+    annotations[naming.ANNOTATION_TEMPLATE] = revision.pack(deployment["spec"]["template"])
+    annotations[naming.ANNOTATION_TEMPLATE_FOR] = json.dumps(revision.stamp(
+        owner.get("spec", {}) or {}, (owner.get("metadata", {}) or {}).get("generation")), sort_keys=True)
+
+
+def _recorded_template(deployment: dict[str, Any] | None, raw_spec: Mapping[str, Any],
+                       generation: int | None) -> dict[str, Any] | None:  # fmt: skip
+    """The pod template the Deployment was last applied with, when that was for this revision of the spec
+    (replicas aside): what it keeps, whatever this operator would render now. An operator upgrade that
+    renders differently (a new flag, a new pod field) so restarts no server until its own spec changes;
+    an edit of the template by hand is drift from this template and is put back to it."""
+    annotations = ((deployment or {}).get("metadata", {}) or {}).get("annotations", {}) or {}
+    stamp, packed = annotations.get(naming.ANNOTATION_TEMPLATE_FOR), annotations.get(naming.ANNOTATION_TEMPLATE)
+    if not stamp or not packed:
+        return None
+    try:
+        recorded = json.loads(stamp)
+    except ValueError:
+        return None
+    if not isinstance(recorded, dict) or not revision.same_revision(recorded, raw_spec, generation):
+        return None
+    return revision.unpack(packed)
 
 
 def _ensure_model_job(kube: Kube, body: Mapping[str, Any], spec: CBDeploymentSpec,
@@ -177,47 +299,104 @@ def _collect_old_configs(kube: Kube, namespace: str, name: str, current: set[str
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
-              status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
+              status: kopf.Status, memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
     """Make the children match the spec. Idempotent: every child is server-side applied by name."""
-    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), patch, retry)
+    memo.known.add((namespace, name))
+    _reconcile(memo.kube, body, dict(spec), name, namespace, meta.get("generation"), dict(status), retry)
+
+
+def write_status(kube: Kube, namespace: str, name: str,
+                 update: Callable[[dict[str, Any]], dict[str, Any] | None]) -> dict[str, Any] | None:  # fmt: skip
+    """The one way the operator writes a CBDeployment's status: read it, compute the change from the
+    object as it is now (`update`; None: nothing to write), and merge-patch the status with that
+    resourceVersion, so a write computed from an older object is refused (409) and computed again.
+    Returns the object the change was computed from, or None when there was none to make."""
+    for _attempt in range(8):
+        cr = kube.get(API_VERSION, KIND, namespace, name)
+        if cr is None:
+            return None
+        change = update(cr)
+        current = cr.get("status", {}) or {}
+        if not change or all(current.get(k) == v for k, v in change.items()):
+            return None  # nothing would change (a None value: the field is absent already)
+        try:
+            kube.patch_status(API_VERSION, KIND, namespace, name, change,
+                              resource_version=cr["metadata"].get("resourceVersion"))
+            return cr
+        except ApiError as e:
+            if e.status != 409:
+                raise
+    raise kopf.TemporaryError(f"the CBDeployment {namespace}/{name} kept changing while its status was written",
+                              delay=1)  # fmt: skip
+
+
+def _conditions_of(cr: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((cr.get("status", {}) or {}).get("conditions", []) or [])
+
+
+def _write_reconciled(kube: Kube, namespace: str, name: str, fields: dict[str, Any],
+                      conditions: list[dict[str, Any]], drop: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """A reconcile's status: `fields`, and `conditions` merged into the current ones less `drop`."""
+    def update(cr: dict[str, Any]) -> dict[str, Any]:
+        merged = merge_conditions([c for c in _conditions_of(cr) if c.get("type") not in drop], conditions)
+        return {**fields, "conditions": merged, **headline(merged)}
+
+    write_status(kube, namespace, name, update)
 
 
 def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str, namespace: str,
-               generation: int | None, status: dict[str, Any], patch: kopf.Patch, retry: int = 0) -> None:
+               generation: int | None, status: dict[str, Any], retry: int = 0) -> None:
     old_conditions = list(status.get("conditions", []) or [])
+    fields: dict[str, Any] = {"observedGeneration": generation}
+    drop: set[str] = set()
 
     def failed(reason: str, message: str, ready_message: str) -> None:
         """Not a crash or retry loop: the old children keep serving until the spec changes; the
         user sees why, once, in status and an Event."""
         kopf.warn(body, reason=reason, message=message)
-        patch.status["phase"] = "Failed"
-        patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = merge_conditions(old_conditions, [
+        _write_reconciled(kube, namespace, name, {**fields, "phase": "Failed"}, [
             condition("ConfigValid", False, reason, message, generation),
             condition("Ready", False, reason, ready_message, generation),
-        ])
+        ], drop)
 
+    image = server_image(raw_spec, status, generation)
     try:
-        spec = parse_spec(name, raw_spec, default_image())
+        spec = parse_spec(name, raw_spec, image)
     except SpecError as e:
         return failed("InvalidSpec", str(e), "the spec is invalid; see ConfigValid")
     for message in spec.warnings:
         kopf.warn(body, reason="DeprecatedField", message=message)
-    rolled_back = None if spec.multi_node else _recorded_rollback(kube, namespace, name, status, generation)
+    rolled_back = None if spec.multi_node else _recorded_rollback(kube, namespace, name, status, raw_spec, generation)
     if rolled_back is None:  # a new spec rolls forward: no rollback to keep or report
-        old_conditions = [c for c in old_conditions if c.get("type") != "RolledBack"]
+        drop.add("RolledBack")
         if status.get("rolledBack"):
-            patch.status["rolledBack"] = None
+            fields["rolledBack"] = None
+    else:  # kept through this revision (a replicas change too): stamped with it
+        fields["rolledBack"] = {**status["rolledBack"], **revision.stamp(raw_spec, generation)}
+    keep = rolled_back
+    if keep is None and not spec.multi_node:
+        keep = _recorded_template(kube.get("apps/v1", DEPLOYMENT, namespace, name), raw_spec, generation)
     try:
-        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=rolled_back)
+        deployment, warnings, cache = _apply_children(kube, body, spec, namespace, retry, keep_template=keep)
     except ChildRefused as e:
         return failed("ChildRefused", str(e), "the API server refused a child; see ConfigValid")
+    except ChildForbidden as e:  # not the spec's fault: said in status, retried with backoff
+        kopf.warn(body, reason=e.reason, message=e.message)
+        phase = status.get("phase")
+        _write_reconciled(kube, namespace, name, {
+            **fields, "phase": "Pending" if phase in (None, "Pending", "Failed") else phase}, [
+            condition("ConfigValid", True, "Valid", "the spec is valid", generation),
+            condition("Ready", False, e.reason, e.message, generation),
+            condition("Progressing", True, e.reason, e.message, generation),
+        ], drop)  # fmt: skip
+        raise
     for message in warnings:
         kopf.warn(body, reason="OptionalChildSkipped", message=message)
-    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation, workload_ref(spec)[1])
+    phase, counts, rollout = rollout_status(deployment, spec.replicas, generation, workload_ref(spec)[1],
+                                            _pods_problem(kube, namespace, name, deployment))  # fmt: skip
     valid_message = "; ".join(warnings) or "the spec is valid"
     if cache is None:  # no cache (any more): no ModelCached condition
-        old_conditions = [c for c in old_conditions if c.get("type") != "ModelCached"]
+        drop.add("ModelCached")
     else:
         rollout.append(condition("ModelCached", cache.ready, cache.reason, cache.message, generation))
         if not cache.ready:
@@ -227,16 +406,29 @@ def _reconcile(kube: Kube, body: kopf.Body, raw_spec: dict[str, Any], name: str,
         before: dict[str, Any] = next((c for c in old_conditions if c.get("type") == "ModelCached"), {})
         if cache.failed and before.get("reason") != "DownloadFailed":
             kopf.warn(body, reason="ModelDownloadFailed", message=cache.message)
-    patch.status.update({
+    fields.update({
         "phase": phase,
         **counts,
         "selector": naming.selector_string(name, servers_only=spec.multi_node),  # what an HPA averages over
         "url": naming.service_url(name, namespace, spec.service.port),
         "configHash": owned_template_fields(served_template(deployment or {}))[0],
-        "observedGeneration": generation,
-        "conditions": merge_conditions(old_conditions, [
-            condition("ConfigValid", True, "Valid", valid_message, generation), *rollout]),
+        "defaultImage": None if raw_spec.get("image") else {"image": image, **revision.stamp(raw_spec, generation)},
     })
+    _write_reconciled(kube, namespace, name, fields,
+                      [condition("ConfigValid", True, "Valid", valid_message, generation), *rollout], drop)
+
+
+def _pods_problem(kube: Kube, namespace: str, owner: str, workload: dict[str, Any] | None) -> Problem | None:
+    """Why the owner's pods do not start (pods.py), from the workload and the pods as they are."""
+    if workload is None:
+        return None
+    try:
+        pods = kube.list("v1", "Pod", namespace,
+                         f"{naming.selector_string(owner)},{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY}")
+    except ApiError as e:  # the rollout's own status still says what it can
+        kopf_logger.warning(f"listing the pods of {namespace}/{owner}: {e}")
+        return None
+    return first_problem(workload, pods)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY})
@@ -257,6 +449,23 @@ def mirror_deployment(body: kopf.Body, namespace: str, labels: kopf.Labels, type
     _mirror_status(kube, namespace, owner, kind, workload, logger)
 
 
+@kopf.on.event("", "v1", "pods", labels=MANAGED)
+def pod_changed(namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo, logger: kopf.Logger,
+                **_: Any) -> None:  # fmt: skip
+    """A server pod changed (scheduled or not, pulling, crashing, ready): mirror its workload again, so
+    status says why pods do not start within one event (pods.py)."""
+    owner = labels.get(naming.LABEL_OWNER)
+    if not owner or type is None or labels.get(naming.LABEL_COMPONENT) not in ("server", "worker"):
+        return  # the initial listing (resume covers it), or a download Job's pod
+    kube: Kube = memo.kube
+    cr = kube.get(API_VERSION, KIND, namespace, owner)
+    if cr is None:
+        return
+    kind, name = (GROUP_KIND, naming.group_name(owner)) if _multi_node(cr) else (DEPLOYMENT, owner)
+    api_version = group.API_VERSION if kind == GROUP_KIND else "apps/v1"
+    _mirror_status(kube, namespace, owner, kind, kube.get(api_version, kind, namespace, name), logger)
+
+
 def _multi_node(cr: dict[str, Any]) -> bool:
     """Whether the CBDeployment asks for groups of pods (read without parsing: the spec may be invalid)."""
     nodes = (((cr.get("spec", {}) or {}).get("resources", {}) or {}).get("nodes", 1))
@@ -265,37 +474,38 @@ def _multi_node(cr: dict[str, Any]) -> bool:
 
 def _mirror_status(kube: Kube, namespace: str, owner: str, kind: str, deployment: dict[str, Any] | None,
                    logger: kopf.Logger) -> None:  # fmt: skip
-    """Patch the CBDeployment's status from `deployment` (a Deployment or LeaderWorkerSet, `kind`),
-    re-reading the owner on conflicts; nothing when the owner's spec runs the other kind."""
-    for _attempt in range(5):
-        cr = kube.get(API_VERSION, KIND, namespace, owner)
-        if cr is None or _multi_node(cr) != (kind == GROUP_KIND):
-            return
+    """Patch the CBDeployment's status from `deployment` (a Deployment or LeaderWorkerSet, `kind`)
+    through write_status; nothing when the owner's spec runs the other kind."""
+    problem = _pods_problem(kube, namespace, owner, deployment)
+    outcome: dict[str, Any] = {}
+
+    def update(cr: dict[str, Any]) -> dict[str, Any] | None:
+        if _multi_node(cr) != (kind == GROUP_KIND):
+            return None
         if deployment is not None and not _owned_by(deployment, cr):
-            return
+            return None
         status = cr.get("status", {}) or {}
         desired = int((cr.get("spec", {}) or {}).get("replicas", 1))
-        reconciled = status.get("observedGeneration")
-        phase, counts, rollout = rollout_status(deployment, desired, reconciled, kind)
+        phase, counts, rollout = rollout_status(deployment, desired, status.get("observedGeneration"), kind, problem)
         new_status: dict[str, Any] = {**counts}
         # an invalid spec, or a model not cached yet, decides the phase and Ready: not the Deployment
-        held = [c for c in status.get("conditions", []) or [] if c.get("type") in ("ConfigValid", "ModelCached")
+        held = [c for c in _conditions_of(cr) if c.get("type") in ("ConfigValid", "ModelCached")
                 and c.get("status") == "False"]  # fmt: skip
         if not held:
             new_status["phase"] = phase
-            new_status["conditions"] = merge_conditions(status.get("conditions", []) or [], rollout)
-        try:
-            kube.patch_status(API_VERSION, KIND, namespace, owner, new_status,
-                              resource_version=cr["metadata"].get("resourceVersion"))
-        except ApiError as e:
-            if e.status == 409:
-                continue  # the CBDeployment changed since we read it: read again
-            raise
-        if new_status.get("phase") == "Degraded" and status.get("phase") != "Degraded":
-            kopf.warn(cr, reason="RolloutStuck",
-                      message=next(c["message"] for c in rollout if c["type"] == "Degraded"))
+            new_status["conditions"] = merge_conditions(_conditions_of(cr), rollout)
+            new_status.update(headline(new_status["conditions"]))
+        outcome.update(before=status.get("phase"), after=new_status.get("phase"), rollout=rollout)
+        return new_status
+
+    try:
+        cr = write_status(kube, namespace, owner, update)
+    except kopf.TemporaryError as e:
+        logger.warning(f"gave up mirroring {namespace}/{owner}: {e}")
         return
-    logger.warning(f"gave up mirroring {namespace}/{owner}: it kept changing")
+    if cr is not None and outcome.get("after") == "Degraded" and outcome.get("before") != "Degraded":
+        kopf.warn(cr, reason="RolloutStuck",
+                  message=next(c["message"] for c in outcome["rollout"] if c["type"] == "Degraded"))
 
 
 def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any], CBDeploymentSpec] | None:
@@ -307,16 +517,18 @@ def _settled_spec(kube: Kube, namespace: str, owner: str) -> tuple[dict[str, Any
         return None
     if (cr.get("status", {}) or {}).get("observedGeneration") != cr["metadata"].get("generation"):
         return None
+    raw_spec, status = cr.get("spec", {}) or {}, cr.get("status", {}) or {}
     try:
-        return cr, parse_spec(owner, cr.get("spec", {}), default_image())
+        return cr, parse_spec(owner, raw_spec, server_image(raw_spec, status, cr["metadata"].get("generation")))
     except SpecError:
         return None
 
 
 def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment: dict[str, Any] | None,
                   logger: kopf.Logger) -> dict[str, Any] | None:  # fmt: skip
-    """Put back a deleted Deployment (or LeaderWorkerSet, `kind`), or one whose replicas, image, command
-    or config hash (a group's size) were edited; one of the layout the spec no longer runs is left to go.
+    """Put back a deleted Deployment (or LeaderWorkerSet, `kind`), or one with any field the operator
+    renders edited (replicas, image, command, config hash, a group's size, resources, env, probes,
+    tolerations, securityContext...); one of the layout the spec no longer runs is left to go.
 
     Level-based without a timer (a Kopf timer would add a finalizer to every CBDeployment): the
     workload's own events tell when it drifted from what the current spec renders.
@@ -333,15 +545,20 @@ def _repair_drift(kube: Kube, namespace: str, owner: str, kind: str, deployment:
         return deployment  # held as it is until the model is cached (the reconcile says so in status)
     wanted, _ = render_children(spec, namespace, model_cached=cached)
     desired = next(o for o in wanted if o["kind"] == kind)
-    if deployment is not None and fingerprint(deployment) == fingerprint(desired):
+    kept = None
+    if kind == DEPLOYMENT:
+        kept = _recorded_template(deployment, cr.get("spec", {}) or {}, cr["metadata"].get("generation"))
+        if kept is not None:
+            desired["spec"]["template"] = kept
+    if deployment is not None and in_sync(deployment, desired):
         return deployment
     if kind == DEPLOYMENT and deployment is not None and _earlier_render(kube, namespace, owner, deployment, desired):
         return _keep_rollback(kube, namespace, cr, spec, deployment, desired["spec"]["replicas"], logger)
     what = "deleted" if deployment is None else "changed outside its CBDeployment"
     logger.info(f"the {kind} of {namespace}/{owner} was {what}; restoring it")
     try:
-        restored, _, _ = _apply_children(kube, cr, spec, namespace)
-    except ChildRefused as e:  # the reconcile of this spec met the same refusal and says so in status
+        restored, _, _ = _apply_children(kube, cr, spec, namespace, keep_template=kept)
+    except (ChildRefused, ChildForbidden) as e:  # the reconcile of this spec meets the same and says so in status
         logger.warning(str(e))
         return deployment
     reason = f"{kind}Recreated" if deployment is None else f"{kind}Restored"
@@ -366,12 +583,13 @@ def _earlier_render(kube: Kube, namespace: str, owner: str, deployment: dict[str
     return kube.get("v1", "ConfigMap", namespace, _config_map_of(owner, template)) is not None
 
 
-def _recorded_rollback(kube: Kube, namespace: str, name: str, status: dict[str, Any],
+def _recorded_rollback(kube: Kube, namespace: str, name: str, status: dict[str, Any], raw_spec: dict[str, Any],
                        generation: int | None) -> dict[str, Any] | None:  # fmt: skip
-    """The pod template to keep when status records a rollout undo of this very generation (an
-    operator restart or a label edit re-runs the reconcile: the rollback stays); else None."""
+    """The pod template to keep when status records a rollout undo of this revision of the spec (an
+    operator restart or a label edit re-runs the reconcile; an autoscaler's replicas bump the
+    generation but change no more: the rollback stays); else None."""
     recorded = status.get("rolledBack") or {}
-    if not recorded or recorded.get("generation") != generation:
+    if not revision.same_revision(recorded, raw_spec, generation):
         return None
     deployment = kube.get("apps/v1", "Deployment", namespace, name)
     template = (deployment or {}).get("spec", {}).get("template")
@@ -389,7 +607,7 @@ def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeplo
     owner, generation = cr["metadata"]["name"], cr["metadata"].get("generation")
     status = cr.get("status", {}) or {}
     recorded = status.get("rolledBack") or {}
-    known = recorded.get("render") == digest and recorded.get("generation") == generation
+    known = recorded.get("render") == digest and revision.same_revision(recorded, cr.get("spec", {}) or {}, generation)
     if known and deployment["spec"].get("replicas") == replicas:
         return deployment  # already kept and reported: the pods of the undo rolling out
     try:
@@ -402,16 +620,14 @@ def _keep_rollback(kube: Kube, namespace: str, cr: dict[str, Any], spec: CBDeplo
     config_hash = owned_template_fields(template)[0]
     message = (f"kubectl rollout undo brought back an earlier revision (engine config {config_hash}); the "
                f"operator keeps it until the CBDeployment's spec changes")
-    rolled = {"generation": generation, "configHash": config_hash, "render": digest}
-    conditions = merge_conditions(status.get("conditions", []) or [],
-                                  [condition("RolledBack", True, "RolloutUndone", message, generation)])
-    kube.patch_status(API_VERSION, KIND, namespace, owner, {"rolledBack": rolled, "conditions": conditions})
+    rolled = {**revision.stamp(cr.get("spec", {}) or {}, generation), "configHash": config_hash, "render": digest}
+    undone = condition("RolledBack", True, "RolloutUndone", message, generation)
+    write_status(kube, namespace, owner, lambda now: {
+        "rolledBack": rolled, "conditions": merge_conditions(_conditions_of(now), [undone])})
     kopf.warn(cr, reason="RolloutUndone", message=message)
     logger.info(f"{namespace}/{owner}: {message}")
     return kept
 
-
-MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 
 
 def _changed_childs_owner(kube: Kube, namespace: str, labels: kopf.Labels, type: str | None) -> Any:
@@ -436,17 +652,16 @@ def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type
     owner = cr["metadata"]["name"]
     if not spec.model.cache.enabled or body["metadata"]["name"] != model_cache.job_name(spec):
         return  # a Job of an earlier revision
-    patch = kopf.Patch()
     try:
         _reconcile(kube, cr, dict(cr.get("spec", {})), owner, namespace, cr["metadata"].get("generation"),
-                   dict(cr.get("status", {}) or {}), patch)  # fmt: skip
-        kube.patch_status(API_VERSION, KIND, namespace, owner, dict(patch.status))
+                   dict(cr.get("status", {}) or {}))  # fmt: skip
     except (kopf.TemporaryError, ApiError) as e:  # the next event, or the next reconcile, tries again
         logger.warning(f"reconciling {namespace}/{owner} after its Job changed: {e}")
 
 
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)
 @kopf.on.event("", "v1", "services", labels=MANAGED)
+@kopf.on.event("", "v1", "persistentvolumeclaims", labels=MANAGED)  # the model cache's claim
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=MANAGED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 @kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=MANAGED)  # watched once KEDA's CRD exists

@@ -18,6 +18,7 @@ from .naming import FIELD_MANAGER
 
 PLURALS = {
     "ConfigMap": "configmaps",
+    "Pod": "pods",
     "Service": "services",
     "Event": "events",
     "Deployment": "deployments",

@@ -26,6 +26,14 @@ def claim_name(spec: CBDeploymentSpec) -> str:
     return spec.model.cache.claim_name or naming.model_cache_claim(spec.name)
 
 
+def pins_one_node(spec: CBDeploymentSpec) -> bool:
+    """Whether the server pods must share one node: the claim the operator creates is ReadWriteOnce,
+    which attaches to one node at a time (a pod elsewhere, a surge pod included, would hang in
+    ContainerCreating on Multi-Attach). A group (resources.nodes > 1) is refused that claim."""
+    cache = spec.model.cache
+    return cache.enabled and cache.claim_name is None and cache.access_mode == "ReadWriteOnce"
+
+
 def job_name(spec: CBDeploymentSpec) -> str:
     """Named by the model, revision and claim: a change of any of them is a new download."""
     return naming.model_job_name(spec.name, spec.model.uri, claim_name(spec))
@@ -74,6 +82,7 @@ def render_job(spec: CBDeploymentSpec) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the download never calls the Kubernetes API
         "containers": [container],
         "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": claim_name(spec)}},
                     {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}],  # fmt: skip

@@ -16,6 +16,9 @@ LABEL_OWNER = "cbserve.io/cbdeployment"  # the owning CBDeployment's name, for s
 ANNOTATION_CONFIG_HASH = "cbserve.io/config-hash"
 # on the pod template: a digest of the fields the operator owns there (see workload.render_digest)
 ANNOTATION_RENDER = "cbserve.io/render"
+# on the Deployment: the pod template the operator applied (zlib, base64) and the spec revision it was for
+ANNOTATION_TEMPLATE = "cbserve.io/applied-template"
+ANNOTATION_TEMPLATE_FOR = "cbserve.io/applied-template-for"
 ANNOTATION_USED_AT = "cbserve.io/used-at-generation"  # on engine ConfigMaps: the owner's generation that last applied it
 
 CONTAINER_NAME = "server"

@@ -206,6 +206,31 @@ def parse_model_uri(uri: Any) -> ModelSource:
 ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany")
 
 
+RWO_MANY_PODS = ("model.cache with more than one pod (replicas > 1, or autoscaling up to more) needs "
+                 "model.cache.accessMode set: ReadWriteMany (a storage class that offers it: EFS, Filestore, Azure "
+                 "Files, CephFS, NFS) for pods on any node, or ReadWriteOnce to keep every pod on the one node the "
+                 "volume attaches to (EBS, PD and Azure Disk attach to one node; a pod elsewhere would hang in "
+                 "ContainerCreating)")
+RWO_GROUP = ("model.cache with resources.nodes > 1 needs model.cache.accessMode: ReadWriteMany: a group's pods run "
+             "on several nodes, and a ReadWriteOnce volume attaches to one")
+
+
+def many_pods(replicas: int, autoscaling: "Autoscaling") -> bool:
+    """Whether the Deployment may run more than one pod."""
+    return replicas > 1 or (autoscaling.enabled and autoscaling.max_replicas > 1)
+
+
+def _check_cache_access(r: "_Reader", data: dict[str, Any], cache: ModelCache, replicas: int,
+                        autoscaling: "Autoscaling", nodes: int) -> None:  # fmt: skip
+    """A claim the operator creates for pods on several nodes: ReadWriteMany, or ReadWriteOnce by choice."""
+    if not cache.enabled or cache.claim_name is not None:
+        return  # an existing claim's access mode is its owner's business
+    if nodes > 1:
+        r.check(cache.access_mode == "ReadWriteMany", RWO_GROUP)
+    else:
+        r.check("accessMode" in data or not many_pods(replicas, autoscaling), RWO_MANY_PODS)
+
+
 def _parse_cache(r: "_Reader", data: dict[str, Any], model: ModelSource | None) -> ModelCache:
     """model.cache: the rules the CRD states on `spec.model`, again (an old object, no CEL)."""
     claim_name = r.get(data, "model.cache.claimName", (str,))
@@ -270,6 +295,7 @@ _COUNT_OR_PERCENT = "an integer >= 0 or a percentage like 50%"
 # the operator's own volumes and mount paths in the server pod (workload.py)
 RESERVED_VOLUMES = ("config", "cache", "tmp", "dshm", "model")
 RESERVED_MOUNTS = ("/dev/shm", "/etc/cbserve", "/cache", "/tmp")
+MAX_POD_LIST_ITEMS = 64  # the CRD's maxItems of podTemplate.volumes and volumeMounts (bounds its CEL rules' cost)
 
 
 def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDeploymentSpec:
@@ -318,12 +344,17 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     r.check(bool(_RESOURCE_NAME.match(resources.gpu_resource_name)) and len(resources.gpu_resource_name) <= 253,
             f"resources.gpuResourceName must be an extended resource name such as nvidia.com/gpu, "
             f"got {resources.gpu_resource_name!r}")
+    r.check("kubernetes.io/" not in resources.gpu_resource_name and not resources.gpu_resource_name.startswith("requests."),
+            "resources.gpuResourceName must be an extended resource name: the API server keeps names in the "
+            "kubernetes.io domains and those starting with requests. for its own")
 
     warnings: list[str] = []
     engine = _parse_engine(r, r.section(spec, "engine"), warnings)
     _check_gpu_engine(r, resources.gpu, engine)
     _check_parallel(r, name, resources, heads)
     autoscaling = _parse_autoscaling(r, r.section(spec, "autoscaling"))
+    cache_data: dict[str, Any] = model_data["cache"] if isinstance(model_data.get("cache"), dict) else {}
+    _check_cache_access(r, cache_data, cache, replicas, autoscaling, resources.nodes)
 
     svc = r.section(spec, "service")
     service = Service(
@@ -362,7 +393,8 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
                 or (isinstance(value, str) and bool(_PERCENT.match(value))),
                 f"pdb.{key} must be {_COUNT_OR_PERCENT}, got {value!r}")
 
-    rollout = _parse_rollout(r, r.section(spec, "rollout"), gpu=resources.gpu > 0)
+    rollout = _parse_rollout(r, r.section(spec, "rollout"),
+                             no_spare=resources.gpu > 0 and (replicas > 1 or resources.nodes > 1))
 
     sm = r.section(spec, "serviceMonitor")
     service_monitor = ServiceMonitor(
@@ -515,14 +547,17 @@ _PERCENT = re.compile(r"^(100|[1-9]?\d)%$")
 ROLLOUT_STRATEGIES = ("RollingUpdate", "Recreate")
 
 
-def _parse_rollout(r: _Reader, data: dict[str, Any], gpu: bool) -> Rollout:
-    """RollingUpdate by default: on GPUs one pod down at a time and none extra (a full GPU cluster has
-    no GPU for a surge pod, which would sit Pending until the progress deadline), elsewhere one extra
-    pod and none down (a new pod loads its model before an old one leaves)."""
+def _parse_rollout(r: _Reader, data: dict[str, Any], no_spare: bool) -> Rollout:
+    """RollingUpdate by default. A new pod loads its model before an old one leaves (maxSurge 1,
+    maxUnavailable 0), so one replica keeps serving through a rollout; on a GPU that surge pod needs
+    a spare GPU, and without one it waits Pending while the old pod serves. `no_spare`: GPU pods of
+    more than one replica, or groups: one down at a time and none extra (maxSurge 0, maxUnavailable
+    1), since the others serve meanwhile and a full GPU pool has no room for a surge pod or group.
+    An unset maxUnavailable is 1 when maxSurge is 0, else 0."""
     strategy = r.get(data, "rollout.strategy", (str,), "RollingUpdate")
     r.check(strategy in ROLLOUT_STRATEGIES, f"rollout.strategy must be one of {ROLLOUT_STRATEGIES}, got {strategy!r}")
-    surge = r.get(data, "rollout.maxSurge", (int, str), 0 if gpu else 1)
-    unavailable = r.get(data, "rollout.maxUnavailable", (int, str), 1 if gpu else 0)
+    surge = r.get(data, "rollout.maxSurge", (int, str), 0 if no_spare else 1)
+    unavailable = r.get(data, "rollout.maxUnavailable", (int, str), 1 if surge in (0, "0%") else 0)
     for key, value in (("maxSurge", surge), ("maxUnavailable", unavailable)):
         r.check((isinstance(value, int) and value >= 0) or (isinstance(value, str) and bool(_PERCENT.match(value))),
                 f"rollout.{key} must be an integer >= 0 or a percentage like 25%, got {value!r}")
@@ -531,7 +566,8 @@ def _parse_rollout(r: _Reader, data: dict[str, Any], gpu: bool) -> Rollout:
                 "rollout.maxSurge and rollout.maxUnavailable apply to RollingUpdate only, not Recreate")
     else:
         r.check(surge not in (0, "0%") or unavailable not in (0, "0%"),
-                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: no pod could ever be replaced")
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: no pod could ever be replaced "
+                "(unset, maxSurge is 0 for GPU pods of more than one replica or groups, else 1)")
     return Rollout(strategy, surge, unavailable)
 
 
@@ -552,6 +588,8 @@ def _parse_pod_template(r: _Reader, p: dict[str, Any]) -> PodTemplate:
         volume_mounts=list(r.get(p, "podTemplate.volumeMounts", (list,), [])),
         termination_grace_period_seconds=r.get(p, "podTemplate.terminationGracePeriodSeconds", (int,), 120),
     )
+    for path, items in (("podTemplate.volumes", tpl.volumes), ("podTemplate.volumeMounts", tpl.volume_mounts)):
+        r.check(len(items) <= MAX_POD_LIST_ITEMS, f"{path} may have at most {MAX_POD_LIST_ITEMS} items")
     for path, items in (("podTemplate.env", tpl.env), ("podTemplate.volumes", tpl.volumes),
                         ("podTemplate.volumeMounts", tpl.volume_mounts)):
         r.check(all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items),

@@ -1,10 +1,13 @@
 """The CBDeployment's status: phase, replica counts and conditions, derived from its Deployment (or
-LeaderWorkerSet: the same status fields, counted in groups, and no progress deadline)."""
+LeaderWorkerSet: the same status fields, counted in groups, and no progress deadline) and from why
+its pods do not start (pods.py)."""
 
 from __future__ import annotations
 
 import datetime
 from typing import Any
+
+from .pods import Problem
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "ModelCached", "RolledBack")  # the CRD's enum
 
@@ -38,10 +41,21 @@ def _deployment_condition(deployment: dict[str, Any], type_: str) -> dict[str, A
     return {}
 
 
+def headline(conditions: list[dict[str, Any]]) -> dict[str, Any]:
+    """`status.reason` and `status.message` (the REASON column): the Ready condition's while it is
+    False, else none."""
+    ready = next((c for c in conditions if c.get("type") == "Ready"), {})
+    if ready.get("status") == "True" or not ready:
+        return {"reason": None, "message": None}
+    return {"reason": ready.get("reason"), "message": ready.get("message")}
+
+
 def rollout_status(deployment: dict[str, Any] | None, desired: int, generation: int | None,
-                   kind: str = "Deployment") -> tuple[str, dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+                   kind: str = "Deployment", problem: Problem | None = None,
+                   ) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
     """(phase, replica fields, Ready/Progressing/Degraded conditions) from the status of the Deployment,
-    or of the LeaderWorkerSet (`kind`), whose replicas are groups."""
+    or of the LeaderWorkerSet (`kind`), whose replicas are groups; `problem`: why pods do not start
+    (pods.first_problem), which names Ready's and Progressing's reason until the rollout is done."""
     unit = "groups" if kind == "LeaderWorkerSet" else "pods"
     if deployment is None:
         conds = [
@@ -65,6 +79,8 @@ def rollout_status(deployment: dict[str, Any] | None, desired: int, generation: 
 
     if stuck:
         message = progressing.get("message") or "the rollout exceeded its progress deadline"
+        if problem is not None:
+            message = f"{message}; {problem.reason}: {problem.message}"
         phase = "Degraded"
         conds = [
             condition("Ready", ready >= desired and desired > 0, "RolloutStuck", f"{ready}/{desired} {unit} ready", generation),
@@ -77,6 +93,14 @@ def rollout_status(deployment: dict[str, Any] | None, desired: int, generation: 
             condition("Ready", True, "AllReplicasReady", f"{ready}/{desired} {unit} ready", generation),
             condition("Progressing", False, "RolloutComplete", f"every {unit[:-1]} runs the current spec", generation),
             condition("Degraded", False, "AllReplicasReady", "", generation),
+        ]
+    elif problem is not None:
+        phase = "Progressing" if seen or current else "Pending"
+        counted = f"{ready}/{desired} {unit} ready, {updated} updated"
+        conds = [
+            condition("Ready", False, problem.reason, f"{counted}; {problem.message}", generation),
+            condition("Progressing", True, problem.reason, problem.message, generation),
+            condition("Degraded", False, problem.reason, "", generation),
         ]
     else:
         phase = "Progressing" if seen or current else "Pending"

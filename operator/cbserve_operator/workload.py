@@ -5,6 +5,7 @@ Its server container and pod template are the leader's in a multi-node group too
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -12,7 +13,7 @@ import re
 from typing import Any
 
 from . import naming, parallel
-from .model_cache import claim_name
+from .model_cache import claim_name, pins_one_node
 from .spec import CBDeploymentSpec
 
 # Model load can take many minutes (download, weights to GPU, CUDA graph capture):
@@ -197,6 +198,17 @@ def server_container(spec: CBDeploymentSpec) -> dict[str, Any]:
     }
 
 
+def _affinity(spec: CBDeploymentSpec) -> dict[str, Any] | None:
+    """podTemplate.affinity, plus, on a ReadWriteOnce model cache, a required pod affinity to the node
+    the other server pods run on (the first pod matches its own term and goes anywhere)."""
+    affinity = copy.deepcopy(spec.pod_template.affinity) or {}
+    if pins_one_node(spec):
+        required = affinity.setdefault("podAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+        required.append({"labelSelector": {"matchLabels": naming.selector_labels(spec.name)},
+                         "topologyKey": "kubernetes.io/hostname"})  # fmt: skip
+    return affinity or None
+
+
 def pod_template(spec: CBDeploymentSpec, config_hash: str, container: dict[str, Any],
                  component: str = "server") -> dict[str, Any]:  # fmt: skip
     """A hardened pod template around `container`, mounting the engine ConfigMap of `config_hash`;
@@ -207,6 +219,7 @@ def pod_template(spec: CBDeploymentSpec, config_hash: str, container: dict[str, 
         "volumes": _volumes(spec, config_hash),
         "terminationGracePeriodSeconds": tpl.termination_grace_period_seconds,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
@@ -220,7 +233,7 @@ def pod_template(spec: CBDeploymentSpec, config_hash: str, container: dict[str, 
     optional = {
         "nodeSelector": tpl.node_selector,
         "tolerations": tpl.tolerations,
-        "affinity": tpl.affinity,
+        "affinity": _affinity(spec),
         "topologySpreadConstraints": spread,
         "priorityClassName": tpl.priority_class_name,
         "runtimeClassName": tpl.runtime_class_name,

@@ -6,22 +6,33 @@ kmock 0.8 as shipped fails real clients in many small ways (see the Kubernetes r
 request handling with one that behaves like an API server where clients look:
 
 - discovery: `/api` with the `v1` group-version, `/apis`, per-group-version resource lists with
-  subresources, `/version` 1.34; CRDs created through the API are served at once (Established);
+  subresources, `/version` 1.34, `/openapi/v3` for custom resources (what `kubectl explain` reads); CRDs created through the API are served at once (Established);
 - objects get uid, resourceVersion (one cluster-wide counter), generation (bumped by spec changes
   only), creationTimestamp; `generateName`; `namespace` from the URL;
 - status subresources: the main endpoint ignores `status`, `/status` changes nothing else (and is
   pruned and validated against the CRD's status schema, as the API server does);
-  the scale subresource (Scale objects) for Deployments and CRDs that declare it;
+  the scale subresource (Scale objects) for Deployments and CRDs that declare it (a custom
+  resource's new replicas are judged by its CRD's schema and rules, as the API server does);
 - merge, strategic-merge (approximated as merge), JSON-patch (a failed `test` is 422) and
-  server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces;
+  server-side apply (creates a missing object; YAML bodies parsed) patches; PUT replaces; field
+  ownership as server-side apply keeps it: each manager's fields (lists atomic), a conflict (409)
+  when an apply changes another manager's field without `force`, fields an apply leaves out that
+  its manager applied before removed, updates (patches, PUT, the scale subresource) taking over
+  the fields they change;
   a `metadata.resourceVersion` precondition answers 409 Conflict; a no-op write changes nothing;
-- lists carry kind, apiVersion and the current resourceVersion; label and field selectors;
+- lists carry kind, apiVersion and the current resourceVersion; label and field selectors; pages
+  (`limit` and `continue`, with `remainingItemCount`); `items_sent` counts the objects each client
+  (User-Agent) received in lists and watch events;
 - watches are JSON lines (application/json), honour `resourceVersion` (only later events) and
   `timeoutSeconds`; finalizers delay deletion;
 - `kubectl get` Tables with the CRD's printer columns (and `-o wide` priority columns);
 - deleting an object deletes what it owns (background cascading garbage collection);
 - custom resources are pruned, defaulted and validated against their CRD's schema, CEL rules and
-  list types (no duplicate keys in an `x-kubernetes-list-type: map` list, nor items in a `set`).
+  list types (no duplicate keys in an `x-kubernetes-list-type: map` list, nor items in a `set`);
+- creates in a terminating namespace, or over a ResourceQuota's object count, are 403s in the API
+  server's words (NamespaceLifecycle and ResourceQuota admission; no compute-resource quotas);
+  a CRD whose rule's estimated CEL cost is over the per-rule limit is refused (a coarse estimate:
+  list macros over lists without maxItems, strings without maxLength).
 
 Still missing by design: controllers (a Deployment never becomes ready and makes no ReplicaSets on
 its own: tests patch its status and create what the controller would), admission webhooks, RBAC
@@ -34,6 +45,8 @@ enforcement, protobuf.
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
 import copy
 import datetime
 import json
@@ -41,9 +54,9 @@ import re
 import secrets
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp.web
 import attrs
@@ -54,6 +67,7 @@ from kmock import KubernetesEmulator, ResourceInfo, resource
 from kmock._internal.k8s import KubernetesError
 
 Obj = dict[str, Any]
+T = TypeVar("T")
 ServerVersion = {"major": "1", "minor": "34", "gitVersion": "v1.34.0", "platform": "linux/amd64"}
 
 
@@ -138,6 +152,58 @@ def _merge(base: Any, patch: Any, strategic: bool = False) -> Any:
     return result
 
 
+FieldPath = tuple[str, ...]
+_MISSING = object()
+# what server-side apply never records as a manager's field
+_UNOWNED = {("apiVersion",), ("kind",), ("metadata", "name"), ("metadata", "namespace"),
+            ("metadata", "resourceVersion"), ("metadata", "uid"), ("metadata", "generation"),
+            ("metadata", "creationTimestamp"), ("metadata", "managedFields"), ("metadata", "deletionTimestamp")}
+
+
+def _fields(obj: Any, prefix: FieldPath = ()) -> dict[FieldPath, Any]:
+    """The leaf fields of an object, by path: maps are walked, lists are one field (atomic), as
+    server-side apply sees them without the schema's list keys."""
+    if isinstance(obj, dict) and obj:
+        out: dict[FieldPath, Any] = {}
+        for key, value in obj.items():
+            path = (*prefix, key)
+            if path not in _UNOWNED:
+                out.update(_fields(value, path))
+        return out
+    return {prefix: obj} if prefix else {}
+
+
+def _at(obj: Any, path: FieldPath) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
+def _overlaps(a: FieldPath, b: FieldPath) -> bool:
+    return a[: len(b)] == b or b[: len(a)] == a
+
+
+def _remove_field(obj: Obj, path: FieldPath) -> None:
+    """Remove a field, and the maps it leaves empty."""
+    chain = [obj]
+    for key in path[:-1]:
+        nxt = chain[-1].get(key)
+        if not isinstance(nxt, dict):
+            return
+        chain.append(nxt)
+    chain[-1].pop(path[-1], None)
+    for parent, key in zip(reversed(chain[:-1]), reversed(path[:-1])):
+        if parent.get(key) == {}:
+            del parent[key]
+
+
+def _manager(params: dict[str, str], agent: str) -> str:
+    """The field manager of a write: `fieldManager`, else the User-Agent up to its first '/'."""
+    return params.get("fieldManager") or agent.split("/")[0] or "unknown"
+
+
 def _jsonpath(obj: Obj, path: str) -> Any:
     """The dotted subset of JSONPath printer columns use: `.spec.model.uri`."""
     value: Any = obj
@@ -206,6 +272,49 @@ def _cel_problems(schema: Obj, value: Any, path: str) -> list[str]:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
             problems += _cel_problems(schema["items"], item, f"{path}[{i}]")
+    return problems
+
+
+_MAX_REQUEST_BYTES = 3 * 1024 * 1024  # the API server's request size limit, which bounds what CEL may be handed
+_RULE_COST_LIMIT = 10_000_000  # apiextensions' StaticEstimatedCostLimit, per rule
+_STRING_COST_FACTOR = 0.1  # CEL's cost of traversing one character
+_LIST_MACRO = re.compile(r"\bself\.(all|exists|exists_one|map|filter)\(\s*(\w+)\s*,")
+
+
+def _rule_cost(schema: Obj, rule: str) -> float:
+    """A coarse upper estimate of a rule's CEL cost, the part the API server's estimator makes decisive:
+    a macro over the list at the rule's node costs, per item, a few steps plus a traversal of each
+    string of the item it reads; the list holds maxItems items, or without it as many as fit in a
+    request (3 MiB over the smallest item: 2 bytes); a string without maxLength may be a request long."""
+    m = _LIST_MACRO.search(rule)
+    if m is None or schema.get("type") != "array":
+        return 0.0
+    items = schema.get("items") or {}
+    smallest = 1 if items.get("type") in ("integer", "number", "boolean") else 2
+    count = schema.get("maxItems", _MAX_REQUEST_BYTES // (smallest + 1))
+    var = m[2]
+    strings = [items] if items.get("type") == "string" and re.search(rf"\b{var}\b", rule) else []
+    strings += [sub for key, sub in (items.get("properties") or {}).items()
+                if sub.get("type") == "string" and re.search(rf"\b{var}\.{key}\b", rule)]  # fmt: skip
+    return count * (10 + sum(_STRING_COST_FACTOR * s.get("maxLength", _MAX_REQUEST_BYTES) for s in strings))
+
+
+def _cost_problems(schema: Any, path: str) -> list[str]:
+    """Every rule of a CRD version's schema whose estimated cost is over the per-rule limit, in the API
+    server's words (it refuses such a CRD, at create and update)."""
+    if not isinstance(schema, dict):
+        return []
+    problems = []
+    for i, rule in enumerate(schema.get("x-kubernetes-validations") or []):
+        cost = _rule_cost(schema, rule.get("rule", ""))
+        if cost > _RULE_COST_LIMIT:
+            problems.append(f"{path}.x-kubernetes-validations[{i}].rule: Forbidden: estimated rule cost exceeds "
+                            f"budget by factor of {cost / _RULE_COST_LIMIT:.1f}x (try simplifying the rule, or adding "
+                            "maxItems, maxProperties, and maxLength where arrays, maps, and strings are declared)")
+    for key, sub in (schema.get("properties") or {}).items():
+        problems += _cost_problems(sub, f"{path}.properties[{key}]")
+    if isinstance(schema.get("items"), dict):
+        problems += _cost_problems(schema["items"], f"{path}.items")
     return problems
 
 
@@ -303,6 +412,12 @@ class Emulator(KubernetesEmulator):
     # (method, path?query, User-Agent) of every request, for assertions
     journal: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     validate_custom_resources: bool = attrs.field(default=True, init=False)
+    # objects sent to each User-Agent, in list items and watch events: what a client had to take in
+    items_sent: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
+    # (User-Agent, plural, whether it carried a resourceVersion precondition) of every status write
+    status_writes: list[tuple[str, str, bool]] = attrs.field(factory=list, init=False)
+    # server-side apply's field ownership: per object, the fields of each manager
+    _owners: dict[tuple[resource, str | None, str], dict[str, set[FieldPath]]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -344,6 +459,30 @@ class Emulator(KubernetesEmulator):
                 prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
                 path = f"{prefix}/namespaces/{namespace}/{res.plural}/{ref['name']}/finalizers"
                 self.journal.append(("PUT", path, agent))
+
+    # the ResourceQuota object counts of the core kinds that have a name of their own (besides count/...)
+    _LEGACY_COUNTS = {"configmaps", "services", "secrets", "persistentvolumeclaims", "pods",
+                      "replicationcontrollers", "resourcequotas"}
+
+    def _admit_namespace(self, res: resource, namespace: str, name: str) -> None:
+        """The NamespaceLifecycle and ResourceQuota admission plugins, for a create: 403 in a terminating
+        namespace, and 403 when an object count of a ResourceQuota in the namespace (`count/<plural>.<group>`,
+        `count/<plural>` or a core kind's own name) would go over its hard limit, in the API server's words."""
+        ns = self._live(resource("", "v1", "namespaces"), None, namespace)
+        if ns is not None and (ns["metadata"].get("deletionTimestamp") or (ns.get("status") or {}).get("phase") == "Terminating"):
+            raise _error(403, "Forbidden", f'{res.plural} "{name}" is forbidden: unable to create new content in '
+                         f"namespace {namespace} because it is being terminated")
+        keys = {f"count/{res.plural}.{res.group}" if res.group else f"count/{res.plural}"}
+        if not res.group and res.plural in self._LEGACY_COUNTS:
+            keys.add(res.plural)
+        for quota in self._items(resource("", "v1", "resourcequotas"), namespace):
+            hard = (quota.get("spec") or {}).get("hard") or {}
+            for key in sorted(keys & set(hard)):
+                used = sum(1 for _ in self._items(res, namespace))
+                if used + 1 > int(hard[key]):
+                    raise _error(403, "Forbidden", f'{res.plural} "{name}" is forbidden: exceeded quota: '
+                                 f"{quota['metadata']['name']}, requested: {key}=1, used: {key}={used}, "
+                                 f"limited: {key}={hard[key]}")
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -387,6 +526,8 @@ class Emulator(KubernetesEmulator):
         if method == "GET":
             if parts == ["version"]:
                 return json_(ServerVersion)
+            if parts[:2] == ["openapi", "v3"]:
+                return json_(self._openapi_v3(parts[2:]))
             if parts == ["api"]:
                 return json_({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
                     {"clientCIDR": "0.0.0.0/0", "serverAddress": raw.host}]})
@@ -407,10 +548,13 @@ class Emulator(KubernetesEmulator):
             if method == "GET" and params.get("watch") in ("true", "1"):
                 return await self._watch(raw, target, params)
             if method == "GET":
-                return self._respond(raw, target, self._list(target, params))
+                listed = self._list(target, params)
+                self.items_sent[raw.headers.get("User-Agent", "")] += len(listed["items"])
+                return self._respond(raw, target, listed)
             if method == "POST":
                 data = self._decode(raw, body)
-                obj = await self._create(target, data, info, raw.headers.get("User-Agent", ""))
+                agent = raw.headers.get("User-Agent", "")
+                obj = await self._create(target, data, info, agent, _manager(params, agent))
                 return json_(obj, status=201)
             raise _error(405, "MethodNotAllowed", f"{method} on a collection")
 
@@ -425,8 +569,9 @@ class Emulator(KubernetesEmulator):
         if method in ("PATCH", "PUT"):
             data = self._decode(raw, body)
             content_type = raw.headers.get("Content-Type", "application/json").split(";")[0]
-            obj = await self._write(target, info, method, content_type, data, raw.headers.get("User-Agent", ""))
-            return json_(obj)
+            existed = self._live(target.res, target.namespace, target.name) is not None
+            obj = await self._write(target, info, method, content_type, data, raw.headers.get("User-Agent", ""), params)
+            return json_(obj, status=200 if existed or target.subresource else 201)  # an apply that created: 201
         raise _error(405, "MethodNotAllowed", f"{method} on an object")
 
     def _parse_target(self, parts: list[str]) -> Target:
@@ -502,9 +647,42 @@ class Emulator(KubernetesEmulator):
         group_version = f"{group}/{version}" if group else version
         return {"apiVersion": "v1", "kind": "APIResourceList", "groupVersion": group_version, "resources": entries}
 
+    def _openapi_v3(self, rest: list[str]) -> Obj:
+        """OpenAPI v3 for custom resources, what `kubectl explain` reads: the index of group-versions,
+        and one document per group-version with each kind's schema (its descriptions included). The
+        built-in kinds have none here."""
+        group_versions = sorted({(r.group, r.version) for r in self._crds})
+        if not rest:
+            return {"paths": {f"apis/{g}/{v}": {"serverRelativeURL": f"/openapi/v3/apis/{g}/{v}?hash=0"}
+                              for g, v in group_versions}}  # fmt: skip
+        if len(rest) != 3 or rest[0] != "apis" or (rest[1], rest[2]) not in group_versions:
+            raise _error(404, "NotFound", f"the server could not find the requested resource (openapi/v3/{'/'.join(rest)})")
+        group, version = rest[1], rest[2]
+        schemas, paths = {}, {}
+        for res, crd in self._crds.items():
+            if (res.group, res.version) == (group, version):
+                kind = crd["names"]["kind"]
+                gvk = {"group": group, "kind": kind, "version": version}
+                name = f"{'.'.join(reversed(group.split('.')))}.{version}.{kind}"
+                schema = copy.deepcopy(crd["version"].get("schema", {}).get("openAPIV3Schema", {}))
+                schema["x-kubernetes-group-version-kind"] = [gvk]
+                schemas[name] = schema
+                scope = "namespaces/{namespace}/" if self.resources[res].namespaced else ""
+                paths[f"/apis/{group}/{version}/{scope}{res.plural}/{{name}}"] = {"get": {
+                    "x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk,
+                    "responses": {"200": {"description": "OK", "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}}}  # fmt: skip
+        return {"openapi": "3.0.0", "info": {"title": "Kubernetes CRD Swagger", "version": "v0.1.0"},
+                "paths": paths, "components": {"schemas": schemas}}
+
     def _register_crd(self, crd: Obj) -> None:
         spec = crd["spec"]
         names = spec["names"]
+        problems = [p for i, version in enumerate(spec.get("versions", [])) for p in _cost_problems(
+            (version.get("schema") or {}).get("openAPIV3Schema"), f"spec.versions[{i}].schema.openAPIV3Schema")]
+        if problems:
+            raise _error(422, "Invalid", f'CustomResourceDefinition.apiextensions.k8s.io "{crd["metadata"]["name"]}" '
+                                         f"is invalid: [{', '.join(problems)}]")
         for version in spec.get("versions", []):
             if not version.get("served", True):
                 continue
@@ -595,10 +773,36 @@ class Emulator(KubernetesEmulator):
                 and _match_fields(o, fields)]
 
     def _list(self, target: Target, params: dict[str, str]) -> Obj:
+        """A list, in pages when the client sends `limit` (ordered by namespace and name, as etcd's keys
+        are): `metadata.continue` names where the next page starts and carries the first page's
+        resourceVersion, which every page reports; `remainingItemCount` counts what is left. A token
+        that is not one of ours is a 400, as on the API server. (The API server serves every page from
+        the first page's snapshot; the emulator serves the objects as they are now.)"""
         info = self._info(target.res)
         api_version = f"{target.res.group}/{target.res.version}" if target.res.group else target.res.version
-        return {"apiVersion": api_version, "kind": f"{info.kind}List",
-                "metadata": {"resourceVersion": str(self._rv)}, "items": self._selected(target, params)}
+        items = self._selected(target, params)
+        meta: Obj = {"resourceVersion": str(self._rv)}
+        limit = params.get("limit", "")
+        if not limit.isdigit() and limit:
+            raise _error(400, "BadRequest", f"limit: Invalid value: {limit!r}")
+        if limit and int(limit) > 0:
+            items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+            after: tuple[str, str] | None = None
+            if params.get("continue"):
+                try:
+                    token = json.loads(base64.urlsafe_b64decode(params["continue"]))
+                    after, meta["resourceVersion"] = (token["ns"], token["name"]), token["rv"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise _error(400, "BadRequest", "continue key is not valid") from e
+                items = [o for o in items if (o["metadata"].get("namespace") or "", o["metadata"]["name"]) > after]
+            page, rest = items[: int(limit)], len(items) - int(limit)
+            if rest > 0:
+                last = page[-1]["metadata"]
+                meta["continue"] = base64.urlsafe_b64encode(json.dumps(
+                    {"rv": meta["resourceVersion"], "ns": last.get("namespace") or "", "name": last["name"]}).encode()).decode()
+                meta["remainingItemCount"] = rest
+            items = page
+        return {"apiVersion": api_version, "kind": f"{info.kind}List", "metadata": meta, "items": items}
 
     def _table(self, res: resource, items: list[Obj], list_meta: Obj) -> Obj:
         columns: list[Obj] = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
@@ -655,6 +859,7 @@ class Emulator(KubernetesEmulator):
         position = 0
         if since == "0":  # no version: synthetic ADDED events for everything there is now
             for obj in self._selected(target, params):
+                self.items_sent[raw.headers.get("User-Agent", "")] += 1
                 await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
             position = len(self._log)
         else:
@@ -673,6 +878,7 @@ class Emulator(KubernetesEmulator):
                         continue
                     if not (_match_labels(obj["metadata"].get("labels", {}) or {}, labels) and _match_fields(obj, fields)):
                         continue
+                    self.items_sent[raw.headers.get("User-Agent", "")] += 1
                     await response.write(json.dumps({"type": type_, "object": obj}).encode() + b"\n")
                 async with self._changed:
                     if position >= len(self._log):
@@ -698,7 +904,7 @@ class Emulator(KubernetesEmulator):
         self.objects[res, namespace, meta["name"]] = obj
         return obj
 
-    async def _create(self, target: Target, data: Any, info: ResourceInfo, agent: str = "") -> Obj:
+    async def _create(self, target: Target, data: Any, info: ResourceInfo, agent: str = "", manager: str = "") -> Obj:
         if not isinstance(data, dict):
             raise _error(400, "BadRequest", "the body must be an object")
         meta = data.setdefault("metadata", {})
@@ -715,6 +921,8 @@ class Emulator(KubernetesEmulator):
             raise _error(400, "BadRequest", "the namespace of the object does not match the URL")
         if self._live(target.res, namespace, meta["name"]) is not None:
             raise _error(409, "AlreadyExists", f'{target.res.plural} "{meta["name"]}" already exists')
+        if namespace is not None:
+            self._admit_namespace(target.res, namespace, meta["name"])
         api_version = f"{target.res.group}/{target.res.version}" if target.res.group else target.res.version
         data.setdefault("apiVersion", api_version)
         data.setdefault("kind", info.kind)
@@ -725,21 +933,28 @@ class Emulator(KubernetesEmulator):
         if target.res == resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
             self._register_crd(data)
         obj = self._store_new(target.res, namespace, data)
+        self._owners[target.res, namespace, obj["metadata"]["name"]] = {manager or "unknown": set(_fields(
+            {k: v for k, v in obj.items() if k != "status"}))}
         await self._emit(target.res, "ADDED", obj)
         return obj
 
     async def _write(self, target: Target, info: ResourceInfo, method: str, content_type: str, data: Any,
-                     agent: str = "") -> Obj:
+                     agent: str = "", params: dict[str, str] | None = None) -> Obj:
         assert target.name is not None
+        params = params or {}
+        manager = _manager(params, agent)
+        applying = content_type == "application/apply-patch+yaml"
+        if applying and not params.get("fieldManager"):
+            raise _error(422, "Invalid", "fieldManager: Required value: is required for apply patch")
         old = self._live(target.res, target.namespace, target.name)
         if old is None:
-            if content_type == "application/apply-patch+yaml" and target.subresource is None:
+            if applying and target.subresource is None:
                 data.setdefault("metadata", {})["name"] = target.name
-                return await self._create(target, data, info, agent)
+                return await self._create(target, data, info, agent, manager)
             raise _error(404, "NotFound", f'{target.res.plural} "{target.name}" not found')
 
         if target.subresource == "scale":
-            return await self._write_scale(target, old, method, content_type, data)
+            return await self._write_scale(target, old, method, content_type, data, manager)
 
         precondition = None
         if method == "PUT":
@@ -756,8 +971,13 @@ class Emulator(KubernetesEmulator):
                 raise _error(422, "Invalid", f"the JSON patch test failed: {e}") from e
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
                 raise _error(422, "Invalid", f"the JSON patch cannot be applied: {e}") from e
+        elif applying:
+            if not isinstance(data, dict):
+                raise _error(400, "BadRequest", "an apply patch must be an object")
+            precondition = (data.get("metadata") or {}).get("resourceVersion")
+            new = self._apply(target, old, data, manager, params.get("force") == "true")
         elif content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json",
-                              "application/apply-patch+yaml", "application/json"):
+                              "application/json"):
             if not isinstance(data, dict):
                 raise _error(400, "BadRequest", "a merge patch must be an object")
             precondition = (data.get("metadata") or {}).get("resourceVersion")
@@ -765,6 +985,8 @@ class Emulator(KubernetesEmulator):
             new = _merge(old, data, strategic=strategic)
         else:
             raise _error(415, "UnsupportedMediaType", f"unsupported patch type {content_type}")
+        if target.subresource == "status":
+            self.status_writes.append((agent, target.res.plural, precondition is not None))
         if precondition is not None and str(precondition) != old["metadata"]["resourceVersion"]:
             raise _error(409, "Conflict", f'the object has been modified; {target.res.plural} "{target.name}"')
 
@@ -794,9 +1016,46 @@ class Emulator(KubernetesEmulator):
             self._register_crd(new)
         if new == old:
             return old  # a no-op write: no new resourceVersion, no event
+        if not applying:
+            self._take_fields(target, old, new, manager)
         return await self._commit(target, old, new)
 
-    async def _write_scale(self, target: Target, old: Obj, method: str, content_type: str, data: Any) -> Obj:
+    def _apply(self, target: Target, old: Obj, config: Obj, manager: str, force: bool) -> Obj:
+        """Server-side apply of `config` by `manager`: a field it sets to another value than the one another
+        manager owns is a conflict (409, unless `force`, which takes the field over); fields it applied
+        before and leaves out now are removed, unless another manager owns them too; it then owns exactly
+        the fields of `config`. Lists are atomic (without the built-in kinds' schemas, no list keys)."""
+        owners = self._owners.setdefault((target.res, target.namespace, target.name or ""), {})
+        wanted = {p: v for p, v in _fields(config).items() if p[0] != "status"}
+        conflicts = sorted({(other, path) for path, value in wanted.items() if _at(old, path) != value
+                            for other, fields in owners.items() if other != manager
+                            and any(_overlaps(path, f) for f in fields)})  # fmt: skip
+        if conflicts and not force:
+            listed = "\n".join(f'- conflict with "{other}": .{".".join(path)}' for other, path in conflicts)
+            raise _error(409, "Conflict", f"Apply failed with {len(conflicts)} conflict{'s' if len(conflicts) > 1 else ''}:"
+                                          f"\n{listed}")
+        for other, path in conflicts:  # forced: the field changes hands
+            owners[other] = {f for f in owners[other] if not _overlaps(f, path)}
+        new = _merge(old, config)
+        kept = set().union(*(f for other, f in owners.items() if other != manager))
+        for gone in owners.get(manager, set()) - set(wanted):
+            if not any(_overlaps(gone, f) for f in kept | set(wanted)):
+                _remove_field(new, gone)
+        owners[manager] = set(wanted)
+        return new
+
+    def _take_fields(self, target: Target, old: Obj, new: Obj, manager: str) -> None:
+        """An update (not an apply): the fields it changed are `manager`'s from now on, no one else's."""
+        before, after = _fields(old), _fields(new)
+        changed = {p for p in before.keys() | after.keys() if before.get(p, _MISSING) != after.get(p, _MISSING)}
+        owners = self._owners.setdefault((target.res, target.namespace, target.name or ""), {})
+        for other in list(owners):
+            if other != manager:
+                owners[other] = {f for f in owners[other] if not any(_overlaps(f, p) for p in changed)}
+        owners.setdefault(manager, set()).update(p for p in changed if p in after)
+
+    async def _write_scale(self, target: Target, old: Obj, method: str, content_type: str, data: Any,
+                           manager: str = "unknown") -> Obj:
         scale = self._scale_of(target, old)
         if method == "PUT":
             new_scale = data
@@ -815,6 +1074,8 @@ class Emulator(KubernetesEmulator):
             node = node.setdefault(key, {})
         node[keys[-1]] = replicas
         if new != old:
+            self._validate_custom(target.res, new)  # the whole object is judged, CEL rules included
+            self._take_fields(target, old, new, manager)
             new = await self._commit(target, old, new)
         return self._scale_of(target, new)
 
@@ -900,6 +1161,16 @@ class EmulatorThread:
             self._ready.set()
             await self._stop.wait()
             await emulator.close_watches()
+
+    def call(self, fn: Callable[["Emulator"], T]) -> T:
+        """Run `fn(emulator)` on the emulator's own event loop (between requests) and return its result."""
+        assert self._loop is not None and self.emulator is not None
+        emulator = self.emulator
+
+        async def run() -> T:
+            return fn(emulator)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(300)
 
     def hold(self, method: str, path_pattern: str) -> Gate:
         """Pause the next request matching `method` and `path_pattern` until `gate.release()`."""

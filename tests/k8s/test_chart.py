@@ -53,11 +53,11 @@ def test_rendered_chart_is_valid_for_kubernetes_1_34(tools: Tools, tmp_path: Pat
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["CBDeployment", "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
                      "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition",
-                     "Deployment", "ServiceAccount"]
+                     "Deployment", "Pod", "ServiceAccount"]  # the Pod: helm test's
     builtin = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "CBDeployment")
     proc = validate(tmp_path, builtin)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("passed for resource") == 9
+    assert proc.stdout.count("passed for resource") == 10
     # The custom resource is checked against the CRD's own schema.
     (example,) = [d for d in docs if d["kind"] == "CBDeployment"]
     schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -121,6 +121,10 @@ def test_values_schema_rejects_bad_values(tools: Tools) -> None:
 def test_notes_tell_the_next_command(tools: Tools) -> None:
     out = helm(tools, "install", "--dry-run=client", "cbserve", str(CHART), "--namespace", "cbserve-system").stdout
     assert "kubectl get cbd -w" in out and "rollout status deployment/cbserve-operator" in out
+    assert "--set test.cbdeployment=<name>" in out  # how to get a helm test
+    named = helm(tools, "install", "--dry-run=client", "cbserve", str(CHART), "--namespace", "cbserve-system",
+                 "--set", "example.enabled=true").stdout  # fmt: skip
+    assert "helm test cbserve -n cbserve-system" in named
 
 
 def test_operator_children_are_valid_for_kubernetes_1_34(tmp_path: Path) -> None:
@@ -194,3 +198,43 @@ def test_a_crd_upgrade_keeps_the_new_fields_with_the_documented_step(cluster: Cl
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--validate=false", "-f", str(CHART / "crds"))
     cluster.kubectl("apply", "--validate=false", "-n", "upgrade", "-f", "-", input=yaml.safe_dump(manifest))
     assert cluster.get(CBD, "cbdeployments", "upgrade", "upgrade")["spec"]["rollout"] == {"strategy": "Recreate"}  # type: ignore[index]
+
+
+def _chat_test_pod(tools: Tools, *values: str) -> dict[str, Any] | None:
+    docs = [d for d in yaml.safe_load_all(template(tools, *values)) if d]
+    pods = [d for d in docs if d["kind"] == "Pod"]
+    return pods[0] if pods else None
+
+
+def test_helm_test_sends_a_chat_request_and_checks_the_answer(tools: Tools, tmp_path: Path) -> None:
+    """`helm test`'s pod, as the chart renders it, run here against a real `cbserve serve` (a small test
+    model) in place of the in-cluster Service: it passes on a chat completion with text in it."""
+    from engine.testing import save_test_model
+    from tests.server.conftest import Server
+
+    assert _chat_test_pod(tools) is None  # no example, no target: no test
+    pod = _chat_test_pod(tools, "--set", "example.enabled=true")
+    assert pod is not None and pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["automountServiceAccountToken"] is False and pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"CHAT_URL": "http://smollm2.cbserve-system.svc:8000/v1/chat/completions", "CHAT_MODEL": "smollm2"}
+    other = _chat_test_pod(tools, "--set", "test.cbdeployment=llama", "--set", "test.namespace=ml",
+                           "--set", "test.port=9000", "--set", "test.model=meta/llama")  # fmt: skip
+    assert other is not None and {e["name"]: e["value"] for e in other["spec"]["containers"][0]["env"]} == {
+        "CHAT_URL": "http://llama.ml.svc:9000/v1/chat/completions", "CHAT_MODEL": "meta/llama"}
+
+    model = save_test_model(tmp_path / "tiny-llama", "llama")
+    server = Server(model, tmp_path, {"block_size": 16, "num_blocks": 256}, ["--served-model-name", "smollm2"])
+    try:
+        command = container["command"]
+        assert command[:2] == ["python", "-c"]
+        run = subprocess.run([sys.executable, "-c", command[2]], capture_output=True, text=True, timeout=120,
+                             env={**env, "CHAT_URL": server.url + "/v1/chat/completions"})  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert '"model": "smollm2"' in run.stdout
+        wrong = subprocess.run([sys.executable, "-c", command[2]], capture_output=True, text=True, timeout=120,
+                               env={**env, "CHAT_URL": server.url + "/v1/nothing"})  # fmt: skip
+        assert wrong.returncode != 0
+    finally:
+        assert server.stop() == 0

@@ -13,7 +13,7 @@ import yaml
 from cbserve_operator import spec as spec_module
 from cbserve_operator import status as status_module
 
-from .conftest import CRD_FILE, REPO
+from .conftest import CRD_FILE, REPO, Cluster
 
 CRD = yaml.safe_load(CRD_FILE.read_text())
 VERSION = CRD["spec"]["versions"][0]
@@ -112,8 +112,9 @@ def test_names_columns_and_subresources() -> None:
     assert CRD["metadata"]["name"] == "cbdeployments.cbserve.io" and VERSION["name"] == "v1alpha1"
     assert names["shortNames"] == ["cbd"] and "all" in names["categories"]
     columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
-    assert list(columns) == ["Model", "Replicas", "Ready", "Phase", "Age", "URL"]
+    assert list(columns) == ["Model", "Replicas", "Ready", "Phase", "Reason", "Age", "URL", "Message"]
     assert columns["URL"]["priority"] == 1 and columns["Phase"]["jsonPath"] == ".status.phase"
+    assert columns["Reason"]["jsonPath"] == ".status.reason" and columns["Message"]["priority"] == 1
     assert VERSION["subresources"]["status"] == {}
     assert VERSION["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",
@@ -188,3 +189,29 @@ def test_the_docs_field_table_is_the_crds() -> None:
     check = subprocess.run([sys.executable, str(REPO / "scripts" / "crd_fields.py"), "--check"],
                            capture_output=True, text=True)  # fmt: skip
     assert check.returncode == 0, check.stderr
+
+
+def _properties(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for key, sub in (node.get("properties") or {}).items():
+        found += [(f"{path}.{key}", sub), *_properties(sub, f"{path}.{key}")]
+    if isinstance(node.get("items"), dict):
+        found += _properties(node["items"], f"{path}[]")
+    return found
+
+
+def test_every_property_has_a_description() -> None:
+    """What `kubectl explain cbdeployment.spec...` prints for each field."""
+    for version in CRD["spec"]["versions"]:
+        properties = _properties(version["schema"]["openAPIV3Schema"])
+        assert len(properties) > 130
+        assert [p for p, sub in properties if not str(sub.get("description") or "").strip()] == []
+
+
+def test_kubectl_explain_prints_the_descriptions(crd_cluster: Cluster) -> None:
+    """`kubectl explain` reads the CRD's OpenAPI v3 from the API server (the emulator serves it)."""
+    out = crd_cluster.kubectl("explain", "cbdeployment.spec.replicas").stdout
+    assert "Server pods (with resources.nodes > 1, groups of pods)" in out
+    out = crd_cluster.kubectl("explain", "cbd.spec.model.cache.accessMode").stdout
+    assert "FIELD: accessMode" in out
+    assert crd_cluster.kubectl("explain", "cbd.status.reason").stdout.count("While not Ready") == 1

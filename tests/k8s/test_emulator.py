@@ -88,7 +88,7 @@ def test_server_side_apply_creates_then_updates_from_yaml(cluster: Cluster) -> N
     body = b"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: ssa\ndata:\n  k: v1\n"
     path = CM + "/ssa?fieldManager=test&force=true"
     status, created = call(cluster, "PATCH", path, body, "application/apply-patch+yaml")
-    assert status == 200 and created["data"] == {"k": "v1"} and created["metadata"]["uid"]
+    assert status == 201 and created["data"] == {"k": "v1"} and created["metadata"]["uid"]  # created: 201
     _, updated = call(cluster, "PATCH", path, body.replace(b"v1\n", b"v2\n"), "application/apply-patch+yaml")
     assert updated["data"] == {"k": "v2"} and updated["metadata"]["uid"] == created["metadata"]["uid"]
 
@@ -148,3 +148,119 @@ def test_a_leaderworkerset_is_judged_by_its_published_schema(cluster: Cluster) -
     assert status == 422 and "'leaderWorkerTemplate' is a required property" in refused["message"]
     scale = cluster.api(path + "/g/scale")  # LWS declares the scale subresource
     assert scale["spec"]["replicas"] == 1  # type: ignore[index]
+
+
+def test_lists_come_in_pages_and_watches_filter_by_label(cluster: Cluster) -> None:
+    for i in range(5):
+        call(cluster, "POST", "/api/v1/namespaces/pages/configmaps",
+             {"metadata": {"name": f"p{i}", "labels": {"mine": "yes" if i % 2 else "no"}}})
+    status, first = call(cluster, "GET", "/api/v1/namespaces/pages/configmaps?limit=2")
+    assert status == 200 and [o["metadata"]["name"] for o in first["items"]] == ["p0", "p1"]
+    assert first["metadata"]["remainingItemCount"] == 3
+    names, page = [], first
+    while page["metadata"].get("continue"):
+        names += [o["metadata"]["name"] for o in page["items"]]
+        status, page = call(cluster, "GET", f"/api/v1/namespaces/pages/configmaps?limit=2&continue={page['metadata']['continue']}")
+        assert page["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    assert names + [o["metadata"]["name"] for o in page["items"]] == ["p0", "p1", "p2", "p3", "p4"]
+    assert call(cluster, "GET", "/api/v1/namespaces/pages/configmaps?limit=2&continue=nonsense")[0] == 400
+    # kubectl pages by 500 by default; --chunk-size pages smaller
+    out = cluster.kubectl("get", "configmaps", "-n", "pages", "--chunk-size=2", "-o", "name").stdout.split()
+    assert out == [f"configmap/p{i}" for i in range(5)]
+    rv = first["metadata"]["resourceVersion"]
+    call(cluster, "PATCH", "/api/v1/namespaces/pages/configmaps/p0", {"data": {"a": "1"}}, "application/merge-patch+json")
+    call(cluster, "PATCH", "/api/v1/namespaces/pages/configmaps/p1", {"data": {"a": "1"}}, "application/merge-patch+json")
+    events = watch(cluster, f"/api/v1/namespaces/pages/configmaps?watch=true&labelSelector=mine%3Dyes"
+                            f"&resourceVersion={rv}&timeoutSeconds=1")
+    assert [e["object"]["metadata"]["name"] for e in events] == ["p1"]
+
+
+def test_a_crd_whose_rule_cost_is_unbounded_is_refused(cluster: Cluster) -> None:
+    """The API server estimates each CEL rule's cost at CRD create and update: a macro over a list
+    without maxItems, reading strings without maxLength, is over the per-rule budget."""
+    def crd(bounded: bool) -> dict[str, Any]:
+        items: dict[str, Any] = {"type": "object", "properties": {"name": {"type": "string"}}}
+        volumes: dict[str, Any] = {"type": "array", "items": items,
+                                   "x-kubernetes-validations": [{"rule": "self.all(v, v.name != 'config')"}]}
+        if bounded:
+            volumes["maxItems"], items["properties"]["name"]["maxLength"] = 64, 63
+        return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                "metadata": {"name": "costs.example.com"},
+                "spec": {"group": "example.com", "scope": "Namespaced",
+                         "names": {"plural": "costs", "singular": "cost", "kind": "Cost"},
+                         "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                             "type": "object", "properties": {"spec": {"type": "object", "properties": {
+                                 "volumes": volumes}}}}}}]}}  # fmt: skip
+    status, body = call(cluster, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd(False))
+    assert status == 422 and "estimated rule cost exceeds budget" in body["message"], body
+    assert "properties[spec].properties[volumes].x-kubernetes-validations[0].rule" in body["message"]
+    assert call(cluster, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd(True))[0] == 201
+
+
+def test_quota_and_terminating_namespaces_are_403s(cluster: Cluster) -> None:
+    call(cluster, "POST", "/api/v1/namespaces/q/resourcequotas",
+         {"metadata": {"name": "small"}, "spec": {"hard": {"count/deployments.apps": "1", "configmaps": "0"}}})
+    status, body = call(cluster, "POST", "/api/v1/namespaces/q/configmaps", {"metadata": {"name": "a"}})
+    assert status == 403 and body["reason"] == "Forbidden"
+    assert body["message"] == ('configmaps "a" is forbidden: exceeded quota: small, requested: configmaps=1, '
+                               "used: configmaps=0, limited: configmaps=0")
+    dep = {"metadata": {"name": "d"}, "spec": {"selector": {"matchLabels": {"a": "b"}},
+                                               "template": {"metadata": {"labels": {"a": "b"}}}}}
+    assert call(cluster, "POST", "/apis/apps/v1/namespaces/q/deployments", dep)[0] == 201
+    assert call(cluster, "POST", "/apis/apps/v1/namespaces/q/deployments", {**dep, "metadata": {"name": "e"}})[0] == 403
+    assert call(cluster, "POST", "/api/v1/namespaces/q/services", {"metadata": {"name": "s"}})[0] == 201  # no limit
+
+    # deleted, held by a finalizer while its content goes: terminating
+    call(cluster, "POST", "/api/v1/namespaces", {"metadata": {"name": "leaving", "finalizers": ["kubernetes"]}})
+    assert call(cluster, "DELETE", "/api/v1/namespaces/leaving")[0] == 200
+    status, body = call(cluster, "POST", "/api/v1/namespaces/leaving/configmaps", {"metadata": {"name": "a"}})
+    assert status == 403 and "because it is being terminated" in body["message"]
+
+
+def _apply(cluster: Cluster, path: str, body: dict[str, Any], manager: str, force: bool = False) -> tuple[int, Any]:
+    query = f"?fieldManager={manager}" + ("&force=true" if force else "")
+    return call(cluster, "PATCH", path + query, body, "application/apply-patch+yaml")
+
+
+def test_server_side_apply_keeps_field_ownership(cluster: Cluster) -> None:
+    path = "/api/v1/namespaces/ssa/configmaps/owned"
+    assert _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                  "data": {"a": "1", "b": "2", "old": "x"}}, "one")[0] == 201
+    # another manager updates b and adds c: those fields are its own now
+    call(cluster, "PATCH", path + "?fieldManager=two", {"data": {"b": "3", "c": "4"}}, "application/merge-patch+json")
+    status, body = _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                          "data": {"a": "1", "b": "2"}}, "one")  # fmt: skip
+    assert status == 409 and body["message"] == 'Apply failed with 1 conflict:\n- conflict with "two": .data.b'
+    # forced, b changes hands; "old", applied before by "one" and left out now, goes; c, two's, stays
+    status, body = _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                          "data": {"a": "1", "b": "2"}}, "one", force=True)  # fmt: skip
+    assert status == 200 and body["data"] == {"a": "1", "b": "2", "c": "4"}
+    # the same apply again changes nothing; leaving b out now removes it (one owns it alone)
+    rv = body["metadata"]["resourceVersion"]
+    assert _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                  "data": {"a": "1", "b": "2"}}, "one")[1]["metadata"]["resourceVersion"] == rv
+    status, body = _apply(cluster, path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owned"},
+                                          "data": {"a": "1"}}, "one")  # fmt: skip
+    assert body["data"] == {"a": "1", "c": "4"}
+    assert _apply(cluster, path, {"data": {}}, "")[0] == 422  # apply needs a field manager
+
+
+def test_an_autoscalers_replicas_conflict_with_a_server_side_apply_that_sets_them(crd_cluster: Cluster) -> None:
+    """The HPA writes spec.replicas through the scale subresource (its manager, from its User-Agent,
+    owns the field); a `kubectl apply --server-side` of a manifest that sets replicas then conflicts,
+    one that leaves replicas out keeps the autoscaler's (docs/kubernetes.md: leave replicas out)."""
+    c, ns = crd_cluster, "ssa-hpa"
+    manifest = {"apiVersion": "cbserve.io/v1alpha1", "kind": "CBDeployment", "metadata": {"name": "m", "namespace": ns},
+                "spec": {"model": {"uri": "/models/m"}, "replicas": 1}}  # fmt: skip
+    c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(manifest))
+    req = urllib.request.Request(f"{c.server.url}/apis/cbserve.io/v1alpha1/namespaces/{ns}/cbdeployments/m/scale",
+                                 data=json.dumps({"spec": {"replicas": 3}}).encode(), method="PATCH", headers={
+                                     "Content-Type": "application/merge-patch+json",
+                                     "User-Agent": "kube-controller-manager/v1.34.0 (linux/amd64) kubernetes/abc"})
+    urllib.request.urlopen(req, timeout=10).close()
+    again = c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(manifest), check=False)
+    assert again.returncode != 0 and 'conflict with "kube-controller-manager"' in again.stderr
+    assert ".spec.replicas" in again.stderr
+    del manifest["spec"]["replicas"]
+    c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(manifest))
+    assert c.get("cbserve.io/v1alpha1", "cbdeployments", ns, "m")["spec"]["replicas"] == 3  # type: ignore[index]

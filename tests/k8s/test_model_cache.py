@@ -24,7 +24,7 @@ REV = "0123456789abcdef0123456789abcdef01234567"
 URI = f"hf://acme/tiny@{REV}"
 
 
-def manifest(name: str = "tiny", uri: str = URI, replicas: int = 2, **cache: Any) -> dict[str, Any]:
+def manifest(name: str = "tiny", uri: str = URI, replicas: int = 1, **cache: Any) -> dict[str, Any]:
     return {"apiVersion": CBD, "kind": "CBDeployment", "metadata": {"name": name},
             "spec": {"model": {"uri": uri, "cache": {"enabled": True, **cache}}, "replicas": replicas}}  # fmt: skip
 
@@ -80,7 +80,8 @@ def test_the_hub_example_downloads_its_model_then_serves_it(operator: KopfRunner
 def test_a_pinned_model_is_downloaded_once_then_every_replica_serves_it(operator: KopfRunner,
                                                                         crd_cluster: Cluster) -> None:  # fmt: skip
     c, ns = crd_cluster, "cache"
-    apply(c, ns, manifest(size="5Gi", storageClassName="fast", hfTokenSecret={"name": "hf", "key": "tok"}))
+    apply(c, ns, manifest(replicas=2, size="5Gi", storageClassName="fast", accessMode="ReadWriteOnce",
+                          hfTokenSecret={"name": "hf", "key": "tok"}))  # fmt: skip
     owner = reconciled(c, ns, "tiny")
     uid = owner["metadata"]["uid"]
 
@@ -91,6 +92,7 @@ def test_a_pinned_model_is_downloaded_once_then_every_replica_serves_it(operator
     job = c.get("batch/v1", "jobs", ns, name)
     assert job is not None
     pod = job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
     download = pod["containers"][0]
     assert download["command"] == ["cbserve", "download", URI, "--to", "/models/hf"]
     env = {e["name"]: e for e in download["env"]}
@@ -115,6 +117,10 @@ def test_a_pinned_model_is_downloaded_once_then_every_replica_serves_it(operator
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "tiny-model-cache", "readOnly": True}
     assert volumes["cache"]["emptyDir"]["sizeLimit"] == "2Gi"  # the weights are on the claim, not in /cache
+    # ReadWriteOnce attaches to one node: every server pod (a surge pod too) goes where the others run
+    assert dep["spec"]["template"]["spec"]["affinity"] == {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": "cbserve", "app.kubernetes.io/instance": "tiny"}},
+         "topologyKey": "kubernetes.io/hostname"}]}}  # fmt: skip
     assert container["resources"]["requests"]["memory"] == "2Gi"  # never BestEffort
     status = owner["status"]
     cond = conditions(owner)
@@ -134,7 +140,7 @@ def test_a_pinned_model_is_downloaded_once_then_every_replica_serves_it(operator
 
     # A new revision downloads next to the old one, while the pods of the old one keep serving.
     uri2 = "hf://acme/tiny@v2"
-    apply(c, ns, manifest(uri=uri2, replicas=3, size="5Gi", storageClassName="fast",
+    apply(c, ns, manifest(uri=uri2, replicas=3, size="5Gi", storageClassName="fast", accessMode="ReadWriteOnce",
                           hfTokenSecret={"name": "hf", "key": "tok"}))  # fmt: skip
     reconciled(c, ns, "tiny")
     name2 = job_name("tiny", uri2, "tiny-model-cache")
@@ -250,6 +256,49 @@ def test_an_unpinned_model_stored_without_validation_is_an_invalid_spec(operator
     assert "model.cache needs a pinned model.uri, hf://org/name@revision" in valid["message"]
     assert not c.items("batch/v1", "jobs", ns) and not c.items("v1", "persistentvolumeclaims", ns)
     assert c.get("apps/v1", "deployments", ns, "loose") is None
+
+
+def test_more_than_one_pod_on_the_default_read_write_once_cache_needs_a_choice(operator: KopfRunner,
+                                                                               crd_cluster: Cluster) -> None:  # fmt: skip
+    """The claim's default, ReadWriteOnce, attaches to one node: more pods need accessMode set, to
+    ReadWriteMany or to ReadWriteOnce on purpose (all pods on one node). Refused at apply, at
+    `kubectl scale`, and by the operator; a group is refused ReadWriteOnce at all."""
+    c, ns = crd_cluster, "cache-rwo"
+    apply(c, ns, manifest(name="one"))
+    assert reconciled(c, ns, "one")["status"]["phase"] == "Pending"
+    scaled = c.kubectl("scale", "cbd", "one", "-n", ns, "--replicas=2", check=False)
+    assert scaled.returncode != 0 and "needs model.cache.accessMode set" in scaled.stderr, scaled.stderr
+    autoscaled = manifest(name="one")
+    autoscaled["spec"]["autoscaling"] = {"enabled": True, "maxReplicas": 3}
+    refused = c.kubectl("apply", "--validate=false", "-n", ns, "-f", "-", input=yaml.safe_dump(autoscaled), check=False)
+    assert refused.returncode != 0 and "needs model.cache.accessMode set" in refused.stderr
+    with pytest.raises(spec_module.SpecError, match="needs model.cache.accessMode set"):
+        spec_module.parse_spec("one", autoscaled["spec"])
+    for mode in ("ReadWriteMany", "ReadWriteOnce"):
+        apply(c, ns, manifest(name=f"two-{mode.lower()}", replicas=2, accessMode=mode))
+        reconciled(c, ns, f"two-{mode.lower()}")
+        dep = deployment(c, ns, f"two-{mode.lower()}")
+        assert ("affinity" in dep["spec"]["template"]["spec"]) == (mode == "ReadWriteOnce")
+    group = manifest(name="group", accessMode="ReadWriteOnce")
+    group["spec"]["resources"] = {"gpu": 1, "nodes": 2}
+    with pytest.raises(spec_module.SpecError, match="resources.nodes > 1 needs model.cache.accessMode: ReadWriteMany"):
+        spec_module.parse_spec("group", group["spec"])
+    refused = c.kubectl("apply", "--validate=false", "-n", ns, "-f", "-", input=yaml.safe_dump(group), check=False)
+    assert refused.returncode != 0 and "a group's pods run on several nodes" in refused.stderr
+
+
+def test_a_deleted_model_cache_claim_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """The claim is watched like the other children (on a real cluster its deletion waits for the pods
+    that mount it to go, pvc-protection; then it is created again, and the Job fills it again)."""
+    c, ns = crd_cluster, "cache-claim"
+    apply(c, ns, manifest(name="kept"))
+    reconciled(c, ns, "kept")
+    old = c.get("v1", "persistentvolumeclaims", ns, "kept-model-cache")
+    assert old is not None
+    c.kubectl("delete", "pvc", "kept-model-cache", "-n", ns)
+    new = wait_for(lambda: (p := c.get("v1", "persistentvolumeclaims", ns, "kept-model-cache")) and
+                   p["metadata"]["uid"] != old["metadata"]["uid"] and p, what="the claim to be recreated")  # fmt: skip
+    assert new["spec"] == old["spec"]
 
 
 def test_rendering_a_long_name_keeps_the_job_name_a_label_value() -> None:

@@ -95,6 +95,7 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["automountServiceAccountToken"] is False  # the server never calls the Kubernetes API
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -252,8 +253,19 @@ def test_kubectl_rollout_undo_brings_the_old_knobs_back_until_the_spec_changes(o
     reconciled(c, ns)
     assert _config_hash(c, ns) == first and conditions(cbd(c, ns))["RolledBack"]["status"] == "True"
 
+    # An autoscaler's replicas (through the scale subresource, which bumps the generation) keep it:
+    # the undo holds through the incident it was made for.
+    generation = cbd(c, ns)["metadata"]["generation"]
+    c.kubectl("scale", "cbd", "smollm2", "-n", ns, "--replicas=3")
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["replicas"] == 3,  # type: ignore[index]
+             what="3 replicas")
+    obj = reconciled(c, ns)
+    assert obj["metadata"]["generation"] > generation
+    assert _config_hash(c, ns) == first and conditions(obj)["RolledBack"]["status"] == "True"
+    assert obj["status"]["rolledBack"]["generation"] == obj["metadata"]["generation"]
+
     # The next spec change rolls forward and clears the rollback.
-    apply(c, ns, example(engine__blockSize=512, replicas=2))
+    apply(c, ns, example(engine__blockSize=512, replicas=3, podTemplate__labels={"tier": "gold"}))
     obj = reconciled(c, ns)
     assert _config_hash(c, ns) == second
     assert "rolledBack" not in obj["status"] and "RolledBack" not in conditions(obj)
@@ -289,7 +301,7 @@ def test_ready_deployment_makes_the_cbdeployment_ready(operator: KopfRunner, crd
     assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
 
     table = c.kubectl("get", "cbd", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "PHASE", "AGE"]
+    assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "PHASE", "REASON", "AGE"]
     assert table[1].split()[:5] == ["smollm2", "pvc://models/SmolLM2-135M-Instruct", "2", "2", "Ready"]
     wide = c.kubectl("get", "cbdeployments.cbserve.io", "-n", ns, "-o", "wide").stdout
     assert f"http://smollm2.{ns}.svc:8000" in wide
@@ -304,6 +316,76 @@ def test_ready_deployment_makes_the_cbdeployment_ready(operator: KopfRunner, crd
     events = wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "RolloutStuck"],
                       what="a RolloutStuck Event")
     assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "smollm2"
+
+
+def _server_pod(c: Cluster, ns: str, name: str) -> None:
+    """A server pod as the Deployment's ReplicaSet would create it (the emulator runs no controllers)."""
+    labels = {"app.kubernetes.io/name": "cbserve", "app.kubernetes.io/instance": "smollm2",
+              "app.kubernetes.io/component": "server", "app.kubernetes.io/managed-by": "cbserve-operator",
+              "cbserve.io/cbdeployment": "smollm2", "pod-template-hash": "abc"}  # fmt: skip
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": labels},
+           "spec": {"containers": [{"name": "server", "image": "localhost/cbserve:0.1.0"}]}}  # fmt: skip
+    c.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(pod))
+
+
+def _pod_status(c: Cluster, ns: str, name: str, status: dict[str, Any]) -> None:
+    c.kubectl("patch", "pod", name, "-n", ns, "--subresource=status", "--type", "merge",
+              "-p", json.dumps({"status": status}))
+
+
+def _waiting(reason: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"conditions": [{"type": "PodScheduled", "status": "True"}], "containerStatuses": [{
+        "name": "server", "ready": False, "restartCount": 3, "image": "localhost/cbserve:0.1.0", "imageID": "",
+        "state": {"waiting": {"reason": reason, "message": message}}, **extra}]}  # fmt: skip
+
+
+def test_status_says_why_pods_do_not_start(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """The pods' own status, not the Deployment's 35-minute deadline: unschedulable with the scheduler's
+    message, an image that cannot be pulled, a crash loop, a quota the ReplicaSet meets; in the Ready
+    condition, status.reason and message, and `kubectl get cbd`'s REASON column, on the pod's event."""
+    c, ns = crd_cluster, "why"
+    apply(c, ns, example())
+    reconciled(c, ns)
+    _server_pod(c, ns, "smollm2-abc-1")
+
+    def why(reason: str) -> dict[str, Any]:
+        return wait_for(lambda: o if (o := cbd(c, ns))["status"].get("reason") == reason else None,
+                        what=f"status.reason {reason}")  # fmt: skip
+
+    _pod_status(c, ns, "smollm2-abc-1", {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]})
+    obj = why("Unschedulable")
+    assert "pod smollm2-abc-1: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu." in obj["status"]["message"]
+    ready, progressing = conditions(obj)["Ready"], conditions(obj)["Progressing"]
+    assert ready["status"] == "False" and ready["reason"] == "Unschedulable" and "Insufficient" in ready["message"]
+    assert progressing["reason"] == "Unschedulable"
+    table = c.kubectl("get", "cbd", "-n", ns).stdout.splitlines()
+    assert table[0].split()[5] == "REASON" and table[1].split()[5] == "Unschedulable"
+    assert "4 Insufficient nvidia.com/gpu" in c.kubectl("get", "cbd", "-n", ns, "-o", "wide").stdout
+
+    _pod_status(c, ns, "smollm2-abc-1", _waiting("ImagePullBackOff", 'Back-off pulling image "localhost/cbserve:0.1.0"'))
+    assert 'container server: Back-off pulling image' in why("ImagePullBackOff")["status"]["message"]
+
+    _pod_status(c, ns, "smollm2-abc-1", _waiting("CrashLoopBackOff", "back-off 5m0s restarting failed container",
+                                                 lastState={"terminated": {"exitCode": 1, "reason": "Error"}}))
+    assert "last exit code 1 (Error)" in why("CrashLoopBackOff")["status"]["message"]
+
+    quota = ('pods "smollm2-abc-2" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+             "used: requests.nvidia.com/gpu=4, limited: requests.nvidia.com/gpu=4")
+    _patch_deployment_status(c, ns, {"conditions": [{"type": "ReplicaFailure", "status": "True",
+                                                     "reason": "FailedCreate", "message": quota}]})  # fmt: skip
+    assert why("QuotaExceeded")["status"]["message"].endswith(quota)
+
+    # All well: the reason goes.
+    generation = c.get("apps/v1", "deployments", ns, "smollm2")["metadata"]["generation"]  # type: ignore[index]
+    _pod_status(c, ns, "smollm2-abc-1", {"phase": "Running", "containerStatuses": [{
+        "name": "server", "ready": True, "restartCount": 3, "image": "localhost/cbserve:0.1.0", "imageID": "",
+        "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})  # fmt: skip
+    _patch_deployment_status(c, ns, {"observedGeneration": generation, "replicas": 1, "updatedReplicas": 1,
+                                     "readyReplicas": 1, "conditions": []})  # fmt: skip
+    ready = wait_for(lambda: o if (o := cbd(c, ns))["status"].get("phase") == "Ready" else None, what="phase Ready")
+    assert "reason" not in ready["status"] and "message" not in ready["status"]
 
 
 def test_invalid_spec_is_a_condition_and_an_event_not_a_crash(operator: KopfRunner, crd_cluster: Cluster) -> None:
@@ -397,6 +479,33 @@ def test_a_child_the_api_server_refuses_is_a_condition_not_a_retry_loop(operator
     assert len(c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/services/llama-8b")) == 1
 
 
+def test_a_forbidden_child_is_retried_and_said_in_status(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """A 403 (here an exceeded ResourceQuota) is not the spec's fault and can go away by itself: the
+    reason is in Ready and Progressing, ConfigValid stays True, and the operator retries with backoff
+    until it passes, with no edit of the spec."""
+    c, ns = crd_cluster, "quota"
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-services", "namespace": ns},
+             "spec": {"hard": {"services": "0"}}}  # fmt: skip
+    c.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(quota))
+    apply(c, ns, EXAMPLE)
+    obj = wait_for(lambda: o if conditions(o := cbd(c, ns)).get("Ready", {}).get("reason") == "QuotaExceeded" else None,
+                   what="Ready False with reason QuotaExceeded")  # fmt: skip
+    ready = conditions(obj)["Ready"]
+    assert ready["status"] == "False" and "exceeded quota: no-services" in ready["message"], ready
+    assert conditions(obj)["Progressing"]["reason"] == "QuotaExceeded"
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+    assert obj["status"]["phase"] == "Pending"
+    wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "QuotaExceeded"],
+             what="a QuotaExceeded Event")
+    assert c.get("v1", "services", ns, "smollm2") is None
+
+    c.kubectl("delete", "resourcequota", "no-services", "-n", ns)
+    wait_for(lambda: c.get("v1", "services", ns, "smollm2"), what="the Service, at the next retry")
+    obj = wait_for(lambda: o if conditions(o := cbd(c, ns))["Ready"]["reason"] != "QuotaExceeded" else None,
+                   what="the reason gone")  # fmt: skip
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+
+
 def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "drift"
     apply(c, ns, EXAMPLE)
@@ -417,6 +526,41 @@ def test_a_deleted_deployment_comes_back(operator: KopfRunner, crd_cluster: Clus
              what="the operator to restore replicas 1")
     wait_for(lambda: [e for e in c.items("v1", "events", ns) if e.get("reason") == "DeploymentRestored"],
              what="a DeploymentRestored Event")
+
+    # Any field the operator renders, edited by hand, is drift: resources, env, probes, tolerations,
+    # securityContext. What the API server or others add (an annotation of kubectl rollout restart) stays.
+    def container() -> dict[str, Any]:
+        return c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+
+    rendered = container()
+    edits = [
+        ["set", "env", "deployment/smollm2", "FOO=bar"],
+        ["set", "resources", "deployment/smollm2", "--limits=memory=64Gi"],
+        ["patch", "deployment", "smollm2", "--type", "json", "-p", json.dumps([
+            {"op": "replace", "path": "/spec/template/spec/containers/0/readinessProbe/periodSeconds", "value": 99}])],
+        ["patch", "deployment", "smollm2", "--type", "json", "-p", json.dumps([
+            {"op": "replace", "path": "/spec/template/spec/containers/0/securityContext/readOnlyRootFilesystem",
+             "value": False}])],
+    ]
+    for edit in edits:
+        c.kubectl(*edit, "-n", ns)
+        wait_for(lambda: container() == rendered, what=f"the operator to undo `kubectl {' '.join(edit[:3])}`")
+    gpu_taint = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    apply(c, ns, example(podTemplate__tolerations=gpu_taint))
+    reconciled(c, ns)
+    c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--type", "merge", "-p", json.dumps(
+        {"spec": {"template": {"spec": {"tolerations": [{"key": "x", "operator": "Exists"}]}}}}))
+    wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]["spec"]  # type: ignore[index]
+             ["tolerations"] == gpu_taint, what="the tolerations edit undone")
+    mark = c.server.mark()
+    c.kubectl("patch", "deployment", "smollm2", "-n", ns, "--type", "merge", "-p", json.dumps(
+        {"spec": {"template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": "now"}}}}}))
+    # Kopf handles one object's events in order: once a later status change is mirrored, that edit was seen.
+    _patch_deployment_status(c, ns, {"readyReplicas": 0, "replicas": 3})
+    wait_for(lambda: cbd(c, ns)["status"].get("replicas") == 3, what="the later event mirrored")
+    dep = c.get("apps/v1", "deployments", ns, "smollm2")
+    assert dep["spec"]["template"]["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] == "now"  # type: ignore[index]
+    assert not c.server.requests_since(mark, "PATCH", rf"/namespaces/{ns}/deployments/smollm2\?.*cbserve-operator")
 
 
 def test_every_other_child_deleted_or_edited_comes_back(operator: KopfRunner, crd_cluster: Cluster) -> None:
@@ -591,6 +735,16 @@ def _rbac_request(method: str, path_qs: str) -> list[tuple[str, str, str]]:
     return [(group, resource, verb) for verb in verbs]
 
 
+def test_every_status_write_of_the_operator_is_guarded_by_its_resource_version(crd_cluster: Cluster) -> None:
+    """One way to write status (handlers.write_status): computed from the object as read, and refused
+    (409, computed again) if the object moved on since, so a stale Ready cannot win. Runs after the
+    tests above, over every status write they made the operator do."""
+    assert crd_cluster.server.emulator is not None
+    writes = [w for w in crd_cluster.server.emulator.status_writes if w[0].startswith(("kopf/", "cbserve-operator"))]
+    assert len([w for w in writes if w[1] == "cbdeployments"]) > 50
+    assert [w for w in writes if not w[2]] == []
+
+
 def test_cluster_role_covers_every_request_the_operator_made(crd_cluster: Cluster, tools: Any) -> None:
     """Runs last in this module: checks the chart's ClusterRole against all the operator did above."""
     allowed = cluster_role_grants(tools)
@@ -619,6 +773,13 @@ REFUSED_SPECS = [  # (name, spec changes, words of the CRD's message, words of t
     ("volumes", {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "the operator's own volume names",
      "the operator's own volume names"),
     ("rollout", {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0", "cannot both be 0"),
+    # maxSurge left to its default, 0 for GPU pods of more than one replica (or groups)
+    ("gpu-unavail0", {"replicas": 2, "resources": {"gpu": 1}, "rollout": {"maxUnavailable": 0}}, "cannot both be 0",
+     "cannot both be 0"),
+    ("group-unavail0", {"resources": {"gpu": 1, "nodes": 2}, "rollout": {"maxUnavailable": "0%"}}, "cannot both be 0",
+     "cannot both be 0"),
+    ("k8s-io-gpu", {"resources": {"gpu": 1, "gpuResourceName": "kubernetes.io/gpu"}},
+     "the API server keeps names in the kubernetes.io domains", "the API server keeps names in the kubernetes.io"),
     ("runtime", {"podTemplate": {"runtimeClassName": "Nvidia GPU"}}, "podTemplate.runtimeClassName",
      "podTemplate.runtimeClassName must be a DNS-1123 subdomain"),
     ("spread", {"podTemplate": {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "zone",
@@ -680,6 +841,13 @@ def test_the_crd_and_the_operator_refuse_what_the_children_would_be_refused_for(
     ("tp-three-nodes", {"model": {"uri": "/m", "numKeyValueHeads": 6}, "resources": {"gpu": 1, "nodes": 3}}),
     ("cpu-any-heads", {"model": {"uri": "/m", "numKeyValueHeads": 5}, "resources": {"gpu": 0}, "engine": {}}),
     ("a" * 40, {"resources": {"gpu": 1, "nodes": 2}}),
+    # one rollout value given as 0, the other's default not 0
+    ("gpu-surge0", {"resources": {"gpu": 1}, "rollout": {"maxSurge": 0}}),
+    ("cpu-surge0", {"resources": {"gpu": 0}, "rollout": {"maxSurge": "0%"}}),
+    ("cpu-unavail0", {"resources": {"gpu": 0}, "rollout": {"maxUnavailable": 0}}),
+    ("gpu1-unavail0", {"resources": {"gpu": 1}, "rollout": {"maxUnavailable": 0}}),
+    ("recreate", {"rollout": {"strategy": "Recreate"}}),
+    ("amd-gpu", {"resources": {"gpu": 1, "gpuResourceName": "amd.com/gpu"}}),
 ])
 def test_the_crd_accepts_what_the_engine_runs(crd_cluster: Cluster, name: str, changes: dict[str, Any]) -> None:
     """The GPU rules' other side: a multiple of 256 and a half-precision dtype on a GPU, anything on the

@@ -230,12 +230,17 @@ def test_the_drain_budget_follows_the_grace_period() -> None:
         parse_spec("m", spec(podTemplate={"terminationGracePeriodSeconds": 5}))
 
 
-def test_rollout_strategy_defaults_to_no_spare_gpu_on_gpu_pods() -> None:
+def test_rollout_strategy_keeps_one_replica_serving_and_needs_no_spare_gpu_with_more() -> None:
     def strategy(**overrides: Any) -> dict[str, Any]:
         return render_children(parse_spec("m", spec(**overrides)), "ns")[0][1]["spec"]["strategy"]
 
-    assert strategy() == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    assert strategy(resources={"gpu": 1}) == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    surge = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    one_down = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert strategy() == surge
+    assert strategy(replicas=3) == surge
+    assert strategy(resources={"gpu": 1}) == surge  # one GPU replica: its surge pod loads while it serves
+    assert strategy(replicas=2, resources={"gpu": 1}) == one_down  # the other serves; no spare GPU needed
+    assert strategy(resources={"gpu": 1}, rollout={"maxSurge": 0}) == one_down  # no spare GPU: down for the load
     assert strategy(resources={"gpu": 1}, rollout={"strategy": "Recreate"}) == {"type": "Recreate"}
     assert strategy(rollout={"maxSurge": "25%", "maxUnavailable": "25%"})["rollingUpdate"] == {
         "maxSurge": "25%", "maxUnavailable": "25%"}

@@ -135,11 +135,16 @@ class TPGroup:
         """Record the first failure, tell whoever listens, and return the error to raise. A failed
         collective names the spawned rank that exited, when one did."""
         reason = reason.split(". This is typically")[0]  # gloo's advice after its one-line cause
-        for rank, p in self.processes:
-            p.join(1.0)  # a peer that closed its sockets is exiting: its code names the cause
-            if p.exitcode is not None:
-                reason = f"rank {rank} exited with code {p.exitcode} ({reason})"
-                break
+        # a peer that closed its sockets is exiting: its exit code names the cause (on a loaded host
+        # the exit can follow the closed socket by seconds, so wait for the first one, up to 10 s)
+        running = {p.sentinel: (rank, p) for rank, p in self.processes if p.exitcode is None}
+        exited = [(rank, p) for rank, p in self.processes if p.exitcode is not None]
+        if not exited and running:
+            exited = [running[s] for s in multiprocessing.connection.wait(list(running), timeout=10.0)]
+        if exited:
+            rank, p = exited[0]
+            p.join(1.0)
+            reason = f"rank {rank} exited with code {p.exitcode} ({reason})"
         if self.failure is None:
             self.failure = reason
             logger.error("tensor-parallel group broken: %s", reason)

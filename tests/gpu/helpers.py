@@ -69,6 +69,17 @@ def make_step(
     return query, key, value, k_cache, v_cache, meta
 
 
+def run_backend(backend, step, **kw):
+    """One attention call of `backend` over `step` (make_step's tuple) on copies of its cache:
+    (output as float32, the keys' cache, the values' cache)."""
+    query, key, value, k_cache, v_cache, meta = step
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    backend.prepare(meta)
+    out = backend.attend(query, key, value, k_cache, v_cache, meta, scaling=0.25, **kw)
+    meta.extra.clear()
+    return out.float(), k_cache, v_cache
+
+
 def _attend_one(q, k, v, scale, window, softcap):
     """q [sq, H, D], k/v [sk, Hkv, D]: flash-attn's causal bottom-right semantics, float32."""
     sq, sk = q.shape[0], k.shape[0]

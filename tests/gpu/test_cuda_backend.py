@@ -17,7 +17,7 @@ import torch
 
 from engine.backends import get_backend
 from engine.backends.cpu import SDPABackend
-from tests.gpu.helpers import FlashReference, make_step
+from tests.gpu.helpers import FlashReference, make_step, run_backend
 
 from engine.backends import cuda  # noqa: E402  (must import without CUDA or flash-attn)
 
@@ -72,22 +72,13 @@ def test_flash_window_translation():
     assert cuda.flash_window(4096) == (4095, 0)
 
 
-def _run(backend, step, **kw):
-    query, key, value, k_cache, v_cache, meta = step
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    backend.prepare(meta)
-    out = backend.attend(query, key, value, k_cache, v_cache, meta, scaling=0.25, **kw)
-    meta.extra.clear()
-    return out.float(), k_cache, v_cache
-
-
 @pytest.mark.parametrize("seqs, kernel", [(MIXED, "varlen"), (DECODE, "kvcache")])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 64}, {"softcap": 30.0}])
 def test_flash_backend_calls_the_right_kernel_and_matches_the_cpu_backend(seqs, kernel, kw):
     step = make_step(seqs, block_size=256, num_blocks=16, dtype=torch.bfloat16, seed=1)
     ref = FlashReference()
-    out, k_cache, v_cache = _run(cuda.FlashAttnBackend(ref.varlen, ref.kvcache), step, **kw)
-    expected, k_exp, v_exp = _run(SDPABackend(), step, **kw)
+    out, k_cache, v_cache = run_backend(cuda.FlashAttnBackend(ref.varlen, ref.kvcache), step, **kw)
+    expected, k_exp, v_exp = run_backend(SDPABackend(), step, **kw)
     assert [name for name, _ in ref.calls] == [kernel]
     args = ref.calls[0][1]
     assert args["causal"] is True
@@ -103,15 +94,15 @@ def test_flash_backend_refuses_float32_with_a_clear_error():
     step = make_step(DECODE, block_size=256, num_blocks=16, dtype=torch.float32)
     ref = FlashReference()
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        _run(cuda.FlashAttnBackend(ref.varlen, ref.kvcache), step)
+        run_backend(cuda.FlashAttnBackend(ref.varlen, ref.kvcache), step)
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODE, [(40, 40)], [(9, 1), (70, 70), (100, 30)]])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 7}, {"softcap": 5.0}])
 def test_sdpa_fallback_equals_the_cpu_backend(seqs, kw):
     step = make_step(seqs, block_size=16, num_blocks=128, seed=2)
-    out, k_cache, v_cache = _run(cuda.SDPACudaBackend(), step, **kw)
-    expected, k_exp, v_exp = _run(SDPABackend(), step, **kw)
+    out, k_cache, v_cache = run_backend(cuda.SDPACudaBackend(), step, **kw)
+    expected, k_exp, v_exp = run_backend(SDPABackend(), step, **kw)
     assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -24,7 +24,7 @@ from engine.backends.cuda import flex
 from engine.backends.cuda.flex import TILE, FlexAttnBackend, decode_layout, logical_blocks, prefill_layout
 from engine.config import ContinuousBatchingConfig
 from engine.testing import build_test_model, random_prompts
-from tests.gpu.helpers import make_step, meta_for
+from tests.gpu.helpers import make_step, meta_for, run_backend
 from tests.gpu.test_engine_with_graphs import NEW, graphed_engine, run_engine, serve
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -36,15 +36,6 @@ PREFILL = [(130, 130), (400, 129), (7, 2)]  # chunks crossing query tiles
 
 def eager_flex() -> FlexAttnBackend:
     return FlexAttnBackend(flex_attention)
-
-
-def _run(backend, step, **kw):
-    query, key, value, k_cache, v_cache, meta = step
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    backend.prepare(meta)
-    out = backend.attend(query, key, value, k_cache, v_cache, meta, scaling=0.25, **kw)
-    meta.extra.clear()
-    return out.float(), k_cache, v_cache
 
 
 def test_module_imports_without_triton_or_cuda():
@@ -118,16 +109,16 @@ def test_block_mask_tiles_hold_every_allowed_key_and_only_the_sequences_own(seqs
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 7}, {"sliding_window": 200}, {"softcap": 5.0}])
 def test_flex_equals_the_cpu_backend(seqs, kw):
     step = make_step(seqs, block_size=128, num_blocks=24, num_heads=8, num_kv_heads=2, seed=2)
-    out, k_cache, v_cache = _run(eager_flex(), step, **kw)
-    expected, k_exp, v_exp = _run(SDPABackend(), step, **kw)
+    out, k_cache, v_cache = run_backend(eager_flex(), step, **kw)
+    expected, k_exp, v_exp = run_backend(SDPABackend(), step, **kw)
     assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)  # written by slot mapping
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_flex_in_bfloat16_with_blocks_of_256():
     step = make_step(MIXED, block_size=256, num_blocks=12, dtype=torch.bfloat16, seed=4)
-    out, *_ = _run(eager_flex(), step)
-    expected, *_ = _run(SDPABackend(), step)
+    out, *_ = run_backend(eager_flex(), step)
+    expected, *_ = run_backend(SDPABackend(), step)
     torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
 
 

@@ -73,16 +73,22 @@ def test_sigterm_to_the_whole_process_group_drains_and_exits_0(model_dir, tmp_pa
     assert "broken" not in server.log.read_text()
 
 
-def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_server_dies(model_dir, tmp_path,
-                                                                                         expected) -> None:  # fmt: skip
-    port = free_port()
-    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(port)]
+def start_worker(model_dir: Path, tmp_path: Path, *args: str) -> tuple[list[str], subprocess.Popen, Path]:
+    """`cbserve worker` as the second of two "hosts" on this machine: (the group flags the server needs
+    too, the worker's process, its log)."""
+    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(free_port())]
     config = tmp_path / "engine.yaml"
     config.write_text(yaml.safe_dump(ENGINE))
     log = tmp_path / "worker.log"
     worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--model", str(model_dir), "--config",
-                               str(config), "--node-rank", "1", *group], stdout=log.open("w"),
+                               str(config), *args, "--node-rank", "1", *group], stdout=log.open("w"),
                               stderr=subprocess.STDOUT)  # fmt: skip
+    return group, worker, log
+
+
+def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_server_dies(model_dir, tmp_path,
+                                                                                         expected) -> None:  # fmt: skip
+    group, worker, log = start_worker(model_dir, tmp_path)
     server = None
     try:
         server = Server(model_dir, tmp_path, ENGINE, extra_args=group)
@@ -102,14 +108,7 @@ def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_ser
 def test_a_host_that_loads_another_dtype_stops_the_group_saying_so(model_dir, tmp_path) -> None:
     """--dtype auto can differ between two hosts' CPUs: a worker holding bfloat16 against a float32 server
     stops with a line that names the cause, not only a broken all-reduce."""
-    port = free_port()
-    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(port)]
-    config = tmp_path / "engine.yaml"
-    config.write_text(yaml.safe_dump(ENGINE))
-    log = tmp_path / "worker.log"
-    worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--model", str(model_dir), "--config",
-                               str(config), "--dtype", "bfloat16", "--node-rank", "1", *group], stdout=log.open("w"),
-                              stderr=subprocess.STDOUT)  # fmt: skip
+    group, worker, log = start_worker(model_dir, tmp_path, "--dtype", "bfloat16")
     try:
         with pytest.raises(RuntimeError, match="server exited with 1"):
             Server(model_dir, tmp_path, ENGINE, extra_args=group)

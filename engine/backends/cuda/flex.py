@@ -291,19 +291,9 @@ class FlexAttnBackend(AttentionBackend):
             step[key] = step[kind].blocks(window)
         return step[key]
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scaling: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, *, scaling: float, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         from torch.nn.attention.flex_attention import BlockMask
 
         if self._flex is None:

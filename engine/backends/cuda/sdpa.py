@@ -65,19 +65,9 @@ class SDPACudaBackend(AttentionBackend):
             starts.append(starts[-1] + n)
         meta.extra["q_starts"] = starts
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scaling: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, *, scaling: float, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         hkv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
         out = torch.empty(query.shape[0], query.shape[1], dv, dtype=query.dtype, device=query.device)

@@ -216,6 +216,23 @@ def test_an_inference_pool_selects_the_server_pods_and_names_the_picker() -> Non
     assert ("inference.networking.k8s.io/v1", "InferencePool", "m") in removed
 
 
+def test_the_docs_inference_pool_is_what_the_operator_renders() -> None:
+    """docs/kubernetes.md's routing example: its CBDeployment renders the InferencePool shown under it."""
+    import re
+
+    from .conftest import REPO
+
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    section = text[text.index("## Routing by queue and KV cache: InferencePool"):]
+    cbd, shown, gateway, route = yaml.safe_load_all(re.search(r"```yaml\n(.*?)```", section, re.S)[1])  # type: ignore[index]
+    objs, _ = render_children(parse_spec(cbd["metadata"]["name"], cbd["spec"]), cbd["metadata"]["namespace"])
+    pool = next(o for o in objs if o["kind"] == "InferencePool")
+    assert (pool["apiVersion"], pool["metadata"]["name"], pool["spec"]) == (shown["apiVersion"], shown["metadata"]["name"], shown["spec"])
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}]
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+
+
 @pytest.mark.parametrize(("routing", "problem"), [
     ({"inferencePool": {"enabled": True}}, "routing.inferencePool.endpointPicker.name is required"),
     ({"inferencePool": {"enabled": True, "endpointPicker": {"name": "e", "port": 0}}},

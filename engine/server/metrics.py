@@ -1,5 +1,9 @@
 """Prometheus metrics with vLLM's names under the `cbserve:` prefix, labelled by model_name.
 
+The live queue, running and KV-cache gauges are also exposed under vLLM's own `vllm:` names, the ones
+the Gateway API Inference Extension's endpoint pickers read (`vllm:gpu_cache_usage_perc` is older
+pickers' name for the KV-cache use): same values, read once per scrape.
+
 Request-level figures (latencies, token counts) are observed by the server when a request ends;
 the engine's live figures (queue, running, KV usage, preemptions, prefix cache) are read from the
 manager at scrape time by a collector, so they are never stale.
@@ -13,6 +17,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "cbserve:"
+# The gauges endpoint pickers read, under vLLM's names: cbserve's name -> the `vllm:` names it is also exposed as.
+PICKER_NAMES = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
@@ -45,9 +55,10 @@ class _EngineCollector:
             ("num_requests_waiting", "Requests waiting to be scheduled."),
             ("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1)."),
         ):
-            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(s[name]))
-            yield g
+            for full_name in (P + name, *PICKER_NAMES[name]):
+                g = GaugeMetricFamily(full_name, doc, labels=["model_name"])
+                g.add_metric([self.model_name], float(s[name]))
+                yield g
         for name, key, doc in (
             ("num_preemptions", "num_preemptions_total", "Preemptions of running requests."),
             ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),

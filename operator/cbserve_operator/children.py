@@ -1,5 +1,5 @@
 """Everything a CBDeployment owns: ConfigMap, model cache claim, Deployment (or LeaderWorkerSet and its
-headless Service), Service, autoscaler, PDB, ServiceMonitor (the download Job apart: it is created
+headless Service), Service, autoscaler, PDB, ServiceMonitor, InferencePool (the download Job apart: it is created
 once, model_cache.py)."""
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ def render_config_map(spec: CBDeploymentSpec) -> dict[str, Any]:
     }
 
 
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def server_selector(spec: CBDeploymentSpec) -> dict[str, str]:
+    """The labels of the pods that serve HTTP: a multi-node group's leaders only (the workers serve none)."""
+    return naming.server_selector_labels(spec.name) if spec.multi_node else naming.selector_labels(spec.name)
+
+
 def render_service(spec: CBDeploymentSpec) -> dict[str, Any]:
     metadata: dict[str, Any] = {"name": spec.name, "labels": naming.common_labels(spec.name)}
     if spec.service.annotations:
@@ -36,8 +44,7 @@ def render_service(spec: CBDeploymentSpec) -> dict[str, Any]:
         "metadata": metadata,
         "spec": {
             "type": spec.service.type,
-            # a multi-node group's leaders only: the workers serve no HTTP
-            "selector": naming.server_selector_labels(spec.name) if spec.multi_node else naming.selector_labels(spec.name),
+            "selector": server_selector(spec),
             "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -148,6 +155,28 @@ def render_service_monitor(spec: CBDeploymentSpec) -> dict[str, Any]:
     }
 
 
+def render_inference_pool(spec: CBDeploymentSpec) -> dict[str, Any]:
+    """The Gateway API Inference Extension's pool of the server pods (their HTTP port, not the Service's):
+    a Gateway's HTTPRoute sends to it, and the endpoint picker named chooses a pod per request by the
+    `vllm:*` queue and KV-cache metrics the servers expose."""
+    pool = spec.inference_pool
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": {"name": spec.name, "labels": naming.common_labels(spec.name)},
+        "spec": {
+            "selector": {"matchLabels": server_selector(spec)},
+            "targetPorts": [{"number": naming.PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": pool.picker_name,
+                "port": {"number": pool.picker_port},
+                "failureMode": pool.failure_mode,
+            },
+        },
+    }
+
+
 def workload_ref(spec: CBDeploymentSpec) -> tuple[str, str, str]:
     """(apiVersion, kind, name) of what runs the pods: a Deployment, or a LeaderWorkerSet for nodes > 1."""
     if spec.multi_node:
@@ -231,6 +260,7 @@ def render_children(spec: CBDeploymentSpec, namespace: str, model_cached: bool =
         (spec.pdb.enabled, lambda: render_pdb(spec), ("policy/v1", "PodDisruptionBudget")),
         (spec.service_monitor.enabled, lambda: render_service_monitor(spec),
          ("monitoring.coreos.com/v1", "ServiceMonitor")),
+        (spec.inference_pool.enabled, lambda: render_inference_pool(spec), (INFERENCE_POOL_API, "InferencePool")),
     ]
     for wanted, render, (api_version, kind) in optional:
         if wanted:

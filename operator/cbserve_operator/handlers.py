@@ -27,7 +27,7 @@ MANAGED = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}  # what every child is la
 
 API_VERSION = f"{GROUP}/{VERSION}"
 # Optional children whose API may be missing from a cluster (no KEDA, no Prometheus operator).
-OPTIONAL_APIS = {"keda.sh/v1alpha1", "monitoring.coreos.com/v1"}
+OPTIONAL_APIS = {"keda.sh/v1alpha1", "monitoring.coreos.com/v1", "inference.networking.k8s.io/v1"}
 
 
 def default_image() -> str:
@@ -666,6 +666,7 @@ def model_job_changed(body: kopf.Body, namespace: str, labels: kopf.Labels, type
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 @kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=MANAGED)  # watched once KEDA's CRD exists
 @kopf.on.event("monitoring.coreos.com", "v1", "servicemonitors", labels=MANAGED)  # and the Prometheus operator's
+@kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=MANAGED)  # and the inference extension's
 def repair_child(body: kopf.Body, namespace: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo,
                  logger: kopf.Logger, **_: Any) -> None:
     """A child deleted or edited by hand goes back to what the spec renders, on its own event.

@@ -26,6 +26,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ScaledObject": "scaledobjects",
     "ServiceMonitor": "servicemonitors",
+    "InferencePool": "inferencepools",
     "CBDeployment": "cbdeployments",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Job": "jobs",

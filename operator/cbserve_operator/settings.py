@@ -24,6 +24,7 @@ WATCHED_CHILDREN = (
     ("policy", "v1", "poddisruptionbudgets"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("monitoring.coreos.com", "v1", "servicemonitors"),
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
     ("", "v1", "pods"),  # the server pods: why they do not start (pods.py)
     ("", "v1", "persistentvolumeclaims"),  # the model cache's claim
 )

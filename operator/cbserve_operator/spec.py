@@ -157,6 +157,16 @@ class ServiceMonitor:
 
 
 @dataclass(frozen=True)
+class InferencePool:
+    """An InferencePool (Gateway API Inference Extension) over the server pods, routed by the named
+    endpoint picker's Service."""
+    enabled: bool = False
+    picker_name: str = ""
+    picker_port: int = 9002
+    failure_mode: str = "FailClose"
+
+
+@dataclass(frozen=True)
 class CBDeploymentSpec:
     name: str
     model: ModelSource
@@ -173,6 +183,7 @@ class CBDeploymentSpec:
     pdb: Pdb = field(default_factory=Pdb)
     rollout: Rollout = field(default_factory=Rollout)
     service_monitor: ServiceMonitor = field(default_factory=ServiceMonitor)
+    inference_pool: InferencePool = field(default_factory=InferencePool)
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key): the servers' CBSERVE_API_KEY
     warnings: tuple[str, ...] = ()  # deprecated spellings used: the spec is valid, the user is told
 
@@ -405,6 +416,22 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
     r.check(bool(_INTERVAL.match(service_monitor.interval)),
             f"serviceMonitor.interval must look like 30s, 1m or 1h, got {service_monitor.interval!r}")
 
+    pool = r.section(r.section(spec, "routing"), "inferencePool")
+    picker = r.section(pool, "endpointPicker")
+    inference_pool = InferencePool(
+        enabled=r.get(pool, "routing.inferencePool.enabled", (bool,), False),
+        picker_name=r.get(picker, "routing.inferencePool.endpointPicker.name", (str,), ""),
+        picker_port=r.get(picker, "routing.inferencePool.endpointPicker.port", (int,), 9002),
+        failure_mode=r.get(picker, "routing.inferencePool.endpointPicker.failureMode", (str,), "FailClose"),
+    )
+    r.check(not inference_pool.enabled or bool(inference_pool.picker_name),
+            "routing.inferencePool.endpointPicker.name is required when routing.inferencePool.enabled is true")
+    r.check(1 <= inference_pool.picker_port <= 65535,
+            f"routing.inferencePool.endpointPicker.port must be 1..65535, got {inference_pool.picker_port}")
+    r.check(inference_pool.failure_mode in ("FailOpen", "FailClose"),
+            f"routing.inferencePool.endpointPicker.failureMode must be FailOpen or FailClose, "
+            f"got {inference_pool.failure_mode!r}")
+
     api_key_secret = _secret_ref(r, spec, "apiKeySecret", "api-key")
 
     if r.problems or model is None:
@@ -414,7 +441,7 @@ def parse_spec(name: str, spec: Any, default_image: str = DEFAULT_IMAGE) -> CBDe
         name=name, model=model, served_name=served_name, image=image, image_pull_policy=pull,
         replicas=replicas, resources=resources, engine=engine, autoscaling=autoscaling,
         service=service, probes=probes, pod_template=pod_template, pdb=pdb, rollout=rollout,
-        service_monitor=service_monitor, api_key_secret=api_key_secret, warnings=tuple(warnings),
+        service_monitor=service_monitor, inference_pool=inference_pool, api_key_secret=api_key_secret, warnings=tuple(warnings),
     )
 
 

@@ -31,6 +31,7 @@ CHART = REPO / "charts" / "cbserve"
 CRD_FILE = CHART / "crds" / "cbdeployments.cbserve.io.yaml"
 # LeaderWorkerSet's published CRD (kubernetes-sigs/lws, vendored with its source in the header)
 LWS_CRD_FILE = Path(__file__).resolve().parent / "fixtures" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+INFERENCE_POOL_CRD_FILE = Path(__file__).resolve().parent / "fixtures" / "inference.networking.k8s.io_inferencepools.yaml"
 T = TypeVar("T")
 
 
@@ -139,6 +140,11 @@ def install_lws(cluster: Cluster) -> None:
     """LeaderWorkerSet's CRD, as `kubectl apply --server-side` installs it (1.3 MB: too big for the
     last-applied annotation of a client-side apply)."""
     cluster.kubectl("apply", "--server-side", "--validate=false", "-f", str(LWS_CRD_FILE))
+
+
+def install_inference_pool(cluster: Cluster) -> None:
+    """The Gateway API Inference Extension's InferencePool CRD, as published (fixtures/)."""
+    cluster.kubectl("apply", "--server-side", "--validate=false", "-f", str(INFERENCE_POOL_CRD_FILE))
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from cbserve_operator.children import render_children
 from cbserve_operator.model_cache import render_job
 from cbserve_operator.spec import DEFAULT_IMAGE, parse_spec
 
-from .conftest import CHART, CRD_FILE, LWS_CRD_FILE, REPO, Cluster, Tools
+from .conftest import CHART, CRD_FILE, INFERENCE_POOL_CRD_FILE, LWS_CRD_FILE, REPO, Cluster, Tools
 
 CBD = "cbserve.io/v1alpha1"
 
@@ -131,7 +131,11 @@ def test_operator_children_are_valid_for_kubernetes_1_34(tmp_path: Path) -> None
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
     spec = parse_spec("llama-8b", full["spec"])
     objs, _ = render_children(spec, "default")
-    builtin = [o for o in objs if o["apiVersion"] not in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")]
+    (pool,) = [o for o in objs if o["kind"] == "InferencePool"]
+    pool_schema = yaml.safe_load(INFERENCE_POOL_CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator(pool_schema).validate(pool)  # the inference extension's published schema
+    builtin = [o for o in objs if o["apiVersion"] not in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1",
+                                                          "inference.networking.k8s.io/v1")]
     builtin.append(render_job(spec))  # the model cache's download Job
     proc = validate(tmp_path, "---\n".join(yaml.safe_dump(o) for o in builtin))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import Cluster, install_lws
+from .conftest import Cluster, install_inference_pool, install_lws
 
 CM = "/api/v1/namespaces/emu/configmaps"
 
@@ -148,6 +148,26 @@ def test_a_leaderworkerset_is_judged_by_its_published_schema(cluster: Cluster) -
     assert status == 422 and "'leaderWorkerTemplate' is a required property" in refused["message"]
     scale = cluster.api(path + "/g/scale")  # LWS declares the scale subresource
     assert scale["spec"]["replicas"] == 1  # type: ignore[index]
+
+
+def test_an_inference_pool_is_judged_by_its_published_schema(cluster: Cluster) -> None:
+    """The inference extension's own InferencePool CRD (fixtures/): defaults, pruning, and its CEL rules."""
+    install_inference_pool(cluster)
+    path = "/apis/inference.networking.k8s.io/v1/namespaces/emu/inferencepools"
+    good = {"selector": {"matchLabels": {"app": "m"}}, "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+    status, created = call(cluster, "POST", path, {"metadata": {"name": "p"}, "spec": {**good, "extra": 1}})
+    assert status == 201, created
+    assert "extra" not in created["spec"]  # pruned
+    assert created["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"  # defaulted
+    no_port = {**good, "endpointPickerRef": {"name": "epp"}}  # a Service needs a port (a CEL rule)
+    status, refused = call(cluster, "POST", path, {"metadata": {"name": "q"}, "spec": no_port})
+    assert status == 422 and "port is required when kind is 'Service' or unspecified" in refused["message"], refused
+    twice = {**good, "targetPorts": [{"number": 8000}, {"number": 8000}]}  # another CEL rule
+    status, refused = call(cluster, "POST", path, {"metadata": {"name": "q"}, "spec": twice})
+    assert status == 422, refused
+    status, refused = call(cluster, "POST", path, {"metadata": {"name": "q"}, "spec": {**good, "targetPorts": []}})
+    assert status == 422, refused
 
 
 def test_lists_come_in_pages_and_watches_filter_by_label(cluster: Cluster) -> None:

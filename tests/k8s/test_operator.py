@@ -17,7 +17,7 @@ from kopf.testing import KopfRunner
 
 from cbserve_operator import spec as spec_module
 
-from .conftest import REPO, Cluster, wait_for
+from .conftest import REPO, Cluster, install_inference_pool, wait_for
 
 CBD = "cbserve.io/v1alpha1"
 EXAMPLE = REPO / "examples" / "cbdeployment.yaml"
@@ -616,6 +616,46 @@ def test_deleting_the_cbdeployment_deletes_its_children(operator: KopfRunner, cr
              what="garbage collection of the owned children")
 
 
+def test_an_inference_pool_follows_the_spec_and_its_published_crd(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """spec.routing.inferencePool: skipped with a reason without the inference extension's API; with its
+    published CRD installed, an InferencePool the API server accepts (defaulted by that schema), over the
+    server pods' labels and port, naming the picker; put back when deleted; deleted when turned off."""
+    c, ns = crd_cluster, "routing"
+    routing = {"inferencePool": {"enabled": True, "endpointPicker": {"name": "smollm2-epp"}}}
+    apply(c, ns, example(routing=routing))
+    obj = reconciled(c, ns)
+    assert conditions(obj)["ConfigValid"]["status"] == "True"
+    assert ("InferencePool skipped: the inference.networking.k8s.io/v1 API is not installed"
+            in conditions(obj)["ConfigValid"]["message"])
+
+    install_inference_pool(c)
+    routing["inferencePool"]["endpointPicker"]["failureMode"] = "FailOpen"
+    apply(c, ns, example(routing=routing))
+    obj = reconciled(c, ns)
+    assert conditions(obj)["ConfigValid"]["message"] == "the spec is valid"
+    pool = c.get("inference.networking.k8s.io/v1", "inferencepools", ns, "smollm2")
+    service = c.get("v1", "services", ns, "smollm2")
+    assert pool is not None and service is not None
+    assert pool["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    assert pool["spec"]["selector"] == {"matchLabels": service["spec"]["selector"]}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    # group "" is the published schema's default: the emulator judged the object by that CRD
+    assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service", "name": "smollm2-epp",
+                                                 "port": {"number": 9002}, "failureMode": "FailOpen"}
+    template = c.get("apps/v1", "deployments", ns, "smollm2")["spec"]["template"]  # type: ignore[index]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in template["spec"]["containers"][0]["ports"]
+
+    c.kubectl("delete", "inferencepools.inference.networking.k8s.io", "smollm2", "-n", ns)
+    wait_for(lambda: (o := c.get("inference.networking.k8s.io/v1", "inferencepools", ns, "smollm2"))
+             and o["metadata"]["uid"] != pool["metadata"]["uid"], what="the InferencePool to be recreated")
+
+    apply(c, ns, example(routing={"inferencePool": {"enabled": False}}))
+    reconciled(c, ns)
+    wait_for(lambda: c.get("inference.networking.k8s.io/v1", "inferencepools", ns, "smollm2") is None,
+             what="the InferencePool to be deleted")
+
+
 def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "optional"
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
@@ -641,7 +681,9 @@ def test_optional_children_follow_the_spec(operator: KopfRunner, crd_cluster: Cl
     assert c.get("autoscaling/v2", "horizontalpodautoscalers", ns, "llama-8b") is None
     assert c.get("policy/v1", "poddisruptionbudgets", ns, "llama-8b") is None
 
-    # With KEDA and the Prometheus operator installed, the ScaledObject and ServiceMonitor appear.
+    # With KEDA, the Prometheus operator and the inference extension installed, the ScaledObject,
+    # ServiceMonitor and InferencePool appear.
+    install_inference_pool(c)
     for group, kind, plural in (("keda.sh", "ScaledObject", "scaledobjects"),
                                 ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")):
         c.kubectl("apply", "--server-side", "--validate=false", "-f", "-", input=yaml.safe_dump(

@@ -190,10 +190,59 @@ def test_full_example_renders_every_optional_child() -> None:
     full = yaml.safe_load((REPO / "examples" / "cbdeployment-full.yaml").read_text())
     objs, removed = render_children(parse_spec("llama-8b", full["spec"]), "default")
     assert [o["kind"] for o in objs] == ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
-                                         "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"]
+                                         "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor",
+                                         "InferencePool"]
     # one pod per replica: no LeaderWorkerSet, nor its headless Service
     assert removed == [("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama-8b-group"),
                        ("v1", "Service", "llama-8b-group"), ("keda.sh/v1alpha1", "ScaledObject", "llama-8b")]
+
+
+def test_an_inference_pool_selects_the_server_pods_and_names_the_picker() -> None:
+    routing = {"inferencePool": {"enabled": True, "endpointPicker": {"name": "m-epp"}}}
+    objs, removed = render_children(parse_spec("m", spec(routing=routing)), "ns")
+    pool = next(o for o in objs if o["kind"] == "InferencePool")
+    service = next(o for o in objs if o["kind"] == "Service")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "m"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": service["spec"]["selector"]},
+        "targetPorts": [{"number": 8000}],  # the pods' port: the Gateway sends to pods, not to the Service
+        "endpointPickerRef": {"kind": "Service", "name": "m-epp", "port": {"number": 9002}, "failureMode": "FailClose"},
+    }
+    # a multi-node group: its leaders only, as the Service
+    group_objs, _ = render_children(parse_spec("m", spec(routing=routing, resources={"gpu": 1, "nodes": 2})), "ns")
+    group_pool = next(o for o in group_objs if o["kind"] == "InferencePool")
+    assert group_pool["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "server"
+    _, removed = render_children(parse_spec("m", spec()), "ns")
+    assert ("inference.networking.k8s.io/v1", "InferencePool", "m") in removed
+
+
+def test_the_docs_inference_pool_is_what_the_operator_renders() -> None:
+    """docs/kubernetes.md's routing example: its CBDeployment renders the InferencePool shown under it."""
+    import re
+
+    from .conftest import REPO
+
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    section = text[text.index("## Routing by queue and KV cache: InferencePool"):]
+    cbd, shown, gateway, route = yaml.safe_load_all(re.search(r"```yaml\n(.*?)```", section, re.S)[1])  # type: ignore[index]
+    objs, _ = render_children(parse_spec(cbd["metadata"]["name"], cbd["spec"]), cbd["metadata"]["namespace"])
+    pool = next(o for o in objs if o["kind"] == "InferencePool")
+    assert (pool["apiVersion"], pool["metadata"]["name"], pool["spec"]) == (shown["apiVersion"], shown["metadata"]["name"], shown["spec"])
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}]
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+
+
+@pytest.mark.parametrize(("routing", "problem"), [
+    ({"inferencePool": {"enabled": True}}, "routing.inferencePool.endpointPicker.name is required"),
+    ({"inferencePool": {"enabled": True, "endpointPicker": {"name": "e", "port": 0}}},
+     "routing.inferencePool.endpointPicker.port must be 1..65535"),
+    ({"inferencePool": {"enabled": True, "endpointPicker": {"name": "e", "failureMode": "Open"}}},
+     "routing.inferencePool.endpointPicker.failureMode must be FailOpen or FailClose"),
+])
+def test_a_bad_inference_pool_is_refused(routing: dict, problem: str) -> None:
+    with pytest.raises(SpecError, match=problem):
+        parse_spec("m", spec(routing=routing))
 
 
 def test_an_api_key_secret_reaches_the_server_as_cbserve_api_key() -> None:

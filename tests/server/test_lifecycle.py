@@ -49,6 +49,27 @@ def test_disconnected_non_streaming_request_is_cancelled(server) -> None:
     server.wait_for(lambda m: m["cbserve:num_requests_running"] == 0 and m["cbserve:kv_cache_usage_perc"] == 0.0)
 
 
+def test_endpoint_pickers_read_the_live_gauges_under_vllms_names(server) -> None:
+    """The Gateway API Inference Extension's pickers read vllm:num_requests_waiting, vllm:num_requests_running
+    and vllm:kv_cache_usage_perc (older ones vllm:gpu_cache_usage_perc): the same values as cbserve's, in
+    one scrape, while a request runs."""
+    pairs = {"vllm:num_requests_running": "cbserve:num_requests_running",
+             "vllm:num_requests_waiting": "cbserve:num_requests_waiting",
+             "vllm:kv_cache_usage_perc": "cbserve:kv_cache_usage_perc",
+             "vllm:gpu_cache_usage_perc": "cbserve:kv_cache_usage_perc"}
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions",
+                                                  json={**LONG, "max_tokens": 3000, "stream": True}) as r:
+        lines = r.iter_lines()  # held: a generator dropped mid-stream closes the response
+        for line in lines:
+            if line.startswith("data: {"):
+                break  # running: the stream stays open until the with-block closes it
+        m = server.metrics()
+        assert m["vllm:num_requests_running"] >= 1 and m["vllm:kv_cache_usage_perc"] > 0
+        assert {v: m[v] for v in pairs} == {v: m[cb] for v, cb in pairs.items()}
+    m = server.wait_for(lambda m: m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0)
+    assert {v: m[v] for v in pairs} == {v: m[cb] for v, cb in pairs.items()}
+
+
 def test_metrics_token_counters_equal_reported_usage(model_dir, tmp_path) -> None:
     srv = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 256})
     try:

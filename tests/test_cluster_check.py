@@ -36,7 +36,8 @@ def bin_dir(tmp_path: Path, tools: list[str]) -> Path:
     return folder
 
 
-def run(tmp_path: Path, tools: list[str], *args: str, kubeconfig: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+def run(tmp_path: Path, tools: list[str], *args: str,
+        kubeconfig: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {"PATH": str(bin_dir(tmp_path, tools)), "HOME": str(tmp_path),
            "KUBECONFIG": str(kubeconfig or tmp_path / "no-such-kubeconfig")}  # fmt: skip
     start = time.monotonic()
@@ -88,7 +89,8 @@ def test_an_unreachable_api_server_is_named_even_with_the_images_built(tmp_path)
         "contexts: [{name: dead, context: {cluster: dead, user: dead}}]\n"
         "users: [{name: dead, user: {token: none}}]\n"
     )
-    out, took = run(tmp_path, [*BASE_TOOLS, "kubectl", "helm", "curl", "python3"], "--skip-build", kubeconfig=kubeconfig)
+    tools = [*BASE_TOOLS, "kubectl", "helm", "curl", "python3"]
+    out, took = run(tmp_path, tools, "--skip-build", kubeconfig=kubeconfig)
     assert out.returncode == 3, out.stdout + out.stderr
     assert took < 60
     assert "docker" not in out.stdout.split("Missing:")[1].split("Not done here")[0]

@@ -152,7 +152,8 @@ ENTRYPOINT ["python", "-m", "cbserve_operator"]
 # cpu: a CPU-only server for clusters without GPUs (scripts/cluster_check.sh, examples/cbdeployment-cpu.yaml).
 # The CPU torch wheel from PyTorch's CPU index, cbserve, and the embedded SmolLM2 converted once at
 # build time into /opt/models/smollm2-135m-instruct (read-only at run time: the CBDeployment names it
-# as model.uri). No C++ compiler: the engine's C++ CPU kernels fall back to torch (engine/backends/cpu_kernels.py).
+# as model.uri). No C++ compiler: the CPU backend runs its torch paths, without the C++ kernels
+# (CBSERVE_CPU_KERNELS=0 says so instead of a failed build at start-up; engine/backends/cpu_kernels.py).
 FROM ${PYTHON_SLIM} AS cpu
 ARG TORCH_VERSION
 ARG SMOLLM2_VERSION=0.1.2
@@ -177,7 +178,8 @@ RUN pip install --no-cache-dir . \
     && chown 1000:1000 /cache
 ENV HOME=/tmp \
     HF_HOME=/cache/huggingface \
-    XDG_CACHE_HOME=/tmp/.cache
+    XDG_CACHE_HOME=/tmp/.cache \
+    CBSERVE_CPU_KERNELS=0
 USER 1000:1000
 WORKDIR /tmp
 EXPOSE 8000

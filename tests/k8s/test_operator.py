@@ -147,7 +147,7 @@ def test_the_cpu_example_runs_the_embedded_model_on_the_cpu(operator: KopfRunner
     assert resources["requests"]["cpu"] == "1" and resources["requests"]["memory"] == "3Gi"
     assert "dshm" not in {v["name"] for v in pod["spec"]["volumes"]}  # no GPU, no /dev/shm volume
     (cm,) = wait_for(lambda: c.items("v1", "configmaps", ns), what="the ConfigMap")
-    assert yaml.safe_load(cm["data"]["engine.yaml"]) == {"dtype": "float32", "cpu_kv_cache_space": 1,
+    assert yaml.safe_load(cm["data"]["engine.yaml"]) == {"dtype": "float32", "cpu_kv_cache_space": 0.5,
                                                          "max_queue_size": 64}
 
 

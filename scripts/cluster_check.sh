@@ -33,7 +33,7 @@ out_dir=""
 keep=0
 
 usage() {
-    sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     echo "Options: --kind, --image-registry REG, --skip-build, --out DIR, --timeout SECONDS, --keep (no cleanup)"
 }
 
@@ -187,8 +187,8 @@ step_cluster() {
     if [ "$use_kind" -eq 0 ]; then
         skip "the current context, $(kubectl config current-context)"
     fi
+    echo 1 > "$WORK/created-kind"  # cleanup deletes it, even when the create fails half-way
     kind create cluster --name "$KIND_CLUSTER" --wait 300s
-    echo 1 > "$WORK/created-kind"
     kubectl version --request-timeout=10s >/dev/null
 }
 

@@ -111,3 +111,54 @@ def test_bad_usage_is_refused_before_anything_else(tmp_path):
     assert out.returncode == 2 and "unknown option: --bogus" in out.stderr
     out, _ = run(tmp_path, BASE_TOOLS, "--out")
     assert out.returncode not in (0, 3) and "--out needs a directory" in out.stderr
+
+
+STAND_IN = """#!/bin/bash
+echo "${0##*/} $*" >> "$CALLS"
+[[ " $* " == *" -f - "* ]] && cat > /dev/null  # read what is piped in, as kubectl apply does
+case "${0##*/} $*" in
+  "kubectl config current-context") echo stand-in ;;
+  "kubectl -n cbserve-check wait"*) echo "timed out waiting for the condition" >&2; exit 1 ;;
+  "kubectl version"*) echo '{"serverVersion": {"gitVersion": "v1.31.0"}}' ;;
+esac
+exit 0
+"""
+
+
+def test_a_failed_step_skips_the_rest_and_cleanup_removes_what_was_made(tmp_path):
+    """The step machinery, with stand-ins for docker, kubectl and helm (no cluster here): each step's
+    outcome in the table, the steps after a failure skipped, exit 1, and on exit the release and the
+    namespace the script made are removed."""
+    tools = [*BASE_TOOLS, "curl", "python3"]
+    out_calls = tmp_path / "calls"
+    folder = bin_dir(tmp_path, tools)
+    for name in ("docker", "kubectl", "helm"):
+        (folder / name).write_text(STAND_IN)
+        (folder / name).chmod(0o755)
+    env = {"PATH": str(folder), "HOME": str(tmp_path), "CALLS": str(out_calls)}
+    out = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path / "report"), "--timeout", "5"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = table(out.stdout)
+    assert rows == {
+        "prerequisites": "PASS",
+        "cluster": "SKIP (the current context, stand-in)",
+        "build-images": "PASS",
+        "load-images": "SKIP (no --image-registry and no --kind: the nodes must already have "
+                       "localhost/cbserve-cpu:0.1.0 and localhost/cbserve-operator:0.1.0)",
+        "helm-install": "PASS",
+        "apply-example": "PASS",
+        "wait-ready": "FAIL (exit 1)",
+        **{step: "SKIP (after wait-ready failed)" for step in STEPS[7:]},
+    }  # fmt: skip
+    assert table((tmp_path / "report" / "cluster_check.txt").read_text()) == rows
+    calls = out_calls.read_text().splitlines()
+    assert "docker build --target cpu -t localhost/cbserve-cpu:0.1.0 " + str(ROOT) in calls
+    (install,) = [c for c in calls if c.startswith("helm install")]
+    for value in ("image.repository=localhost/cbserve-operator", "serverImage.repository=localhost/cbserve-cpu",
+                  "test.cbdeployment=smollm2-cpu", "--wait --timeout 5s"):  # fmt: skip
+        assert value in install
+    # cleanup, after the table: the CBDeployment's namespace, then the release
+    assert calls[-3:-1] == ["kubectl delete namespace cbserve-check --ignore-not-found --wait=true --timeout=120s",
+                            "helm uninstall cbserve -n cbserve-check-system --wait --timeout 120s"]  # fmt: skip
+    assert not [c for c in calls if c.startswith(("kubectl -n cbserve-check scale", "helm test"))]

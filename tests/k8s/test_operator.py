@@ -127,6 +127,30 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     assert owner["metadata"].get("finalizers", []) == []
 
 
+def test_the_cpu_example_runs_the_embedded_model_on_the_cpu(operator: KopfRunner, crd_cluster: Cluster) -> None:
+    """examples/cbdeployment-cpu.yaml (what scripts/cluster_check.sh applies): no GPU asked for or
+    mounted, the model the cpu image carries, the image the example names, and its small requests."""
+    c, ns = crd_cluster, "cpu-example"
+    apply(c, ns, REPO / "examples" / "cbdeployment-cpu.yaml")
+    reconciled(c, ns, "smollm2-cpu")
+    dep = wait_for(lambda: c.get("apps/v1", "deployments", ns, "smollm2-cpu"), what="the Deployment")
+    pod = dep["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    command = container["command"]
+    assert command[:2] == ["cbserve", "serve"]
+    assert command[command.index("--model") + 1] == "/opt/models/smollm2-135m-instruct"
+    assert command[command.index("--device") + 1] == "cpu"
+    assert command[command.index("--served-model-name") + 1] == "smollm2-cpu"
+    assert container["image"] == "localhost/cbserve-cpu:0.1.0"
+    resources = container["resources"]
+    assert not any("gpu" in key for part in resources.values() for key in part)
+    assert resources["requests"]["cpu"] == "1" and resources["requests"]["memory"] == "3Gi"
+    assert "dshm" not in {v["name"] for v in pod["spec"]["volumes"]}  # no GPU, no /dev/shm volume
+    (cm,) = wait_for(lambda: c.items("v1", "configmaps", ns), what="the ConfigMap")
+    assert yaml.safe_load(cm["data"]["engine.yaml"]) == {"dtype": "float32", "cpu_kv_cache_space": 0.5,
+                                                         "max_queue_size": 64}
+
+
 def test_editing_knobs_rolls_pods_and_replicas_scale(operator: KopfRunner, crd_cluster: Cluster) -> None:
     c, ns = crd_cluster, "edit"
     apply(c, ns, EXAMPLE)

@@ -9,12 +9,8 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from loadtest.report import table
-
-if TYPE_CHECKING:
-    from loadtest.run import RunResult
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}
 pre{background:#f6f6f6;padding:1em;overflow-x:auto}img{max-width:100%;display:block;margin:1em 0}
@@ -58,14 +54,14 @@ def page(title: str, body: str) -> str:
             f"{body}")  # fmt: skip
 
 
-def write_run(out: Path, result: RunResult) -> Path:
-    s = result.summary
+def write_run(out: Path, summary: dict, images: list[str]) -> Path:
+    """The page of one run: its summary table, then the PNGs named in `images` (files in `out`)."""
+    s = summary
     target = s.get("target", {})
     body = (f"<p>Target <b>{html.escape(str(target.get('name')))}</b> at {html.escape(str(target.get('url')))}, "
             f"model {html.escape(str(target.get('model')))}</p>"
             f"<pre>{html.escape(table(s, s.get('server')))}</pre>"
-            + "".join(_image(out / name) for name in ("throughput_over_time.png", "server_over_time.png",
-                                                      "latency_cdf.png", "ttft_vs_prompt.png"))
+            + "".join(_image(out / name) for name in images)
             + "<h2>Settings</h2>" + _settings(s.get("settings", {})))  # fmt: skip
     path = out / "report.html"
     path.write_text(page("Load test", body))

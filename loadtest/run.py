@@ -83,7 +83,7 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
     (out / "server_samples.json").write_text(json.dumps(sampler.samples))
     result = RunResult(summary, rows, sampler.samples, t0)
     write_plots({target.name: result}, args.slos, out)
-    html_report.write_run(out, result)
+    html_report.write_run(out, summary, list(PLOTS))
     return result
 
 

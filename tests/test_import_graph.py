@@ -1,7 +1,8 @@
-"""The engine's modules import one another one way: no import cycle, counting the imports inside
-functions (a lazy import still ties two modules together) and the ones under `if TYPE_CHECKING:`.
+"""The engine's modules, and the load tester's, import one another one way: no import cycle,
+counting the imports inside functions (a lazy import still ties two modules together) and the ones
+under `if TYPE_CHECKING:`.
 
-An edge goes from a module to each engine module it names: `import a.b`, `from a import b` (to a.b
+An edge goes from a module to each checked module it names: `import a.b`, `from a import b` (to a.b
 when a.b is a module, else to a), relative imports resolved. Importing a module also runs its
 packages' __init__, but that is not an edge here: `engine/__init__.py` re-exports the engine, and
 every module would otherwise sit in one cycle with it.
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the packages checked, each with the modules directly in its folder
-PACKAGES = ["engine", "engine.backends", "engine.backends.cuda", "engine.server"]
+PACKAGES = ["engine", "engine.backends", "engine.backends.cuda", "engine.server", "loadtest"]
 
 
 def modules(packages: list[str]) -> dict[str, Path]:
@@ -79,6 +80,7 @@ def test_the_graph_sees_module_level_lazy_and_relative_imports() -> None:
     assert "engine.backends.executor" in graph["engine.backends.executors"]  # module level
     assert "engine.backends.cpu_executor" in graph["engine.backends.executors"]  # inside a function
     assert "engine.backends.cuda" in graph["engine.backends"]  # `from engine.backends import cuda`, lazily
+    assert "loadtest.html_report" in graph["loadtest.run"]  # `from loadtest import html_report`
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 

@@ -140,6 +140,7 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
     plots.throughput_over_time({n: r.rows for n, r in first.items()}, out / "throughput_over_time.png")
     plots.server_over_time({n: (r.samples, r.t0) for n, r in first.items()}, out / "server_over_time.png")
     plots.latency_cdfs(all_rows, args.slos, out / "latency_cdf.png")
+    plots.latency_ccdfs(all_rows, args.slos, out / "latency_ccdf.png")
     plots.rounds_bars({n: p["rounds_output_throughput"] for n, p in by_name.items()}, out / "rounds.png")
     report_settings = {**settings(args, args.users), "rounds": args.rounds, "host": html_report.host(),
                        "targets": {t.name: t.command and " ".join(t.command) or t.url for t in targets}}  # fmt: skip
@@ -147,7 +148,7 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
               "targets": by_name}  # fmt: skip
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     html_report.write_compare(out, text, ["rounds.png", "throughput_over_time.png", "latency_cdf.png",
-                                          "server_over_time.png"], report_settings)  # fmt: skip
+                                          "latency_ccdf.png", "server_over_time.png"], report_settings)  # fmt: skip
     print()
     print(text)
     print(f"\nreport: {out}/report.html (compare.json; each target's rounds in {out}/NAME/roundN/)")

@@ -7,7 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-SLO_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "e2el_ms": "e2e_ms", "itl_ms": "itl_ms"}
+SLO_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "e2el_ms": "e2e_ms", "itl_ms": "itl_ms"}  # -> row key
+METRICS = {"ttft": "time to first token", "itl": "inter-token", "tpot": "time per output token", "e2el": "end to end"}
 
 
 def parse_slos(items: list[str]) -> dict[str, float]:
@@ -32,7 +33,8 @@ def load_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolated linearly between the two nearest values; 0 with none."""
     ordered = sorted(values)
     if not ordered:
         return 0.0
@@ -41,13 +43,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def latency_values(ok: list[dict], metric: str) -> list[float]:
+    """What a latency metric of METRICS is taken over, in ms: one value per successful request, or
+    per gap between text chunks for "itl" (TPOT only of requests with more than one token)."""
+    if metric == "itl":
+        return [gap for r in ok for gap in r["itl_ms"]]
+    if metric == "tpot":
+        return [r["tpot_ms"] for r in ok if r["output_tokens"] > 1]
+    return [r[SLO_KEYS[f"{metric}_ms"]] for r in ok]
+
+
 def _stats(name: str, values: list[float]) -> dict[str, float]:
     if not values:
         values = [0.0]
     out = {f"mean_{name}_ms": statistics.fmean(values), f"median_{name}_ms": statistics.median(values),
            f"std_{name}_ms": statistics.pstdev(values)}  # fmt: skip
     for q in (50, 90, 99):
-        out[f"p{q}_{name}_ms"] = _percentile(values, q)
+        out[f"p{q}_{name}_ms"] = percentile(values, q)
     return out
 
 
@@ -80,10 +92,8 @@ def summarize(rows: list[dict], duration: float, slos: dict[str, float], max_con
         "max_concurrent_requests": max_concurrent,
         "slos": slos,
     }
-    summary.update(_stats("ttft", [r["ttft_ms"] for r in ok]))
-    summary.update(_stats("tpot", [r["tpot_ms"] for r in ok if r["output_tokens"] > 1]))
-    summary.update(_stats("itl", [g for r in ok for g in r["itl_ms"]]))
-    summary.update(_stats("e2el", [r["e2e_ms"] for r in ok]))
+    for metric in METRICS:
+        summary.update(_stats(metric, latency_values(ok, metric)))
     errors: dict[str, int] = {}
     for r in rows:
         if not r.get("ok"):
@@ -105,8 +115,7 @@ def table(summary: dict[str, Any], server: dict[str, Any] | None = None) -> str:
         lines.append(f"goodput    {s['request_goodput']:.2f} req/s within {slo}")
     lines.append("")
     lines.append(f"{'latency (ms)':<22}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
-    for key, label in (("ttft", "time to first token"), ("itl", "inter-token"), ("tpot", "time per output token"),
-                       ("e2el", "end to end")):  # fmt: skip
+    for key, label in METRICS.items():
         lines.append(f"{label:<22}" + "".join(f"{s[f'{m}_{key}_ms']:>10.1f}" for m in ("mean", "median", "p90", "p99")))
     lines.append("")
     lines.append(server_line(server))

@@ -93,7 +93,8 @@ def settings(args: argparse.Namespace, users: int) -> dict:
             "shared_prefix_words": args.shared_prefix, "seed": args.seed, "slos": args.slos}  # fmt: skip
 
 
-PLOTS = ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", "ttft_vs_prompt.png")
+PLOTS = ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", "latency_ccdf.png",
+         "ttft_vs_prompt.png")  # fmt: skip
 
 
 def write_plots(runs: dict[str, RunResult], slos: dict[str, float], out: Path) -> None:
@@ -101,7 +102,8 @@ def write_plots(runs: dict[str, RunResult], slos: dict[str, float], out: Path) -
     plots.throughput_over_time(rows, out / PLOTS[0])
     plots.server_over_time({name: (r.samples, r.t0) for name, r in runs.items()}, out / PLOTS[1])
     plots.latency_cdfs(rows, slos, out / PLOTS[2])
-    plots.ttft_vs_prompt(rows, out / PLOTS[3])
+    plots.latency_ccdfs(rows, slos, out / PLOTS[3])
+    plots.ttft_vs_prompt(rows, out / PLOTS[4])
 
 
 def sweep(target: Target, out: Path, args: argparse.Namespace) -> list[dict]:

@@ -46,10 +46,10 @@ def test_short_run_report_is_consistent(model_dir, tmp_path) -> None:
     assert summary["server"]["generation_tokens"] >= summary["total_output_tokens"]
     assert summary["server"]["server"] == "cbserve" and summary["target"]["readiness"] == "/ready"
     assert "(cbserve /metrics)" in r.stdout
-    for name in ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", "ttft_vs_prompt.png",
-                 "locust.html", "locust_stats.csv"):  # fmt: skip
+    for name in ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", "latency_ccdf.png",
+                 "ttft_vs_prompt.png", "locust.html", "locust_stats.csv"):  # fmt: skip
         assert (out / name).stat().st_size > 0
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 5
     assert json.loads((out / "server_samples.json").read_text())
 
 
@@ -117,7 +117,7 @@ def test_any_openai_endpoint_without_ready_or_metrics(standin, readiness, tmp_pa
     assert summary["total_output_tokens"] == 5 * summary["completed"]
     assert summary["server"] == {"server": None}
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 4 and "standin-model" in html
+    assert html.count("data:image/png;base64,") == 5 and "standin-model" in html
 
 
 @pytest.mark.parametrize("standin", [["--api-key", "s3cret"]], indirect=True)
@@ -163,7 +163,7 @@ def test_compare_runs_the_same_load_on_each_target_and_writes_one_report(standin
 
     assert first_prompt("fast", 1) == first_prompt("slow", 1)
     assert first_prompt("fast", 2) == first_prompt("slow", 2)
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 5  # the tail view too
     port = int(report["settings"]["targets"]["slow"].split("--port ")[1].split()[0])
     with pytest.raises(OSError):  # the started target was stopped
         socket.create_connection(("127.0.0.1", port), timeout=2).close()

@@ -27,6 +27,13 @@ Before each run the harness waits until the machine is quiet (under 10% of its c
 its `generate` returns, which would otherwise slow whichever system runs next. It also collects
 garbage first: a full collection in this process takes 150 ms or more, and would be charged to
 whichever system's run it fell in.
+
+Against the host's limits (`--limits`: measured first by default with benchmarks/machine_limits.py
+on this process's two threads, or read from its `--json` file, or `none`): each system's mean step,
+its median wall time over the NEW steps that every request needs at the least, as a multiple of the
+least time such a step takes: the model's weights read once at the triad bandwidth, and 2 flops per
+parameter for each token it runs (the distinct prompt tokens, a shared prefix once, and the output
+tokens, spread over those steps) at the product peak of the dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+import machine_limits  # benchmarks/ (this script's folder: first on sys.path)
 from engine import ContinuousBatchingConfig, LLMEngine
 
 NEW_TOKENS = {"W1": 64, "W2": 64, "W3": 32, "W4": 128}
@@ -160,6 +168,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
+    parser.add_argument("--limits", default="measure",
+                        help="the host's limits each step is held against: measure (here, before the runs), "
+                             "a file of `python benchmarks/machine_limits.py --json`, or none")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(2)
     global NEW
@@ -167,6 +178,7 @@ def main() -> None:
     build = build_embedded if args.model == "embedded" else build_model
     model = build(getattr(torch, args.dtype))
     prompts = build_prompts(args.workload, model.config.get_text_config().vocab_size)
+    args.machine = host_limits(args.limits)
     systems = {"cbserve": run_cbserve}
     if args.peers == "tp2":  # the cost of two ranks against one, on the same cores
         systems["cbserve, 2 ranks"] = run_cbserve_two_ranks
@@ -185,6 +197,49 @@ def main() -> None:
         finally:
             if peer:
                 peer.close()
+
+
+def host_limits(source: str):
+    """The machine's limits (benchmarks/machine_limits.py): measured now with this process's
+    threads, read from a JSON file, or None."""
+    if source == "none":
+        return None
+    if source != "measure":
+        return machine_limits.load(source)
+    print("measuring the host's memory bandwidth and product peak (benchmarks/machine_limits.py)", flush=True)
+    return machine_limits.measure(torch.get_num_threads())
+
+
+def distinct_tokens(prompts: list[list[int]]) -> int:
+    """Prompt tokens a prefix cache computes once: the nodes of the prompts' prefix tree."""
+    root: dict = {}
+    count = 0
+    for prompt in prompts:
+        node = root
+        for token in prompt:
+            if token not in node:
+                node[token] = {}
+                count += 1
+            node = node[token]
+    return count
+
+
+def limits_report(model, prompts: list[list[int]], dtype: str, limits, seconds: dict[str, float]) -> str:
+    """Each system's mean step (its median wall time over the NEW steps every request needs at the
+    least) beside the least time such a step can take on this host (machine_limits.step_bounds)."""
+    params, weight_bytes = machine_limits.weights_read(model)
+    tokens = distinct_tokens(prompts) + len(prompts) * NEW
+    bounds = machine_limits.step_bounds(params, weight_bytes, tokens / NEW, limits.triad_gbs, limits.peak(dtype))
+    lines = [f"\nthe host's limits ({limits.threads} threads): triad {limits.triad_gbs:.1f} GB/s, {dtype} product "
+             f"peak {limits.peak(dtype):.0f} GFLOP/s",
+             f"a step (at the fewest, {NEW}) runs {tokens / NEW:.0f} tokens on average ({tokens:,}: the prompts', a "
+             f"shared prefix once, and the outputs): reading the {weight_bytes / 1e6:.1f} MB of weights takes at "
+             f"least {1000 * bounds.weights_s:.2f} ms, multiplying them {1000 * bounds.compute_s:.2f} ms",
+             f"{'system':<30}{'step ms':>10}{'x weights bound':>17}{'x compute bound':>17}"]  # fmt: skip
+    for name, elapsed in seconds.items():
+        step = elapsed / NEW
+        lines.append(f"{name:<30}{1000 * step:>10.2f}{step / bounds.weights_s:>16.1f}x{step / bounds.compute_s:>16.1f}x")
+    return "\n".join(lines)
 
 
 def busy_jiffies() -> tuple[int, int]:
@@ -255,6 +310,8 @@ def measure(args, model, prompts, systems) -> None:
         ratio = "" if name == "cbserve" else f"{rates['cbserve'] / rate:.2f}x"
         spread = f"{tokens / max(times[name]):.0f}-{tokens / min(times[name]):.0f}"
         print(f"{name:<30}{rate:>14.1f}{spread:>16}{ratio:>12}")
+    if args.machine is not None:
+        print(limits_report(model, prompts, args.dtype, args.machine, {n: statistics.median(t) for n, t in times.items()}))
     ttft = split.pop("mean_ttft_s")
     print("\ncbserve's wall time (last run): " + ", ".join(f"{k} {v / split_total:.0%}" for k, v in split.items())
           + f", other {1 - sum(split.values()) / split_total:.0%}; mean time to first token {ttft:.2f} s")

@@ -1,0 +1,193 @@
+"""The host's limits a decode step is held against: memory bandwidth and the matrix-product peak.
+
+    python benchmarks/machine_limits.py [--threads N] [--array-mib M] [--repeats 10] [--matmul-n 4096]
+                                        [--json]
+
+Memory bandwidth as STREAM measures it: float64 arrays each at least four times the last-level
+cache (read from /sys; capped at a sixth of the free memory), `copy` (a = b) counted as 2 arrays
+x 8 bytes per element and `triad` (a = b + s*c, one fused torch.add) as 3 x 8, best of --repeats,
+on all cores through torch's threads (--threads to pick). The product peak: torch.matmul (oneDNN)
+of two n x n matrices, 2 n^3 flops, best of --repeats, in float32 and in bfloat16; the bf16 line
+says whether the CPU multiplies bf16 with its own dot-product instructions (AVX-512 BF16, AMX) or
+oneDNN emulates them (then at half n, so it ends in seconds).
+
+`step_bounds` turns the figures into the least time a decode step can take: the weights it reads
+over the bandwidth, and 2 x params x tokens flops over the peak. benchmarks/throughput.py prints
+each system's step beside both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.backends.cpu_isa import capabilities, dot_product_instructions
+
+MIB = 1 << 20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Limits:
+    host: str  # capabilities().describe()
+    threads: int
+    array_mib: float  # each of the STREAM arrays
+    copy_gbs: float
+    triad_gbs: float
+    peak_gflops: dict[str, float]  # torch.matmul, by dtype name
+    native: dict[str, bool]  # whether the CPU has dot-product instructions for the dtype
+    matmul_n: dict[str, int]
+
+    def peak(self, dtype: str) -> float:
+        """The product peak a `dtype` model can reach: its own, or float32's where that is faster (any
+        CPU can widen bf16 weights and multiply them in float32)."""
+        return max(self.peak_gflops.get(dtype, 0.0), self.peak_gflops["float32"])
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    weights_s: float  # the weights read once, at the triad bandwidth
+    compute_s: float  # 2 flops per parameter per token, at the product peak
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.weights_s, self.compute_s)
+
+
+def step_bounds(params: int, weight_bytes: int, tokens: float, bandwidth_gbs: float,
+                peak_gflops: float) -> StepBounds:  # fmt: skip
+    """The least time of one step that runs `tokens` tokens (a decode batch: one per sequence)
+    through a model of `params` parameters held in `weight_bytes`: reading every weight once, and
+    multiplying every weight with every token. Attention and the KV cache are left out, so both are
+    floors."""
+    return StepBounds(weight_bytes / (bandwidth_gbs * 1e9), 2 * params * tokens / (peak_gflops * 1e9))
+
+
+def weights_read(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters, bytes) a forward step reads in full: all of them but an input embedding that is
+    not also the LM head (a lookup reads only its tokens' rows)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    read = [p for p in model.parameters() if tied or p is not embedding]
+    return sum(p.numel() for p in read), sum(p.numel() * p.element_size() for p in read)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache of cpu0, from /sys (32 MiB where it says nothing)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": MIB, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 * MIB)
+
+
+def available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_array_mib() -> float:
+    """Four times the last-level cache (at least 64 MiB), or a sixth of the free memory if less."""
+    size = max(4 * last_level_cache_bytes(), 64 * MIB)
+    free = available_bytes()
+    if free is not None:
+        size = min(size, free // 6)
+    return size / MIB
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()  # first touch of the pages, oneDNN's first call
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def stream(array_mib: float, repeats: int) -> tuple[float, float]:
+    """(copy, triad) GB/s over float64 arrays of `array_mib` MiB each."""
+    n = max(1, int(array_mib * MIB) // 8)
+    a, b, c = torch.zeros(n, dtype=torch.float64), torch.full((n,), 1.0, dtype=torch.float64), torch.full(
+        (n,), 2.0, dtype=torch.float64)  # fmt: skip
+    copy_s = best_time(lambda: a.copy_(b), repeats)
+    triad_s = best_time(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+    if a[n // 2].item() != 7.0:  # a = b + 3c
+        raise RuntimeError(f"triad computed {a[n // 2].item()}, not 7")
+    return 2 * 8 * n / copy_s / 1e9, 3 * 8 * n / triad_s / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype, n: int, repeats: int) -> float:
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+    out = torch.empty(n, n, dtype=dtype)
+    return 2 * n**3 / best_time(lambda: torch.matmul(x, y, out=out), repeats) / 1e9
+
+
+def measure(threads: int | None = None, array_mib: float | None = None, repeats: int = 10,
+            matmul_n: int = 4096) -> Limits:  # fmt: skip
+    """The host's limits with `threads` torch threads (default: what torch has now)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        array_mib = array_mib or default_array_mib()
+        copy_gbs, triad_gbs = stream(array_mib, repeats)
+        native = {name: name == "float32" or dot_product_instructions(dtype) for name, dtype in DTYPES.items()}
+        sizes = {name: matmul_n if native[name] else max(16, matmul_n // 2) for name in DTYPES}
+        peaks = {name: matmul_gflops(dtype, sizes[name], max(1, repeats // 2)) for name, dtype in DTYPES.items()}
+        return Limits(capabilities().describe(), torch.get_num_threads(), array_mib, copy_gbs, triad_gbs, peaks,
+                      native, sizes)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+
+
+def describe(limits: Limits) -> str:
+    lines = [f"host: {limits.host}", f"torch threads: {limits.threads}",
+             f"memory bandwidth (STREAM, float64, 3 arrays of {limits.array_mib:,.0f} MiB, best of the repeats):",
+             f"  copy   a = b        {limits.copy_gbs:8.1f} GB/s",
+             f"  triad  a = b + s*c  {limits.triad_gbs:8.1f} GB/s",
+             "matrix product peak (torch.matmul, n x n, 2 n^3 flops, best of the repeats):"]  # fmt: skip
+    for name, gflops in limits.peak_gflops.items():
+        how = "" if name == "float32" else (" (the CPU's bf16 dot-product instructions)" if limits.native[name]
+                                            else " (emulated: no bf16 dot-product instructions on this CPU)")  # fmt: skip
+        lines.append(f"  {name:<9} n={limits.matmul_n[name]:<6}{gflops:8.1f} GFLOP/s{how}")
+    return "\n".join(lines)
+
+
+def load(path: str) -> Limits:
+    return Limits(**json.loads(Path(path).read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("--array-mib", type=float, help="MiB per STREAM array (default: 4x the last-level cache)")
+    parser.add_argument("--repeats", type=int, default=10, help="best of this many (the products: half as many)")
+    parser.add_argument("--matmul-n", type=int, default=4096)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON (throughput.py --limits)")
+    args = parser.parse_args(argv)
+    limits = measure(args.threads, args.array_mib, args.repeats, args.matmul_n)
+    print(json.dumps(asdict(limits), indent=2) if args.json else describe(limits))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -166,8 +166,10 @@ def describe(limits: Limits) -> str:
              f"  triad  a = b + s*c  {limits.triad_gbs:8.1f} GB/s",
              "matrix product peak (torch.matmul, n x n, 2 n^3 flops, best of the repeats):"]  # fmt: skip
     for name, gflops in limits.peak_gflops.items():
-        how = "" if name == "float32" else (" (the CPU's bf16 dot-product instructions)" if limits.native[name]
-                                            else " (emulated: no bf16 dot-product instructions on this CPU)")  # fmt: skip
+        how = ""
+        if name != "float32":
+            how = (" (the CPU's bf16 dot-product instructions)" if limits.native[name]
+                   else " (emulated: no bf16 dot-product instructions on this CPU; n halved)")  # fmt: skip
         lines.append(f"  {name:<9} n={limits.matmul_n[name]:<6}{gflops:8.1f} GFLOP/s{how}")
     return "\n".join(lines)
 

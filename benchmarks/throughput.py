@@ -238,7 +238,8 @@ def limits_report(model, prompts: list[list[int]], dtype: str, limits, seconds: 
              f"{'system':<30}{'step ms':>10}{'x weights bound':>17}{'x compute bound':>17}"]  # fmt: skip
     for name, elapsed in seconds.items():
         step = elapsed / NEW
-        lines.append(f"{name:<30}{1000 * step:>10.2f}{step / bounds.weights_s:>16.1f}x{step / bounds.compute_s:>16.1f}x")
+        multiples = f"{step / bounds.weights_s:>16.1f}x{step / bounds.compute_s:>16.1f}x"
+        lines.append(f"{name:<30}{1000 * step:>10.2f}{multiples}")
     return "\n".join(lines)
 
 
@@ -311,7 +312,8 @@ def measure(args, model, prompts, systems) -> None:
         spread = f"{tokens / max(times[name]):.0f}-{tokens / min(times[name]):.0f}"
         print(f"{name:<30}{rate:>14.1f}{spread:>16}{ratio:>12}")
     if args.machine is not None:
-        print(limits_report(model, prompts, args.dtype, args.machine, {n: statistics.median(t) for n, t in times.items()}))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        print(limits_report(model, prompts, args.dtype, args.machine, medians))
     ttft = split.pop("mean_ttft_s")
     print("\ncbserve's wall time (last run): " + ", ".join(f"{k} {v / split_total:.0%}" for k, v in split.items())
           + f", other {1 - sum(split.values()) / split_total:.0%}; mean time to first token {ttft:.2f} s")

@@ -59,11 +59,17 @@ def test_a_step_reads_every_weight_but_an_input_embedding_that_is_not_the_head(l
     assert limits_module.weights_read(model.to(torch.bfloat16)) == (params, 2 * params)
 
 
-def test_a_tiny_measurement_gives_positive_figures_and_names_the_host(limits_module, capsys) -> None:
-    assert limits_module.main(["--threads", "1", "--array-mib", "2", "--repeats", "2", "--matmul-n", "64"]) == 0
-    text = capsys.readouterr().out
-    assert text.startswith("host: ") and "triad  a = b + s*c" in text and "bfloat16" in text
-    assert ("dot-product instructions)" in text) or ("emulated" in text)
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-dot-products", "emulated"])
+def test_a_tiny_measurement_gives_positive_figures_and_says_how_bf16_is_multiplied(limits_module, monkeypatch,
+                                                                                   capsys, native: bool) -> None:  # fmt: skip
+    monkeypatch.setattr(limits_module, "dot_product_instructions", lambda dtype: native)  # the CPU's answer, forced
+    limits = limits_module.measure(threads=1, array_mib=2, repeats=2, matmul_n=64)
+    assert limits.copy_gbs > 0 and limits.triad_gbs > 0 and min(limits.peak_gflops.values()) > 0
+    assert limits.native == {"float32": True, "bfloat16": native}
+    assert limits.matmul_n == {"float32": 64, "bfloat16": 64 if native else 32}
+    text = limits_module.describe(limits)
+    assert text.startswith(f"host: {capabilities().describe()}\n") and "triad  a = b + s*c" in text
+    assert ("emulated" in text) is not native
 
 
 def test_the_script_prints_json_that_loads_back(limits_module, tmp_path) -> None:

@@ -119,12 +119,14 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
 
 
 def measure(targets: list[Target], args: argparse.Namespace, out: Path,
-            traces: dict[str, CpuTrace]) -> tuple[dict[str, list[RunResult]], dict, dict]:  # fmt: skip
+            traces: dict[str, CpuTrace]) -> tuple[dict[str, list[RunResult]], dict, dict, dict]:  # fmt: skip
     """--rounds rounds of one load, the order rotating. Returns each target's runs, the CPU-seconds each
-    started server used while another ran, and those it used in its own measured windows."""
+    started server used while another ran, those it used in its own measured windows, and those
+    windows' seconds (runs with no request have no window)."""
     results: dict[str, list[RunResult]] = {t.name: [] for t in targets}
     idle_cpu: dict[str, float | None] = {t.name: (0.0 if t.command else None) for t in targets}
     busy_cpu: dict[str, float | None] = {t.name: (0.0 if t.name in traces else None) for t in targets}
+    windows: dict[str, float] = {t.name: 0.0 for t in targets}
     for r in range(args.rounds):
         order = targets[r % len(targets) :] + targets[: r % len(targets)]
         for t in order:
@@ -140,26 +142,28 @@ def measure(targets: list[Target], args: argparse.Namespace, out: Path,
                 trace.sample()
                 used = trace.between(result.t0, result.t0 + result.summary["duration"])
                 busy_cpu[t.name] += used or 0.0
+                windows[t.name] += result.summary["duration"]
             results[t.name].append(result)
             s = result.summary
             print(f"  round {r + 1} {t.name:<12} {s['output_throughput']:8.1f} output tok/s, "
                   f"{s['completed']} requests, {s['failed']} failed", flush=True)  # fmt: skip
-    return results, idle_cpu, busy_cpu
+    return results, idle_cpu, busy_cpu, windows
 
 
-def _pool_all(results: dict[str, list[RunResult]], busy_cpu: dict[str, float | None], slos: dict) -> dict[str, dict]:
+def _pool_all(results: dict[str, list[RunResult]], busy_cpu: dict[str, float | None], windows: dict[str, float],
+              slos: dict) -> dict[str, dict]:  # fmt: skip
     by_name = {name: pooled(runs, slos) for name, runs in results.items()}
     for name, p in by_name.items():
-        if busy_cpu.get(name) is not None:
+        if busy_cpu.get(name) is not None and windows[name] > 0:
             p["server_cpu_s"] = busy_cpu[name]
-            p["server_busy_cores"] = busy_cpu[name] / p["duration"]
+            p["server_busy_cores"] = busy_cpu[name] / windows[name]
     return by_name
 
 
 def _write_load(out: Path, targets: list[Target], args: argparse.Namespace, measured: tuple) -> tuple[str, dict]:
     """One load's plots, compare.json and report.html in `out`; returns its table and its report."""
-    results, idle_cpu, busy_cpu = measured
-    by_name = _pool_all(results, busy_cpu, args.slos)
+    results, idle_cpu, busy_cpu, windows = measured
+    by_name = _pool_all(results, busy_cpu, windows, args.slos)
     text = compare_table(by_name, idle_cpu, busy_cpu)
     first = {name: runs[0] for name, runs in results.items()}
     all_rows = {name: [row for r in runs for row in r.rows] for name, runs in results.items()}

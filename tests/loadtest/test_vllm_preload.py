@@ -4,6 +4,8 @@ kept; and serve_compare's calibration, run on two real stand-in servers (no vLLM
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -102,8 +104,8 @@ def test_serve_compare_keeps_the_faster_server_running_and_stops_the_other(monke
     def make(variant: str) -> Target:
         port = free_port()
         ms = "20" if variant == "tcmalloc" else "2"
-        made[variant] = Target("vllm", f"http://127.0.0.1:{port}",
-                               command=[sys.executable, str(STANDIN), "--port", str(port), "--token-ms", ms])  # fmt: skip
+        command = [sys.executable, str(STANDIN), "--port", str(port), "--token-ms", ms]
+        made[variant] = Target("vllm", f"http://127.0.0.1:{port}", command=command)
         return made[variant]
 
     args = parse_compare_args(["--users", "2", "--output-len", "6", "--input-len", "5:20", "--endpoint",
@@ -119,3 +121,40 @@ def test_serve_compare_keeps_the_faster_server_running_and_stops_the_other(monke
         assert "tcmalloc+iomp5" in note and f"{figures['tcmalloc']:.1f}" in note and "2 alternating runs" in note
     finally:
         kept.stop()
+
+
+VLLM_STANDIN = Path(__file__).with_name("vllm_standin")
+
+
+def test_throughput_keeps_the_faster_offline_peer(monkeypatch, tmp_path, capsys) -> None:
+    """throughput.py's vLLM peer, both variants started as real processes of vllm_peer.py --serve
+    (the stand-in vLLM of tests/loadtest/vllm_standin answers faster with libiomp5 preloaded)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")  # the loader skips it, with a warning; its path is what counts
+    monkeypatch.setenv("CBSERVE_VLLM_VENV", str(venv))
+    path = (str(VLLM_STANDIN), os.environ.get("PYTHONPATH"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(x for x in path if x))
+    throughput = load("throughput", monkeypatch)
+    monkeypatch.setattr(throughput, "wait_quiet", lambda: 0.0)  # this test's machine need not be idle
+    monkeypatch.setattr(throughput, "NEW", 4)
+
+    class Model:
+        def save_pretrained(self, folder: str) -> None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    folder = tmp_path / "model"
+    peer, run, name = throughput.start_vllm(Model(), prompts, "float32", "W1", str(folder))
+    try:
+        assert name.endswith("(tcmalloc+iomp5)") and peer.preload == "tcmalloc+iomp5"
+        elapsed, ids = run(None, prompts)
+        assert ids == [[3] * 4, [5] * 4, [9] * 4] and elapsed > 0
+        out = capsys.readouterr().out
+        assert "vLLM-CPU preload: tcmalloc+iomp5, the faster here" in out
+        assert re.search(r"runs: tcmalloc \d+\.\d, tcmalloc\+iomp5 \d+\.\d\)", out)
+        assert (folder / "vllm-tcmalloc.log").is_file() and (folder / "vllm-tcmalloc+iomp5.log").is_file()
+    finally:
+        peer.close()

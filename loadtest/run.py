@@ -35,6 +35,7 @@ def locust_env(out: Path, target: Target, args: argparse.Namespace, seed: int) -
             "LOADTEST_SHARED_PREFIX": str(args.shared_prefix), "LOADTEST_RATE": str(args.rate or 0),
             "LOADTEST_SHAPE": args.shape or "", "LOADTEST_MODEL": target.model_name or "",
             "LOADTEST_SEED": str(seed), "LOADTEST_API_KEY": target.api_key or "",
+            "LOADTEST_MAX_IN_FLIGHT": str(getattr(args, "max_in_flight", 256)),
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
 
 
@@ -50,7 +51,8 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
            "--csv", str(out / "locust"), "--html", str(out / "locust.html"), "--only-summary",
            "--loglevel", "WARNING", "--stop-timeout", "30", "--exit-code-on-error", "0"]  # fmt: skip
     if not args.shape:
-        cmd += ["-u", str(users), "-r", str(users), "-t", f"{max(1, round(args.duration_s))}s"]
+        spawned = 1 if args.rate else users  # open loop: one user sends the whole schedule
+        cmd += ["-u", str(spawned), "-r", str(spawned), "-t", f"{max(1, round(args.duration_s))}s"]
     before = scrape(target.url, target.api_key)
     sampler = ServerSampler(target.url, target.api_key)
     sampler.start()
@@ -75,6 +77,8 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
         t0 = time.time() - elapsed
     summary = summarize(rows, elapsed, args.slos, extra.get("max_concurrent_requests", 0))
     summary["server"] = window(before, after, sampler.samples)
+    if "open_loop" in extra:  # offered against sent and dropped arrivals
+        summary["open_loop"] = extra["open_loop"]
     summary["load_generator_cpu_s"] = locust_cpu  # Locust's own CPU time: on a small machine it competes
     summary["target"] = {"name": target.name, "url": target.url, "model": target.model_name,
                          "readiness": target.readiness}  # fmt: skip

@@ -53,6 +53,44 @@ def test_short_run_report_is_consistent(model_dir, tmp_path) -> None:
     assert json.loads((out / "server_samples.json").read_text())
 
 
+def test_open_loop_sends_the_seeded_schedule_whatever_the_answers(model_dir, tmp_path) -> None:
+    from loadtest.arrivals import arrivals_within
+
+    out = tmp_path / "open"
+    r = run("--model", str(model_dir), "--rate", "8", "--duration", "6s", "--input-len", "8:30", "--output-len",
+            "3:9", "--endpoint", "completions", "--seed", "5", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "open loop  8.00 req/s offered" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    rows = sorted(load_rows(out / "requests.jsonl"), key=lambda x: x["start"])
+    o = summary["open_loop"]
+    assert o["dropped"] == 0 and o["sent"] == o["offered"] == len(rows) == summary["completed"] > 10
+    assert 4 < o["schedule_s"] <= 6.5
+    schedule = arrivals_within(8.0, 5, o["schedule_s"])
+    assert abs(len(schedule) - o["offered"]) <= 1  # the arrivals whose time came, not one more or less
+    assert 0.5 * 8 < o["sent_rate"] < 1.6 * 8  # one seeded draw of a Poisson count: near the offered rate
+    sent = [x["start"] - rows[0]["start"] for x in rows]
+    planned = [t - schedule[0] for t in schedule[: len(sent)]]
+    assert max(abs(a - b) for a, b in zip(sent, planned)) < 0.5  # each left at its time, never waiting its turn
+    assert {x["users"] for x in rows} == {1}  # one Locust user sends the whole schedule
+    lengths = [x["output_tokens"] for x in rows]
+    assert all(3 <= n <= 9 for n in lengths) and len(set(lengths)) > 1
+    assert lengths == [x["max_tokens"] for x in rows]  # ignore_eos held every drawn length
+
+
+@pytest.mark.parametrize("standin", [["--token-ms", "100"]], indirect=True)
+def test_open_loop_drops_arrivals_beyond_the_in_flight_bound(standin, tmp_path) -> None:
+    out = tmp_path / "bounded"
+    r = run("--url", standin, "--rate", "20", "--max-in-flight", "2", "--duration", "3s", "--output-len", "10",
+            "--endpoint", "completions", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    o = summary["open_loop"]
+    assert summary["max_concurrent_requests"] == 2  # each answer takes a second: two at once, never more
+    assert o["dropped"] > o["sent"] > 0 and o["sent"] + o["dropped"] == o["offered"]
+    assert summary["completed"] == o["sent"]
+
+
 def test_sweep_plots_one_point_per_concurrency(model_dir, tmp_path) -> None:
     out = tmp_path / "sweep"
     r = run("--model", str(model_dir), "--sweep", "--sweep-max", "4", "--duration", "3s", "--output-len", "8",
@@ -73,6 +111,8 @@ def test_sweep_plots_one_point_per_concurrency(model_dir, tmp_path) -> None:
     (["--shape", "zigzag:3"], "--shape must be", 2),
     (["--duration", "soon"], "--duration", 2),
     (["--input-len", "9:3"], "--input-len", 2),
+    (["--output-len", "0:5"], "--output-len", 2),
+    (["--rate", "2", "--max-in-flight", "0"], "--max-in-flight", 2),
     (["--fail-on-slo"], "needs at least one --slo", 2),
 ])
 def test_bad_flags_and_unreachable_servers_are_one_clear_line(args, message, status) -> None:
@@ -206,3 +246,44 @@ def test_compare_table_keeps_every_cell_apart_however_many_rounds() -> None:
     assert "156.5 118.3" not in line and "156.5118.3" not in line
     assert line.split() == ["each", "round", "130.0", "159.3", "164.8", "156.5", "118.3", "135.0", "135.9", "136.7"]
     assert "156.5  118.3" in line  # two spaces at least between the targets
+
+
+@pytest.mark.parametrize("standin", [["--token-ms", "1"]], indirect=True)
+def test_compare_runs_each_load_and_derives_the_open_loop_rate(standin, tmp_path) -> None:
+    """Three loads on the same two servers, in process: the open loop's rate is 0.8x the slowest
+    server's requests/s in the desynchronised closed loop, each load has its section and folder."""
+    from loadtest.cli import parse_compare_args
+    from loadtest.compare import compare
+    from loadtest.loads import Load
+
+    out = tmp_path / "loads"
+    slow = f"slow=cmd:{sys.executable} {STANDIN} --port {{port}} --token-ms 30"
+    args = parse_compare_args(["--target", f"fast={standin}", "--target", slow, "--duration", "2s", "--users", "2",
+                               "--output-len", "6", "--input-len", "5:20", "--endpoint", "completions",
+                               "--out", str(out)])  # fmt: skip
+    loads = [Load("lockstep", "lockstep closed loop"), Load("desync", "desynchronised closed loop", output_len="3:9"),
+             Load("poisson", "open loop", output_len="3:9", open_loop=True, rate_from="desync")]  # fmt: skip
+    assert compare(args.targets, args, loads, ["vLLM preload: a note"]) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert report["notes"] == ["vLLM preload: a note"] and list(report["loads"]) == ["lockstep", "desync", "poisson"]
+    desync = report["loads"]["desync"]["targets"]
+    slowest = min(desync["fast"]["request_throughput"], desync["slow"]["request_throughput"])
+    assert report["loads"]["poisson"]["rate"] == pytest.approx(0.8 * slowest)
+    assert report["loads"]["lockstep"]["rate"] is None
+    for name in ("fast", "slow"):
+        rows = load_rows(out / "desync" / name / "round1" / "requests.jsonl")
+        assert all(3 <= x["output_tokens"] <= 9 for x in rows) and len({x["output_tokens"] for x in rows}) > 1
+        assert all(x["output_tokens"] == 6 for x in load_rows(out / "lockstep" / name / "round1" / "requests.jsonl"))
+        poisson = report["loads"]["poisson"]["targets"][name]
+        assert poisson["open_loop"]["offered_rate"] == pytest.approx(0.8 * slowest) and poisson["completed"] > 0
+        assert (out / "poisson" / name / "round1" / "summary.json").is_file()
+    for load in ("lockstep", "desync", "poisson"):
+        section = report["loads"][load]
+        assert section["busy_cpu_seconds"]["fast"] is None and section["busy_cpu_seconds"]["slow"] > 0
+        cores = section["targets"]["slow"]["server_busy_cores"]
+        assert 0 < cores <= os.cpu_count()
+        assert cores == pytest.approx(section["busy_cpu_seconds"]["slow"] / section["targets"]["slow"]["duration"])
+        assert json.loads((out / load / "compare.json").read_text())["targets"]["slow"]["completed"] > 0
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 15 and "vLLM preload: a note" in html
+    assert "offered / sent requests/s" in html and "server busy cores" in html

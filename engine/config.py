@@ -44,6 +44,10 @@ class ContinuousBatchingConfig:
     num_blocks: int | None = None
     # Token budget of one step: decodes plus prompt chunks. None: derived at start-up.
     max_batch_tokens: int | None = None
+    # With decodes running, a step's prompt tokens are capped so that the step is predicted to take at most
+    # this many times a step of its decodes alone (engine/step_cost.py fits the prediction to the measured
+    # steps); at least one block of prompt tokens per step. 0: off, prompt chunks fill max_batch_tokens.
+    max_decode_stall: float = 4.0
     # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
     # transformers resolves it when no logits processor needs vocabulary-sized scratch space.
     max_memory_percent: float | None = 0.9

@@ -151,6 +151,7 @@ class LLMEngine:
             prefill_first=config.scheduler_type == "prefill_first",
             swap=self.swap,
             reserve_blocks=int((config.safety_margin or 0.0) * self.sizes.num_blocks),
+            max_decode_stall=config.max_decode_stall,
         )
         self.requests = self.scheduler.requests  # every unfinished request, by id
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
@@ -367,7 +368,9 @@ class LLMEngine:
         for req in self.scheduler.update_from_output(batch, out, self.max_context):
             telemetry.request_finished(req)
         self.generation_tokens_total += len(batch.samples)
-        self._time(t0, t1, t2, time.perf_counter())
+        t3 = time.perf_counter()
+        self.scheduler.observe_step(batch, t3 - t0)  # what its decodes waited: the cost model's sample
+        self._time(t0, t1, t2, t3)
         return batch.samples
 
     def _time(self, t0: float, t1: float, t2: float, t3: float) -> None:
@@ -394,6 +397,7 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_free_blocks": bm.num_free,
             "num_blocks": bm.num_blocks,
+            "prefill_token_cap": self.scheduler.prefill_cap,
         }
 
     def close(self) -> None:

@@ -7,6 +7,12 @@ catch up with its known tokens as far as the budget allows. A running request th
 needs one token; a waiting or partly prefilled prompt takes a chunk of what is left. When a
 request needs a block and none is free, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed (its generated tokens are kept).
+
+With decodes running, the prompt tokens of a step are capped (`max_decode_stall`, a factor): the step
+may be predicted to take at most that many times a step of its decodes alone, by a cost model fitted
+to the measured steps (engine/step_cost.py; until it is fitted, an eighth of the budget). The cap is
+never below one block, so the oldest prompt in the queue always moves; with no decode running, the
+whole budget goes to prompts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.request import ParamError, Request, RequestStatus
 from engine.sampler import SampleResult
+from engine.step_cost import StepCostModel
 from engine.swap import HostSwapPool
 
 
@@ -49,6 +56,7 @@ class Scheduler:
         prefill_first: bool = False,
         swap: HostSwapPool | None = None,
         reserve_blocks: int = 0,
+        max_decode_stall: float = 0.0,
     ) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -60,6 +68,12 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        # 0: off; else a step with decodes is predicted to take at most this many times their step alone
+        self.max_decode_stall = max_decode_stall
+        self.step_cost = StepCostModel()
+        self.min_prefill_chunk = block_manager.block_size
+        self.unfitted_prefill_cap = max(self.min_prefill_chunk, max_batch_tokens // 8)
+        self.prefill_cap = max_batch_tokens  # the prompt tokens the last step with decodes could take
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -81,8 +95,28 @@ class Scheduler:
         if self.swap is not None:
             self.swap.drop(req)
 
+    def prefill_budget(self) -> int:
+        """The prompt tokens this step may take (tokens of rows that need more than one): the whole
+        budget when max_decode_stall is off or no request is decoding, else the cap it sets."""
+        if not self.max_decode_stall:
+            return self.max_batch_tokens
+        decodes = sum(1 for req in self.running if not _prompt_row(req))
+        if not decodes:
+            return self.max_batch_tokens
+        cap = 0  # a factor of 1 or less leaves room for no prompt token beyond the minimum chunk
+        if self.max_decode_stall > 1:
+            within = self.step_cost.prefill_tokens_within(decodes, self.max_decode_stall)
+            cap = self.unfitted_prefill_cap if within is None else within
+        self.prefill_cap = min(self.max_batch_tokens, max(self.min_prefill_chunk, cap))
+        return self.prefill_cap
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The step `batch` took `seconds` (wall time, schedule to outputs): one sample of the cost model."""
+        decode_rows = sum(1 for _, n in batch.items if n == 1)
+        self.step_cost.observe(decode_rows, batch.num_tokens - decode_rows, seconds)
+
     def schedule(self) -> ScheduledBatch:
-        budget = [self.max_batch_tokens]
+        budget = [self.max_batch_tokens, self.prefill_budget()]  # all tokens; prompt tokens
         chosen: dict[Request, int] = {}
         self._copies: list[tuple[int, int]] = []
         if self.prefill_first:
@@ -144,6 +178,10 @@ class Scheduler:
             if req in chosen or req not in self.running:  # admitted this step, or preempted just now
                 continue
             n = min(req.num_tokens - req.num_computed, budget[0])
+            if _prompt_row(req):
+                n = min(n, budget[1])
+                if n == 0:  # a prompt chunk, and the step's prompt tokens are spent: decodes behind it still run
+                    continue
             while not self.bm.can_grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim, chosen, budget)
@@ -169,7 +207,9 @@ class Scheduler:
             else:
                 start = req.num_computed = self.bm.match_prefix(req)
             n = min(req.num_tokens - start, budget[0])
-            if not self.bm.can_grow(req, start + n):
+            if req.num_tokens - start > 1:  # a prompt row (req.num_computed is `start` from here on)
+                n = min(n, budget[1])  # 0: the step's prompt tokens are spent
+            if n == 0 or not self.bm.can_grow(req, start + n):
                 self.bm.release(req)  # give the cached blocks back; try again next step
                 req.num_computed = 0
                 break
@@ -191,11 +231,16 @@ class Scheduler:
         self.bm.register_full_blocks(req, req.num_computed + n)
         chosen[req] = n
         budget[0] -= n
+        if _prompt_row(req):
+            budget[1] -= n
 
     def _preempt(self, req: Request, chosen: dict[Request, int], budget: list[int]) -> None:
         self.running.remove(req)
         if req in chosen:
-            budget[0] += chosen.pop(req)
+            n = chosen.pop(req)
+            budget[0] += n
+            if _prompt_row(req):  # its num_computed is still where this step starts
+                budget[1] += n
             self.bm.forget_uncomputed(req)
             mine = set(req.block_ids)
             self._copies = [(src, dst) for src, dst in self._copies if dst not in mine]
@@ -207,3 +252,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _prompt_row(req: Request) -> bool:
+    """More than one token to compute this step: a prompt (or a preempted request's recompute), not a decode."""
+    return req.num_tokens - req.num_computed > 1

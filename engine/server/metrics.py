@@ -54,8 +54,9 @@ class _EngineCollector:
             ("num_requests_running", "Requests in the running batch."),
             ("num_requests_waiting", "Requests waiting to be scheduled."),
             ("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1)."),
+            ("prefill_token_cap", "Prompt tokens the last step with running decodes could take (max_decode_stall)."),
         ):
-            for full_name in (P + name, *PICKER_NAMES[name]):
+            for full_name in (P + name, *PICKER_NAMES.get(name, ())):
                 g = GaugeMetricFamily(full_name, doc, labels=["model_name"])
                 g.add_metric([self.model_name], float(s[name]))
                 yield g

@@ -16,6 +16,10 @@ SETTINGS = {
     "prefill-first": dict(block_size=16, num_blocks=512, max_batch_tokens=64, scheduler_type="prefill_first"),
     "prefill-first-preemption": dict(block_size=16, num_blocks=16, max_batch_tokens=48, scheduler_type="prefill_first"),
     "no-prefix-cache-bs256-chunked": dict(block_size=256, num_blocks=8, max_batch_tokens=100, allow_block_sharing=False),
+    # max_decode_stall 1: with decodes running, one block of prompt a step (16 tokens, chunks of any length up to it)
+    "decode-stall-min-chunks": dict(block_size=16, num_blocks=512, max_batch_tokens=256, max_decode_stall=1.0),
+    "decode-stall-preemption": dict(block_size=16, num_blocks=16, max_batch_tokens=256, max_decode_stall=1.0),
+    "decode-stall-off": dict(block_size=16, num_blocks=512, max_batch_tokens=256, max_decode_stall=0.0),
 }
 
 
@@ -68,3 +72,18 @@ def test_model_generate_batch_opt_in() -> None:
     out = model.generate_batch(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False,
                                continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=64))
     assert [tuple(o.generated_tokens) for o in out.values()] == [reference("qwen2", tuple(p)) for p in prompts]
+
+
+def test_the_decode_stall_cap_really_caps() -> None:
+    """The 'decode-stall-min-chunks' setting does hold prompts to one block a step while decodes run."""
+    from engine import LLMEngine
+
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**SETTINGS["decode-stall-min-chunks"]))
+    prompts = sorted(prompts_for(), key=len)
+    engine.add_request(engine.make_request(list(prompts[0]), max_new_tokens=MAX_NEW, ignore_eos=True))
+    engine.step()  # prefilled alone, whole: now it decodes
+    long = engine.make_request(list(prompts[-1]), max_new_tokens=2, ignore_eos=True)
+    engine.add_request(long)
+    engine.step()
+    assert long.num_computed == 16 < len(prompts[-1])
+    assert engine.stats()["prefill_token_cap"] == 16

@@ -66,6 +66,7 @@ def test_endpoint_pickers_read_the_live_gauges_under_vllms_names(server) -> None
         m = server.metrics()
         assert m["vllm:num_requests_running"] >= 1 and m["vllm:kv_cache_usage_perc"] > 0
         assert {v: m[v] for v in pairs} == {v: m[cb] for v, cb in pairs.items()}
+        assert m["cbserve:prefill_token_cap"] >= 1 and "vllm:prefill_token_cap" not in m  # cbserve's own gauge
     m = server.wait_for(lambda m: m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0)
     assert {v: m[v] for v in pairs} == {v: m[cb] for v, cb in pairs.items()}
 

@@ -1,0 +1,162 @@
+"""The scheduler's prompt-token cap next to running decodes (max_decode_stall) and the step-cost model it
+uses, on the real BlockManager and Requests; no model runs (the engine's tokens are stood in by 0s)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request, SamplingParams
+from engine.sampler import SampleResult
+from engine.scheduler import Scheduler
+from engine.step_cost import MIN_SAMPLES, StepCostModel
+
+BLOCK = 16
+BUDGET = 512
+
+
+def scheduler(stall: float, budget: int = BUDGET, blocks: int = 256, **kw) -> Scheduler:
+    return Scheduler(BlockManager(blocks, BLOCK), budget, max_running=64, max_decode_stall=stall, **kw)
+
+
+def request(i: int, prompt_len: int, max_new: int = 64) -> Request:
+    return Request(f"r{i}", [(i * 7 + j) % 500 + 1 for j in range(prompt_len)], max_new, SamplingParams(), frozenset())
+
+
+def run_step(s: Scheduler, seconds: float | None = None):
+    batch = s.schedule()
+    s.update_from_output(batch, SampleResult([0] * len(batch.samples), None, None), None)
+    if seconds is not None:
+        s.observe_step(batch, seconds)
+    return batch
+
+
+def prompt_tokens(batch) -> int:
+    return sum(n for _, n in batch.items if n > 1)
+
+
+def with_decodes(s: Scheduler, decodes: int = 4, prompt_len: int = 40) -> None:
+    """`decodes` requests prefilled and decoding, then a long prompt waiting."""
+    for i in range(decodes):
+        s.add(request(i, prompt_len))
+    run_step(s)  # the budget takes every prompt whole: no decode runs yet, so no cap
+    assert all(r.num_tokens - r.num_computed == 1 for r in s.running) and len(s.running) == decodes
+    s.add(request(99, 2000))
+
+
+def test_no_cap_without_running_decodes() -> None:
+    s = scheduler(stall=1.0)
+    for i in range(3):
+        s.add(request(i, 300))
+    batch = run_step(s)
+    assert prompt_tokens(batch) == BUDGET  # the whole budget, though the factor allows no more than a block
+
+
+def test_a_factor_of_one_leaves_each_step_one_block_of_prompt_and_every_decode() -> None:
+    s = scheduler(stall=1.0)
+    with_decodes(s, decodes=4)
+    for _ in range(5):
+        batch = run_step(s)
+        assert sum(1 for _, n in batch.items if n == 1) == 4  # every decode, every step
+        assert prompt_tokens(batch) == BLOCK  # the minimum chunk: the waiting prompt still moves
+    assert s.prefill_cap == BLOCK
+    long = s.requests["r99"]
+    assert long.num_computed == 5 * BLOCK
+
+
+def test_off_is_the_budget_alone() -> None:
+    """max_decode_stall=0: the same steps as a scheduler built without it."""
+    plain = Scheduler(BlockManager(256, BLOCK), BUDGET, max_running=64)
+    off = scheduler(stall=0.0)
+    for s in (plain, off):
+        with_decodes(s, decodes=4)
+    for step in range(6):
+        a, b = run_step(plain), run_step(off)
+        assert [(r.request_id, n) for r, n in a.items] == [(r.request_id, n) for r, n in b.items]
+        if step == 0:
+            assert prompt_tokens(a) == BUDGET - 4  # the 4 decodes, then the rest of the budget to the prompt
+    assert off.prefill_cap == BUDGET
+
+
+def test_unfitted_the_cap_is_an_eighth_of_the_budget() -> None:
+    s = scheduler(stall=4.0)
+    with_decodes(s, decodes=4)
+    batch = run_step(s)
+    assert prompt_tokens(batch) == BUDGET // 8 == s.prefill_cap
+
+
+def test_fitted_the_cap_follows_the_model() -> None:
+    """Steps cost 10 ms + 1 ms a decode row + 0.5 ms a prompt token: with 4 decodes (14 ms alone) and a factor of
+    3.1, a step may hold (3.1 - 1) * 14 / 0.5 = 58.8 prompt tokens."""
+    s = scheduler(stall=3.1)
+    for d, p in [(0, 100), (0, 300), (0, 50), (0, 200), (1, 0), (2, 0), (4, 0), (8, 0)]:
+        s.step_cost.observe(d, p, 0.010 + 0.001 * d + 0.0005 * p)
+    with_decodes(s, decodes=4)
+    batch = run_step(s)
+    assert prompt_tokens(batch) == 58 == s.prefill_cap
+
+
+def test_under_preemption_the_cap_holds_and_everything_finishes() -> None:
+    """A cache too small for all: requests are preempted and recomputed (their recompute is prompt work, capped
+    like a prompt), and every request still finishes."""
+    s = scheduler(stall=1.0, blocks=12)
+    for i in range(3):
+        s.add(request(i, 40, max_new=60))
+    run_step(s)
+    for i in range(3, 6):
+        s.add(request(i, 50, max_new=20))
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        decoding = any(r.num_tokens - r.num_computed == 1 for r in s.running)
+        batch = run_step(s)
+        if decoding:
+            assert prompt_tokens(batch) <= BLOCK
+    assert not s.has_unfinished() and s.num_preemptions > 0
+    assert s.bm.num_free == s.bm.num_blocks
+
+
+def test_prefill_first_is_capped_too() -> None:
+    s = scheduler(stall=1.0, prefill_first=True)
+    with_decodes(s, decodes=3)
+    batch = run_step(s)
+    assert prompt_tokens(batch) == BLOCK and sum(1 for _, n in batch.items if n == 1) == 3
+
+
+def test_the_cost_model_fits_a_line() -> None:
+    rng = random.Random(0)
+    model = StepCostModel()
+    a, b, c, e = 0.020, 0.0015, 0.0004, 0.003
+    assert model.coefficients() is None
+    for _ in range(40):
+        d, p = rng.randrange(0, 32), rng.choice([0, 0, rng.randrange(1, 2048)])
+        if d + p:
+            model.observe(d, p, a + b * d + c * p + (e if p else 0.0))
+    fitted = model.coefficients()
+    assert fitted == pytest.approx((a, b, c, e), rel=1e-6, abs=1e-9)
+    assert model.predict(10, 0) == pytest.approx(a + 10 * b)
+    # 10 decodes alone: 35 ms; a factor of 2.05 leaves 36.75 ms, of which e takes 3: 33.75 / 0.4 = 84.4 tokens
+    assert model.prefill_tokens_within(10, 2.05) == 84
+
+
+def test_the_cost_model_waits_for_both_kinds_of_step() -> None:
+    model = StepCostModel()
+    for i in range(10):
+        model.observe(i + 1, 0, 0.01 + 0.001 * i)
+    for i in range(MIN_SAMPLES - 1):
+        model.observe(0, 100 * (i + 1), 0.05 * (i + 1))
+    assert model.prefill_tokens_within(4, 4.0) is None
+    model.observe(0, 1000, 0.5)
+    assert model.prefill_tokens_within(4, 4.0) is not None
+
+
+def test_the_cost_model_keeps_prompt_steps_through_a_long_run_of_decodes() -> None:
+    model = StepCostModel(window=8)
+    for p in (100, 200, 400, 800):
+        model.observe(0, p, 0.01 + 0.001 * p)
+    for i in range(1000):
+        model.observe(1 + i % 16, 0, 0.01 + 0.002 * (1 + i % 16))
+    a, b, c, _ = model.coefficients()
+    assert c == pytest.approx(0.001, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)

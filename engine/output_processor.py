@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.detokenizer import TextStream
-from engine.request import GenerationOutput, ParamError, Request, child_id
+from engine.request import GenerationOutput, ParamError, Request, RequestStatus, child_id
 
 
 class OutputProcessor:
@@ -46,38 +46,63 @@ class OutputProcessor:
         req.text_stream = TextStream(self.tokenizer, stops)
 
     @staticmethod
-    def make_output(req: Request) -> GenerationOutput:
-        """What the request produced so far; `new_tokens` and `new_text` since its previous output."""
-        generated = req.generated_ids
-        new = generated[req.num_streamed :]
-        req.num_streamed = len(generated)
-        text = new_text = None
-        if req.text_stream is not None:
-            if req.is_finished:
-                req.text_stream.finish()  # what was held back as a possible stop string (once; then a no-op)
-            text = req.text_stream.text
-            new_text, req.text_streamed = text[req.text_streamed :], len(text)
-        return GenerationOutput(
-            request_id=req.request_id,
-            prompt_ids=req.token_ids[: req.num_prompt_tokens],
-            generated_tokens=generated,
-            logprobs=list(req.logprobs),
-            error=req.error,
-            status=req.status,
-            created_time=req.created_time,
-            lifespan=(req.scheduled_time or -1, req.finished_time or -1),
-            timestamps=list(req.timestamps) if req.timestamps is not None else None,
-            new_tokens=new,
-            top_logprobs=list(req.top_logprobs) if req.top_logprobs is not None else None,
-            finish_reason=req.finish_reason,
-            scheduled_time=req.scheduled_time,
-            first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
-            num_cached_tokens=req.num_cached_tokens,
-            num_preemptions=req.num_preemptions,
-            text=text,
-            new_text=new_text,
-        )
+    def make_output(req: Request, text: bool = True) -> GenerationOutput:
+        """What the request produced so far; `new_tokens` and `new_text` since its previous output.
+        `text=False` (a request whose text the output thread makes, engine/output_thread.py): no text,
+        and the text stream is left alone."""
+        out = snapshot(req, req.num_streamed)
+        req.num_streamed = len(out.generated_tokens)
+        if text and req.text_stream is not None:
+            add_text(out, req)
+        return out
+
+
+def snapshot(req: Request, since: int) -> GenerationOutput:
+    """The request's output without text, its new tokens those after the first `since`; changes nothing."""
+    generated = req.generated_ids
+    return GenerationOutput(
+        request_id=req.request_id,
+        prompt_ids=req.token_ids[: req.num_prompt_tokens],
+        generated_tokens=generated,
+        logprobs=list(req.logprobs),
+        error=req.error,
+        status=req.status,
+        created_time=req.created_time,
+        lifespan=(req.scheduled_time or -1, req.finished_time or -1),
+        timestamps=list(req.timestamps) if req.timestamps is not None else None,
+        new_tokens=generated[since:],
+        top_logprobs=list(req.top_logprobs) if req.top_logprobs is not None else None,
+        finish_reason=req.finish_reason,
+        scheduled_time=req.scheduled_time,
+        first_token_time=req.first_token_time,
+        finished_time=req.finished_time,
+        num_cached_tokens=req.num_cached_tokens,
+        num_preemptions=req.num_preemptions,
+    )
+
+
+def add_text(out: GenerationOutput, req: Request) -> None:
+    """The output's `text` and `new_text` from the request's text stream (fed up to the output's tokens)."""
+    if out.is_finished():
+        req.text_stream.finish()  # what was held back as a possible stop string (once; then a no-op)
+    out.text = req.text_stream.text
+    out.new_text, req.text_streamed = out.text[req.text_streamed :], len(out.text)
+
+
+def cut_output(out: GenerationOutput, num_generated: int, now: float) -> None:
+    """End the output at its first `num_generated` tokens with "stop": a stop string found off the
+    engine thread, after the engine had sampled further."""
+    done = len(out.generated_tokens) - len(out.new_tokens)  # handed out before this output
+    out.generated_tokens = out.generated_tokens[:num_generated]
+    out.new_tokens = out.generated_tokens[done:]
+    del out.logprobs[num_generated:]
+    if out.top_logprobs is not None:
+        del out.top_logprobs[num_generated:]
+    if out.timestamps is not None:
+        del out.timestamps[num_generated:]
+    out.status, out.finish_reason, out.error = RequestStatus.FINISHED, "stop", None
+    out.finished_time = now
+    out.lifespan = (out.lifespan[0], now)
 
 
 def family_ids(request_id: str, n: int) -> list[str]:

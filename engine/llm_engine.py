@@ -335,14 +335,16 @@ class LLMEngine:
         completes at that token (engine/output_thread.py); a request that ended already is left alone."""
         self._ends.append((req, num_generated, reason, error))
 
-    def _apply_ends(self) -> list[Request]:
-        """The ends that end_at queued: each request cut to its count, finished and taken out."""
+    def apply_ends(self) -> list[Request]:
+        """The ends that end_at queued: each request cut to its count, finished and taken out; returns them.
+        Tokens sampled past such an end are not counted in generation_tokens_total, also when the request
+        ended by itself meanwhile."""
         ended = []
         while self._ends:
             req, num_generated, reason, error = self._ends.popleft()
+            self.generation_tokens_total -= req.cut_to(num_generated)
             if self.requests.get(req.request_id) is not req or req.is_finished:
                 continue  # it ended by itself meanwhile (or was cancelled)
-            self.generation_tokens_total -= req.cut_to(num_generated)
             self.scheduler.remove(req)
             req.finish(reason, error)
             telemetry.request_finished(req)
@@ -375,7 +377,7 @@ class LLMEngine:
         """One iteration: schedule, run the model once and sample, take the tokens back. Returns the
         requests that got a token (some of them finished by it), after those that end_at ended."""
         t0 = time.perf_counter()
-        ended = self._apply_ends() if self._ends else []
+        ended = self.apply_ends() if self._ends else []
         if self._weights_version() != self._weights_seen or self.executor.weights_moved():
             if self.tp:
                 raise RuntimeError("the model's weights changed, but tensor-parallel ranks hold their own copies: "

@@ -122,7 +122,7 @@ class ContinuousBatchingManager:
         self._stopping = self._hard_stop = False
         self._accepting = True
         self._loop_ended = False
-        self._outputs = OutputThread(self._deliver, self.engine.end_at) if self.config.output_thread else None
+        self._outputs = OutputThread(self._deliver, self._end_at) if self.config.output_thread else None
         self._thread = threading.Thread(target=self._loop, name="cbserve-engine", daemon=True)
         self._thread.start()
 
@@ -360,6 +360,11 @@ class ContinuousBatchingManager:
         for out in unforked_outputs(req):
             outputs.put(None, out)
 
+    def _end_at(self, req: Request, num_generated: int, reason: str, error: str | None) -> None:
+        """From the output thread: the request ends there (a stop string); the loop applies it."""
+        self.engine.end_at(req, num_generated, reason, error)
+        self._wake.set()
+
     def _deliver(self, out: GenerationOutput) -> None:
         with self._lock:
             route = self._routes.get(out.request_id)
@@ -414,6 +419,8 @@ class ContinuousBatchingManager:
                 self._wake.clear()
                 self._park_if_paused()
                 self._drain_inbox()
+                for req in engine.apply_ends():  # stop strings the output thread found (its final outputs went out)
+                    self._deliver_request(req)
                 if engine.tp:
                     engine.tp.check()  # a rank died while idle: end here, not at the next request
                 if not engine.has_unfinished():
@@ -451,6 +458,7 @@ class ContinuousBatchingManager:
         finally:
             if self._outputs is not None:
                 self._outputs.close()  # every output queued so far is delivered before the loop counts as ended
+                engine.apply_ends()  # the last ones it found: only the token count changes
             self._loop_ended = True
             self._any.put(None)  # wakes an iterator waiting for outputs that will not come
             with self._pause:

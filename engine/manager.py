@@ -348,17 +348,21 @@ class ContinuousBatchingManager:
     # -- the loop -------------------------------------------------------------------------------
     def _deliver_request(self, req: Request) -> None:
         """The request's output, made by the engine's output processor; a request that ended before it
-        forked its n - 1 siblings ends theirs too. With the output thread, the output goes there without
-        text (the thread adds it), and so does every other, to keep each request's outputs in order."""
+        forked its n - 1 siblings ends theirs too. With the output thread, the output is made there from
+        the request's progress (except for a request whose text is made here: a grammar's), and every
+        other output goes there too, to keep each request's outputs in order."""
         outputs = self._outputs
         if outputs is None:
             self._deliver(self.engine.output_processor.make_output(req))
             for out in unforked_outputs(req):
                 self._deliver(out)
             return
-        outputs.put(req, self.engine.output_processor.make_output(req, text=not req.text_deferred))
+        if req.text_stream is not None and not req.text_deferred:
+            outputs.put_output(self.engine.output_processor.make_output(req))
+        else:
+            outputs.put(req)
         for out in unforked_outputs(req):
-            outputs.put(None, out)
+            outputs.put_output(out)
 
     def _end_at(self, req: Request, num_generated: int, reason: str, error: str | None) -> None:
         """From the output thread: the request ends there (a stop string); the loop applies it."""
@@ -442,7 +446,7 @@ class ContinuousBatchingManager:
                     if req.streaming or req.is_finished:
                         self._deliver_request(req)
                     elif req.text_deferred:  # its stop strings are looked for on the output thread
-                        self._outputs.put(req, None)
+                        self._outputs.put(req, deliver=False)
         except GroupBroken as exc:  # the engine cannot step any more: its requests fail, the owner is told
             self._fatal = exc
             for req in engine.fail_all(str(exc)):

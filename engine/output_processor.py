@@ -57,25 +57,39 @@ class OutputProcessor:
         return out
 
 
-def snapshot(req: Request, since: int) -> GenerationOutput:
-    """The request's output without text, its new tokens those after the first `since`; changes nothing."""
-    generated = req.generated_ids
+End = tuple[RequestStatus, "str | None", "str | None", "float | None"]  # status, finish reason, error, finished time
+
+
+def ending(req: Request) -> End:
+    """The request's status and end as they are now (taken on the engine thread, for the output thread)."""
+    return req.status, req.finish_reason, req.error, req.finished_time
+
+
+def snapshot(req: Request, since: int, count: int | None = None, end: End | None = None) -> GenerationOutput:
+    """The request's output without text, over its first `count` generated tokens (None: all), its new
+    tokens those after the first `since`, its status and end `end` (None: the request's now); changes
+    nothing. The lists it reads only grow while the engine runs (a stop string's cut comes after the
+    last output), so the output thread may read them while the engine thread appends."""
+    start = req.num_prompt_tokens
+    count = req.num_generated if count is None else count
+    status, reason, error, finished = ending(req) if end is None else end
+    generated = req.token_ids[start : start + count]
     return GenerationOutput(
         request_id=req.request_id,
-        prompt_ids=req.token_ids[: req.num_prompt_tokens],
+        prompt_ids=req.token_ids[:start],
         generated_tokens=generated,
-        logprobs=list(req.logprobs),
-        error=req.error,
-        status=req.status,
+        logprobs=req.logprobs[:count],
+        error=error,
+        status=status,
         created_time=req.created_time,
-        lifespan=(req.scheduled_time or -1, req.finished_time or -1),
-        timestamps=list(req.timestamps) if req.timestamps is not None else None,
+        lifespan=(req.scheduled_time or -1, finished or -1),
+        timestamps=req.timestamps[:count] if req.timestamps is not None else None,
         new_tokens=generated[since:],
-        top_logprobs=list(req.top_logprobs) if req.top_logprobs is not None else None,
-        finish_reason=req.finish_reason,
+        top_logprobs=req.top_logprobs[:count] if req.top_logprobs is not None else None,
+        finish_reason=reason,
         scheduled_time=req.scheduled_time,
         first_token_time=req.first_token_time,
-        finished_time=req.finished_time,
+        finished_time=finished,
         num_cached_tokens=req.num_cached_tokens,
         num_preemptions=req.num_preemptions,
     )
@@ -87,22 +101,6 @@ def add_text(out: GenerationOutput, req: Request) -> None:
         req.text_stream.finish()  # what was held back as a possible stop string (once; then a no-op)
     out.text = req.text_stream.text
     out.new_text, req.text_streamed = out.text[req.text_streamed :], len(out.text)
-
-
-def cut_output(out: GenerationOutput, num_generated: int, now: float) -> None:
-    """End the output at its first `num_generated` tokens with "stop": a stop string found off the
-    engine thread, after the engine had sampled further."""
-    done = len(out.generated_tokens) - len(out.new_tokens)  # handed out before this output
-    out.generated_tokens = out.generated_tokens[:num_generated]
-    out.new_tokens = out.generated_tokens[done:]
-    del out.logprobs[num_generated:]
-    if out.top_logprobs is not None:
-        del out.top_logprobs[num_generated:]
-    if out.timestamps is not None:
-        del out.timestamps[num_generated:]
-    out.status, out.finish_reason, out.error = RequestStatus.FINISHED, "stop", None
-    out.finished_time = now
-    out.lifespan = (out.lifespan[0], now)
 
 
 def family_ids(request_id: str, n: int) -> list[str]:

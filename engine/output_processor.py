@@ -8,9 +8,12 @@ cbserve's counterpart of vLLM v1's OutputProcessor, and the one output path of e
   gets an incremental detokenizer with its stop strings (`engine/detokenizer.py`). Every sampled
   token goes through it (`Request.append_token`); when one completes a stop string the request
   finishes with "stop" in that step, so no token is generated past it and the text is cut right
-  before it;
+  before it. Under the manager the request's text is deferred instead: its output thread
+  (engine/output_thread.py) feeds the stream beside the steps and ends the request at its stop
+  string (`LLMEngine.end_at`), with the same outputs;
 - `make_output`, for every output handed out: a `GenerationOutput` with the tokens and the text
-  since the previous output, everything so far, and the finish.
+  since the previous output, everything so far, and the finish (`snapshot` and `add_text`, its two
+  halves, are what the output thread calls).
 
 n > 1 is one engine request forked into siblings after its one prefill (`Scheduler._fork`);
 `family_ids` names them in order and `unforked_outputs` ends the siblings of a request that ended

@@ -332,7 +332,8 @@ class LLMEngine:
     def end_at(self, req: Request, num_generated: int, reason: str = "stop", error: str | None = None) -> None:
         """Thread-safe: end `req` at its first `num_generated` generated tokens (tokens sampled after them
         are dropped), at the start of the next step. The output thread calls it when a stop string
-        completes at that token (engine/output_thread.py); a request that ended already is left alone."""
+        completes at that token (engine/output_thread.py). A request that ended by itself meanwhile is only
+        cut (its outputs after that token were not handed out)."""
         self._ends.append((req, num_generated, reason, error))
 
     def apply_ends(self) -> list[Request]:

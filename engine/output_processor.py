@@ -49,13 +49,11 @@ class OutputProcessor:
         req.text_stream = TextStream(self.tokenizer, stops)
 
     @staticmethod
-    def make_output(req: Request, text: bool = True) -> GenerationOutput:
-        """What the request produced so far; `new_tokens` and `new_text` since its previous output.
-        `text=False` (a request whose text the output thread makes, engine/output_thread.py): no text,
-        and the text stream is left alone."""
+    def make_output(req: Request) -> GenerationOutput:
+        """What the request produced so far; `new_tokens` and `new_text` since its previous output."""
         out = snapshot(req, req.num_streamed)
         req.num_streamed = len(out.generated_tokens)
-        if text and req.text_stream is not None:
+        if req.text_stream is not None:
             add_text(out, req)
         return out
 

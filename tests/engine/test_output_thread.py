@@ -177,3 +177,27 @@ def test_an_end_for_a_request_that_ended_by_itself_only_drops_the_tokens_past_it
     engine.end_at(req, 3)  # found on the output thread after the engine's own end ("length" at 4)
     assert engine.apply_ends() == [] and req.finish_reason == "length"
     assert req.num_generated == 3 and engine.stats()["generation_tokens_total"] == 3
+
+
+class FailingTokenizer(RecordingTokenizer):
+    """Decodes a few times, then raises."""
+
+    def __init__(self, tokenizer, calls: int) -> None:
+        super().__init__(tokenizer)
+        self.calls = calls
+
+    def decode(self, *args, **kwargs):
+        self.calls -= 1
+        if self.calls < 0:
+            raise RuntimeError("the tokenizer broke")
+        return super().decode(*args, **kwargs)
+
+
+def test_a_tokenizer_that_fails_fails_its_request_and_the_engine_ends_it(tok) -> None:
+    outputs, stats = run(FailingTokenizer(tok, 10), True, [dict(input_ids=PROMPTS[0], detokenize=True, streaming=True),
+                                                           dict(input_ids=PROMPTS[1], streaming=True)])  # fmt: skip
+    check_streams(outputs)
+    failed, fine = outputs["r0"][-1], outputs["r1"][-1]
+    assert failed.finish_reason == "error" and "the tokenizer broke" in failed.error and len(failed.generated_tokens) < 40
+    assert fine.finish_reason == "length" and len(fine.generated_tokens) == 40
+    assert stats["generation_tokens_total"] == len(failed.generated_tokens) + 40

@@ -74,6 +74,9 @@ class ContinuousBatchingConfig:
     # Share of the KV blocks kept free for running requests: while fewer are free, no new request is
     # admitted (one always is when nothing runs). None: 0, cbserve preempts instead (transformers' FIFO: 0.15).
     safety_margin: float | None = None
+    # The manager's output thread (engine/output_thread.py): text, stop strings and the delivery of outputs
+    # run beside the engine's steps, so the engine thread never calls the tokenizer. False: on the engine thread.
+    output_thread: bool = True
     # Return the sampled token's logprob for every request by default.
     return_logprobs: bool = False
     # Which distribution logprobs describe (vLLM's names): "raw_logprobs", the model's own (log_softmax of

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
         self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
+        # ends found off the engine thread (a stop string in the output thread's text): applied at the next step
+        self._ends: deque[tuple[Request, int, str, str | None]] = deque()
         restore_modes(model, modes)
 
     # the executor's parts, as attributes of the engine (benchmarks and tests read them)
@@ -327,6 +330,29 @@ class LLMEngine:
         telemetry.request_finished(req)
         return req
 
+    def end_at(self, req: Request, num_generated: int, reason: str = "stop", error: str | None = None) -> None:
+        """Thread-safe: end `req` at its first `num_generated` generated tokens (tokens sampled after them
+        are dropped), at the start of the next step. The output thread calls it when a stop string
+        completes at that token (engine/output_thread.py). A request that ended by itself meanwhile is only
+        cut (its outputs after that token were not handed out)."""
+        self._ends.append((req, num_generated, reason, error))
+
+    def apply_ends(self) -> list[Request]:
+        """The ends that end_at queued: each request cut to its count, finished and taken out; returns them.
+        Tokens sampled past such an end are not counted in generation_tokens_total, also when the request
+        ended by itself meanwhile."""
+        ended = []
+        while self._ends:
+            req, num_generated, reason, error = self._ends.popleft()
+            self.generation_tokens_total -= req.cut_to(num_generated)
+            if self.requests.get(req.request_id) is not req or req.is_finished:
+                continue  # it ended by itself meanwhile (or was cancelled)
+            self.scheduler.remove(req)
+            req.finish(reason, error)
+            telemetry.request_finished(req)
+            ended.append(req)
+        return ended
+
     def fail_all(self, error: str) -> list[Request]:
         return [self.abort_request(rid, "error", error) for rid in list(self.requests)]
 
@@ -351,8 +377,9 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One iteration: schedule, run the model once and sample, take the tokens back. Returns the
-        requests that got a token (some of them finished by it)."""
+        requests that got a token (some of them finished by it), after those that end_at ended."""
         t0 = time.perf_counter()
+        ended = self.apply_ends() if self._ends else []
         if self._weights_version() != self._weights_seen or self.executor.weights_moved():
             if self.tp:
                 raise RuntimeError("the model's weights changed, but tensor-parallel ranks hold their own copies: "
@@ -361,7 +388,7 @@ class LLMEngine:
             logger.info("cbserve: model weights changed; prefix cache cleared, packed weights and graphs refreshed")
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return ended
         t1 = time.perf_counter()
         out = self.executor.execute_model(batch, self.config.return_logprobs)
         t2 = time.perf_counter()
@@ -371,7 +398,7 @@ class LLMEngine:
         t3 = time.perf_counter()
         self.scheduler.observe_step(batch, t3 - t0)  # what its decodes waited: the cost model's sample
         self._time(t0, t1, t2, t3)
-        return batch.samples
+        return ended + batch.samples if ended else batch.samples
 
     def _time(self, t0: float, t1: float, t2: float, t3: float) -> None:
         times, step = self.step_times, self.executor.last_times

@@ -21,6 +21,7 @@ import torch
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
 from engine.output_processor import family_ids, unforked_outputs
+from engine.output_thread import OutputThread
 from engine.request import GenerationOutput, QueueFullError, Request
 from engine.tp_group import GroupBroken, Launch
 
@@ -73,6 +74,7 @@ class ContinuousBatchingManager:
         self._routes: dict[str, _Route] = {}
         self._any: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # request ids in delivery order
         self._thread: threading.Thread | None = None
+        self._outputs: OutputThread | None = None  # with config.output_thread: text and delivery, while the loop runs
         self._loop_ended = True
         self._stopping = False
         self._hard_stop = False
@@ -120,6 +122,7 @@ class ContinuousBatchingManager:
         self._stopping = self._hard_stop = False
         self._accepting = True
         self._loop_ended = False
+        self._outputs = OutputThread(self._deliver, self._end_at) if self.config.output_thread else None
         self._thread = threading.Thread(target=self._loop, name="cbserve-engine", daemon=True)
         self._thread.start()
 
@@ -242,6 +245,9 @@ class ContinuousBatchingManager:
                 record_timestamps=record_timestamps,
                 **kwargs,
             )
+            # text off the engine thread (not with a grammar: its matcher and the stop strings end the request
+            # in one order, on the engine thread)
+            req.text_deferred = self.config.output_thread and req.text_stream is not None and req.matcher is None
             limit = self.config.max_queue_size
             if limit and self._waiting_sequences() + 1 + req.num_children > limit:
                 raise QueueFullError(f"the request queue is full ({limit} waiting)")
@@ -342,10 +348,26 @@ class ContinuousBatchingManager:
     # -- the loop -------------------------------------------------------------------------------
     def _deliver_request(self, req: Request) -> None:
         """The request's output, made by the engine's output processor; a request that ended before it
-        forked its n - 1 siblings ends theirs too."""
-        self._deliver(self.engine.output_processor.make_output(req))
+        forked its n - 1 siblings ends theirs too. With the output thread, the output is made there from
+        the request's progress (except for a request whose text is made here: a grammar's), and every
+        other output goes there too, to keep each request's outputs in order."""
+        outputs = self._outputs
+        if outputs is None:
+            self._deliver(self.engine.output_processor.make_output(req))
+            for out in unforked_outputs(req):
+                self._deliver(out)
+            return
+        if req.text_stream is not None and not req.text_deferred:
+            outputs.put_output(self.engine.output_processor.make_output(req))
+        else:
+            outputs.put(req)
         for out in unforked_outputs(req):
-            self._deliver(out)
+            outputs.put_output(out)
+
+    def _end_at(self, req: Request, num_generated: int, reason: str, error: str | None) -> None:
+        """From the output thread: the request ends there (a stop string); the loop applies it."""
+        self.engine.end_at(req, num_generated, reason, error)
+        self._wake.set()
 
     def _deliver(self, out: GenerationOutput) -> None:
         with self._lock:
@@ -401,6 +423,8 @@ class ContinuousBatchingManager:
                 self._wake.clear()
                 self._park_if_paused()
                 self._drain_inbox()
+                for req in engine.apply_ends():  # stop strings the output thread found (its final outputs went out)
+                    self._deliver_request(req)
                 if engine.tp:
                     engine.tp.check()  # a rank died while idle: end here, not at the next request
                 if not engine.has_unfinished():
@@ -421,6 +445,8 @@ class ContinuousBatchingManager:
                 for req in updated:
                     if req.streaming or req.is_finished:
                         self._deliver_request(req)
+                    elif req.text_deferred:  # its stop strings are looked for on the output thread
+                        self._outputs.put(req, deliver=False)
         except GroupBroken as exc:  # the engine cannot step any more: its requests fail, the owner is told
             self._fatal = exc
             for req in engine.fail_all(str(exc)):
@@ -434,6 +460,9 @@ class ContinuousBatchingManager:
                 self._deliver_request(req)
             raise
         finally:
+            if self._outputs is not None:
+                self._outputs.close()  # every output queued so far is delivered before the loop counts as ended
+                engine.apply_ends()  # the last ones it found: only the token count changes
             self._loop_ended = True
             self._any.put(None)  # wakes an iterator waiting for outputs that will not come
             with self._pause:

@@ -8,9 +8,12 @@ cbserve's counterpart of vLLM v1's OutputProcessor, and the one output path of e
   gets an incremental detokenizer with its stop strings (`engine/detokenizer.py`). Every sampled
   token goes through it (`Request.append_token`); when one completes a stop string the request
   finishes with "stop" in that step, so no token is generated past it and the text is cut right
-  before it;
+  before it. Under the manager the request's text is deferred instead: its output thread
+  (engine/output_thread.py) feeds the stream beside the steps and ends the request at its stop
+  string (`LLMEngine.end_at`), with the same outputs;
 - `make_output`, for every output handed out: a `GenerationOutput` with the tokens and the text
-  since the previous output, everything so far, and the finish.
+  since the previous output, everything so far, and the finish (`snapshot` and `add_text`, its two
+  halves, are what the output thread calls).
 
 n > 1 is one engine request forked into siblings after its one prefill (`Scheduler._fork`);
 `family_ids` names them in order and `unforked_outputs` ends the siblings of a request that ended
@@ -22,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.detokenizer import TextStream
-from engine.request import GenerationOutput, ParamError, Request, child_id
+from engine.request import GenerationOutput, ParamError, Request, RequestStatus, child_id
 
 
 class OutputProcessor:
@@ -48,36 +51,57 @@ class OutputProcessor:
     @staticmethod
     def make_output(req: Request) -> GenerationOutput:
         """What the request produced so far; `new_tokens` and `new_text` since its previous output."""
-        generated = req.generated_ids
-        new = generated[req.num_streamed :]
-        req.num_streamed = len(generated)
-        text = new_text = None
+        out = snapshot(req, req.num_streamed)
+        req.num_streamed = len(out.generated_tokens)
         if req.text_stream is not None:
-            if req.is_finished:
-                req.text_stream.finish()  # what was held back as a possible stop string (once; then a no-op)
-            text = req.text_stream.text
-            new_text, req.text_streamed = text[req.text_streamed :], len(text)
-        return GenerationOutput(
-            request_id=req.request_id,
-            prompt_ids=req.token_ids[: req.num_prompt_tokens],
-            generated_tokens=generated,
-            logprobs=list(req.logprobs),
-            error=req.error,
-            status=req.status,
-            created_time=req.created_time,
-            lifespan=(req.scheduled_time or -1, req.finished_time or -1),
-            timestamps=list(req.timestamps) if req.timestamps is not None else None,
-            new_tokens=new,
-            top_logprobs=list(req.top_logprobs) if req.top_logprobs is not None else None,
-            finish_reason=req.finish_reason,
-            scheduled_time=req.scheduled_time,
-            first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
-            num_cached_tokens=req.num_cached_tokens,
-            num_preemptions=req.num_preemptions,
-            text=text,
-            new_text=new_text,
-        )
+            add_text(out, req)
+        return out
+
+
+End = tuple[RequestStatus, "str | None", "str | None", "float | None"]  # status, finish reason, error, finished time
+
+
+def ending(req: Request) -> End:
+    """The request's status and end as they are now (taken on the engine thread, for the output thread)."""
+    return req.status, req.finish_reason, req.error, req.finished_time
+
+
+def snapshot(req: Request, since: int, count: int | None = None, end: End | None = None) -> GenerationOutput:
+    """The request's output without text, over its first `count` generated tokens (None: all), its new
+    tokens those after the first `since`, its status and end `end` (None: the request's now); changes
+    nothing. The lists it reads only grow while the engine runs (a stop string's cut comes after the
+    last output), so the output thread may read them while the engine thread appends."""
+    start = req.num_prompt_tokens
+    count = req.num_generated if count is None else count
+    status, reason, error, finished = ending(req) if end is None else end
+    generated = req.token_ids[start : start + count]
+    return GenerationOutput(
+        request_id=req.request_id,
+        prompt_ids=req.token_ids[:start],
+        generated_tokens=generated,
+        logprobs=req.logprobs[:count],
+        error=error,
+        status=status,
+        created_time=req.created_time,
+        lifespan=(req.scheduled_time or -1, finished or -1),
+        timestamps=req.timestamps[:count] if req.timestamps is not None else None,
+        new_tokens=generated[since:],
+        top_logprobs=req.top_logprobs[:count] if req.top_logprobs is not None else None,
+        finish_reason=reason,
+        scheduled_time=req.scheduled_time,
+        first_token_time=req.first_token_time,
+        finished_time=finished,
+        num_cached_tokens=req.num_cached_tokens,
+        num_preemptions=req.num_preemptions,
+    )
+
+
+def add_text(out: GenerationOutput, req: Request) -> None:
+    """The output's `text` and `new_text` from the request's text stream (fed up to the output's tokens)."""
+    if out.is_finished():
+        req.text_stream.finish()  # what was held back as a possible stop string (once; then a no-op)
+    out.text = req.text_stream.text
+    out.new_text, req.text_streamed = out.text[req.text_streamed :], len(out.text)
 
 
 def family_ids(request_id: str, n: int) -> list[str]:

@@ -185,6 +185,10 @@ class Request:
         self.text_streamed = 0  # characters of text already handed out (engine/output_processor.py)
         self.num_children = 0  # n - 1: sequences forked from this one after its prefill
         self.text_stream = None  # engine.detokenizer.TextStream with stop strings or detokenize (output_processor)
+        # the text stream is fed off the engine thread (the manager's output thread, engine/output_thread.py),
+        # which ends the request at its stop string through LLMEngine.end_at; append_token leaves it alone
+        self.text_deferred = False
+        self.output_done = False  # the output thread handed out its final output (a stop string found there)
         self.matcher = None  # engine.structured.Matcher when the request has structured output
         self.otel_context = None  # OpenTelemetry context its span records under (engine/telemetry.py); None: none
 
@@ -215,6 +219,7 @@ class Request:
         child.otel_context = self.otel_context
         if self.text_stream is not None:
             child.text_stream = self.text_stream.fresh()
+            child.text_deferred = self.text_deferred
         if self.matcher is not None:  # forked before the first token: the parser is at its start
             child.matcher = self.matcher.fork()
         return child
@@ -248,7 +253,7 @@ class Request:
             if not self.matcher.accept(token):
                 self.finish("error", f"structured output: {self.matcher.error or f'the grammar refused token {token}'}")
                 return
-        if self.text_stream is not None:  # made by engine/output_processor.py: the token's text
+        if self.text_stream is not None and not self.text_deferred:  # engine/output_processor.py: the token's text
             self.text_stream.add([token])
             if self.text_stream.stopped:  # it completes a stop string: the text ends right before it
                 self.finish("stop")
@@ -263,6 +268,19 @@ class Request:
             self.finish("length")
         elif max_context is not None and self.num_tokens >= max_context:
             self.finish("length")
+
+    def cut_to(self, num_generated: int) -> int:
+        """Drop the generated tokens after the first `num_generated` (with their logprobs and timestamps):
+        a stop string found off the engine thread ended the request there. Returns how many were dropped."""
+        dropped = max(0, self.num_generated - num_generated)
+        if dropped:
+            del self.token_ids[self.num_prompt_tokens + num_generated :]
+            del self.logprobs[num_generated:]
+            if self.top_logprobs is not None:
+                del self.top_logprobs[num_generated:]
+            if self.timestamps is not None:
+                del self.timestamps[num_generated:]
+        return dropped
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason = reason

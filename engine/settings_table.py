@@ -213,6 +213,9 @@ SETTINGS: tuple[Setting, ...] = (
     # ---- sampling and outputs ----
     Setting("seed", "int", None, "seed of the sampler for requests without their own; unset: random", nullable=True,
             commands=("serve", "worker")),  # cbserve generate's own --seed seeds each request
+    Setting("output_thread", "bool", True, "the manager's text, stop strings and delivery of outputs run on their own "
+            "thread, beside the engine's steps (the engine thread never calls the tokenizer); false: on the engine "
+            "thread"),
     Setting("return_logprobs", "bool", False, "the sampled token's logprob for every request"),
     Setting("logprobs_mode", "str", "raw_logprobs", "raw_logprobs: the model's own distribution; "
             "processed_logprobs: the one each token was drawn from (after bias, penalties, grammar, temperature, "

@@ -91,3 +91,27 @@ def test_n2_is_one_prefill_and_repeats_with_its_seed(server, client) -> None:
     # choice i samples with seed + i: choice 1 of seed 3 is choice 0 of seed 4
     c = client.completions.create(**{**kwargs, "n": 1, "seed": 4})
     assert c.choices[0].text == a.choices[1].text
+
+
+def test_text_on_the_engine_thread_answers_the_same(server, client, model_dir, tmp_path) -> None:
+    """output_thread=false (text and stop strings on the engine thread) against the default (its own thread):
+    the same text, finish reasons and usage, streamed and not."""
+    from tests.server.conftest import Server
+
+    base = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=24, temperature=0)
+    stop = base.choices[0].text[7:11]
+    off = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 512}, extra_args=["--no-output-thread"])
+    try:
+        other = openai.OpenAI(base_url=off.url + "/v1", api_key="unused", max_retries=0)
+        for kwargs in (dict(stop=[stop]), dict(stop=["never-there"]), dict(n=2, seed=3, temperature=1.0, stop=[stop])):
+            request = {**dict(model="tiny-llama", prompt="Once upon a time", max_tokens=24, temperature=0), **kwargs}
+            answers = [c.completions.create(**request) for c in (client, other)]
+            assert [[(ch.text, ch.finish_reason) for ch in a.choices] for a in answers] == 2 * [
+                [(ch.text, ch.finish_reason) for ch in answers[0].choices]]  # fmt: skip
+            assert answers[0].usage == answers[1].usage
+            streams = [list(c.completions.create(stream=True, stream_options={"include_usage": True}, **request))
+                       for c in (client, other)]  # fmt: skip
+            texts = ["".join(ch.choices[0].text for ch in s if ch.choices) for s in streams]
+            assert texts[0] == texts[1] and streams[0][-1].usage == streams[1][-1].usage
+    finally:
+        assert off.stop() == 0

@@ -227,8 +227,9 @@ def main() -> None:
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.mode == "products":
         return products(getattr(torch, args.dtype))
     dtype = getattr(torch, args.dtype)

@@ -45,8 +45,7 @@ class CPUExecutor(Executor):
         if why is not None:
             logger.info("cbserve: decoder layers through transformers' modules (%s)", why)
             return None
-        self.native_layers = NativeLayers(self.model, self.packed_linears, self.backend.ops,
-                                          self.backend.cascade_min_seqs)  # fmt: skip
+        self.native_layers = NativeLayers(self.model, self.packed_linears, self.backend)
         logger.info("cbserve: %d decoder layers in one native call per step (%s=0 turns it off)",
                     self.native_layers.stack.num_layers, cpu_layers.ENV)  # fmt: skip
         return self.native_layers

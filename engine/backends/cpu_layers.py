@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 
 from engine.backends.base import AttentionMetadata
-from engine.backends.cpu import KERNEL_DTYPES
+from engine.backends.cpu import KERNEL_DTYPES, SDPABackend
 from engine.backends.cpu_fused import FusedModules
 from engine.backends.cpu_linear import PackedLinears, PackedWeight, _PackedGroup, _PackedLinear
 from engine.kv_cache import PagedKVCache
@@ -108,6 +108,8 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
     layers = base.layers[: config.num_hidden_layers]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     head_dim = layers[0].self_attn.head_dim if len(layers) else 0
+    if not len(layers):
+        return "no decoder layers"
     if head_dim % 16:
         return f"head_dim {head_dim} (the attention kernel takes multiples of 16)"
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
@@ -146,9 +148,9 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
 class NativeLayers:
     """The model's decoder stack in engine/csrc/decoder_cpu.cpp; `rebuild()` after weights change."""
 
-    def __init__(self, model: torch.nn.Module, packed: PackedLinears, ops: ModuleType, cascade_min_seqs: int) -> None:
-        self.model, self.packed, self.ops = model, packed, ops
-        self.cascade_min_seqs = cascade_min_seqs
+    def __init__(self, model: torch.nn.Module, packed: PackedLinears, backend: SDPABackend) -> None:
+        self.model, self.packed, self.backend = model, packed, backend
+        self.ops = backend.ops
         base = model.model
         self.embed, self.rotary = base.embed_tokens, base.rotary_emb
         self.window = _families()[type(model)][3]
@@ -197,4 +199,4 @@ class NativeLayers:
                 and cos.shape == sin.shape and cos.dim() == 3):  # fmt: skip
             return None
         return self.stack.forward(hidden, cos, sin, cache.k, cache.v, meta.block_tables, meta.seq_lens_k,
-                                  meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.cascade_min_seqs)  # fmt: skip
+                                  meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.backend.cascade_min_seqs)  # fmt: skip

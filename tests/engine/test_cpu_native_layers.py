@@ -84,6 +84,10 @@ def test_many_decodes_and_shared_blocks_equal_the_python_path() -> None:
                         list(range(40)), [])  # fmt: skip
     got, want = both_ways(engine, decode)
     assert torch.equal(got, want)
+    engine.backend.cascade_min_seqs = 0  # cascade off: both paths read the setting each step
+    got_apart, want_apart = both_ways(engine, decode)
+    assert torch.equal(got_apart, want_apart)
+    assert torch.allclose(got_apart, got, atol=1e-3) and not torch.equal(got_apart, got)  # another summation
 
 
 @pytest.mark.parametrize("arch", NATIVE)

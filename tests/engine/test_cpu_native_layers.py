@@ -1,7 +1,7 @@
 """The native decoder stack (engine/backends/cpu_layers.py, engine/csrc/decoder_cpu.cpp).
 
-Its logits are the Python path's bit for bit on prefill, mixed and decode steps, in float32 and
-bfloat16, on panels and on oneDNN's products; greedy output stays model.generate's; every reason it
+Its logits are the Python path's bit for bit on prefill, mixed and decode steps, in float32,
+bfloat16 and float16, on panels and on oneDNN's products; greedy output stays model.generate's; every reason it
 declines a model is forced and seen, with the engine then on the Python path; the AVX2 build runs it
 too (a child process with CBSERVE_CPU_ISA=avx2).
 """

@@ -3,6 +3,7 @@
     python benchmarks/cpu_paths.py ab --what fused|grouped|cascade|panels [--dtype bfloat16] [--workload W1] [--runs 3]
     python benchmarks/cpu_paths.py split [--dtype bfloat16] [--workload W1]
     python benchmarks/cpu_paths.py products [--dtype bfloat16]
+    python benchmarks/cpu_paths.py steps [--dtype bfloat16] [--model embedded] [--runs 3]
 
 `--model embedded` runs `ab` and `split` on the real SmolLM2-135M-Instruct instead of the random
 model (throughput.py's `--model`); W4 is its workload of mixed prompt lengths.
@@ -18,6 +19,13 @@ oneDNN's packed product alone (engine/backends/cpu_linear.py).
 `split` times the packed linear calls and the attention kernel calls inside each `LLMEngine.step`
 (second of two runs) and prints, per step kind (steps with prompt tokens, decode-only steps), the
 milliseconds per step in linear layers, attention and the rest.
+
+`steps` times decode steps (`LLMEngine.step`, after the prompts' step) at batch 1 and 16 with the
+decoder layers through transformers' modules and in one native call (engine/backends/cpu_layers.py),
+alternating, and prints per run the milliseconds per decode step and the busy cores (the process's
+CPU seconds over the wall seconds of those steps; threads spinning at a barrier count as busy),
+then the medians and whether the greedy tokens agree. `ab`, `split` and `products` time the Python
+path's pieces: they turn the native stack off (`split`, and `ab` for the pieces it replaces).
 
 `products` times linear products on packed weights, best of three rounds, microseconds per call:
 the W1 model's q/k/v (512 + 256 + 256 outputs) and gate/up (2 x 1376) for 64 and 1,024 rows on
@@ -41,8 +49,10 @@ from engine import ContinuousBatchingConfig, LLMEngine
 from engine.backends.cpu_kernels import cpu_ops
 
 
-def make_engine(model, fused: bool = True, cascade: bool = True) -> LLMEngine:
+def make_engine(model, fused: bool = True, cascade: bool = True, native: bool = True) -> LLMEngine:
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024))
+    if not native or not fused:  # the native stack runs the fused passes itself
+        engine.runner.native = None
     if not fused:
         engine.runner.module_swaps.remove(engine.fused_modules)
     if not cascade:
@@ -73,7 +83,9 @@ def ab(model, prompts, new_tokens: int, what: str, runs: int) -> None:
         for on in (False, True):
             cpu_linear.GROUPS = groups if (on or what != "grouped") else ()  # read when the engine packs
             cpu_executor.linear_plan = plan if (on or what != "panels") else (lambda ops: cpu_linear.LinearPlan())
-            engine = make_engine(model, fused=on or what != "fused", cascade=on or what != "cascade")
+            # the packed layouts and groups are the native stack's too: what is measured is the Python path
+            engine = make_engine(model, fused=on or what != "fused", cascade=on or what != "cascade",
+                                 native=what in ("fused", "cascade"))
             rate, outputs[on] = run(engine, prompts, new_tokens)
             rates[on].append(rate)
             print(f"run {i + 1} {what} {'on' if on else 'off'}: {rate:.1f} tok/s", flush=True)
@@ -96,7 +108,7 @@ def split(model, prompts, new_tokens: int) -> None:
     cpu_linear._packed_linear = timed_linear
     try:
         for attempt in range(2):
-            engine = make_engine(model)
+            engine = make_engine(model, native=False)  # the pieces are timed between Python calls
             ops = engine.backend.ops
 
             class TimedOps:
@@ -127,6 +139,43 @@ def split(model, prompts, new_tokens: int) -> None:
                       f"attention {1e3 * attention / n:.1f}, rest {1e3 * (total - linear - attention) / n:.1f}")  # fmt: skip
     finally:
         cpu_linear._packed_linear = packed_linear
+
+
+def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len: int = 64) -> None:
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    results: dict[tuple[int, bool], list[tuple[float, float]]] = {}
+    tokens: dict[tuple[int, bool], list] = {}
+    for i in range(runs + 1):  # the first round warms up: fresh memory, first-touch pages
+        for batch in batches:
+            prompts = [torch.randint(4, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+            for native in (False, True):
+                engine = make_engine(model, native=native)
+                assert (engine.runner.native is not None) == native, "the native stack does not take this model"
+                reqs = [engine.make_request(p, max_new_tokens=steps + 1, ignore_eos=True) for p in prompts]
+                for r in reqs:
+                    engine.add_request(r)
+                engine.step()  # every prompt in one step (64 x 16 tokens fit the budget)
+                assert all(r.num_computed == prompt_len for r in reqs)
+                wall, cpu = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    engine.step()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                if i == 0:
+                    continue
+                results.setdefault((batch, native), []).append((1e3 * wall / steps, cpu / wall))
+                tokens[(batch, native)] = [r.generated_ids for r in reqs]
+                print(f"run {i} batch {batch:2d} {'native' if native else 'python'}: {1e3 * wall / steps:.2f} ms per "
+                      f"decode step, {cpu / wall:.2f} cores busy", flush=True)  # fmt: skip
+    print()
+    for batch in batches:
+        line = []
+        for native in (False, True):
+            ms = statistics.median(r[0] for r in results[(batch, native)])
+            busy = statistics.median(r[1] for r in results[(batch, native)])
+            line.append(f"{'native' if native else 'python'} {ms:.2f} ms, {busy:.2f} cores")
+        same = tokens[(batch, False)] == tokens[(batch, True)]
+        print(f"batch {batch}: " + "; ".join(line) + f" (median of {runs}); same greedy tokens: {same}")
 
 
 def _best_us(fn, calls: int) -> float:
@@ -172,14 +221,15 @@ def products(dtype: torch.dtype) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ab", "split", "products"])
+    parser.add_argument("mode", choices=["ab", "split", "products", "steps"])
     parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade", "panels"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.mode == "products":
         return products(getattr(torch, args.dtype))
     dtype = getattr(torch, args.dtype)
@@ -188,7 +238,9 @@ def main() -> None:
     new_tokens = workloads.NEW_TOKENS[args.workload]
     if make_engine(model).backend.ops is None:
         raise SystemExit(f"{args.mode}: cbserve's CPU kernels are not available here (make kernels)")
-    if args.mode == "ab":
+    if args.mode == "steps":
+        decode_steps(model, args.runs)
+    elif args.mode == "ab":
         ab(model, prompts, new_tokens, args.what, args.runs)
     else:
         split(model, prompts, new_tokens)

@@ -70,6 +70,14 @@ class ModuleSwaps(Protocol):
     def active(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+class NativeForward(Protocol):
+    """A whole step's forward outside transformers' modules (the CPU's native decoder stack:
+    engine/backends/cpu_layers.py): logits, or None for a step it does not take."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_rows: torch.Tensor, cache: PagedKVCache) -> torch.Tensor | None: ...  # fmt: skip
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, backend: AttentionBackend,
@@ -81,6 +89,7 @@ class ModelRunner:
         # CPU: packed linears, fused norms and MLPs; their forwards replace the modules' own only
         # inside the engine's forwards
         self.module_swaps = [s for s in module_swaps if s]
+        self.native: NativeForward | None = None  # tried first for each step when set (the executor's)
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.last_prepare_s = 0.0  # time build_metadata took in the last run()
@@ -151,6 +160,11 @@ class ModelRunner:
         rows when the runner computes no logits)."""
         if not self.computes_logits:
             logits_rows = logits_rows[:0]  # also inside captured graphs: the head multiplies nothing
+        if self.native is not None:
+            with attention.engine_step():  # the model's rotary embedding runs its step-aware forward
+                logits = self.native(input_ids, positions, meta, logits_rows, self.cache)
+            if logits is not None:
+                return logits
         self.backend.prepare(meta)
         with attention.installed(self.model), attention.engine_step(), contextlib.ExitStack() as swaps:
             for swap in self.module_swaps:

@@ -2,7 +2,9 @@
 
 Before sizing the cache it tunes the allocator (engine/backends/cpu_malloc.py) and swaps in packed
 linear weights (engine/backends/cpu_linear.py) and fused C++ element-wise passes
-(engine/backends/cpu_fused.py), each active only inside the engine's forwards.
+(engine/backends/cpu_fused.py), each active only inside the engine's forwards; for the models
+whose code it knows, whole steps run the decoder stack in one native call
+(engine/backends/cpu_layers.py).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import logging
 import psutil
 
 from engine.backends import cpu_malloc
+from engine.backends import cpu_layers
 from engine.backends.cpu_fused import FusedModules
+from engine.backends.cpu_layers import NativeLayers
 from engine.backends.cpu_linear import PackedLinears, compute_dtype, linear_plan, packed_bytes, packing_available
 from engine.backends.executor import Executor
-from engine.model_runner import ModuleSwaps
+from engine.model_runner import ModuleSwaps, NativeForward
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -23,6 +27,7 @@ logger = logging.getLogger("cbserve.engine")
 class CPUExecutor(Executor):
     packed_linears: PackedLinears | None = None
     fused_modules: FusedModules | None = None
+    native_layers: NativeLayers | None = None
 
     def module_swaps(self) -> list[ModuleSwaps]:
         if self.device.type != "cpu":  # another host-like device: the generic path only
@@ -32,10 +37,25 @@ class CPUExecutor(Executor):
         self.fused_modules = self._fused_modules()
         return [s for s in (self.packed_linears, self.fused_modules) if s]
 
+    def native_forward(self) -> NativeForward | None:
+        if self.device.type != "cpu":
+            return None
+        why = cpu_layers.why_not(self.model, self.packed_linears, self.fused_modules, self.backend.ops, self.dtype,
+                                 tensor_parallel=self.peers is not None)  # fmt: skip
+        if why is not None:
+            logger.info("cbserve: decoder layers through transformers' modules (%s)", why)
+            return None
+        self.native_layers = NativeLayers(self.model, self.packed_linears, self.backend)
+        logger.info("cbserve: %d decoder layers in one native call per step (%s=0 turns it off)",
+                    self.native_layers.stack.num_layers, cpu_layers.ENV)  # fmt: skip
+        return self.native_layers
+
     def weights_replaced(self) -> None:
         super().weights_replaced()
         if self.packed_linears:
             self.packed_linears.refresh()
+        if self.native_layers:
+            self.native_layers.rebuild()
 
     def _packed_linears(self) -> PackedLinears | None:
         choice, model = self.config.cpu_packed_weights, self.model

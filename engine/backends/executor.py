@@ -36,7 +36,7 @@ from engine.backends.memory import (
 from engine.backends.step_dispatch import Route, StepDispatcher, normalize_cuda_graph_flag, reserved_blocks
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
-from engine.model_runner import ModelRunner, ModuleSwaps, StepInputs, restore_modes
+from engine.model_runner import ModelRunner, ModuleSwaps, NativeForward, StepInputs, restore_modes
 from engine.sampler import Sampler, SampleResult, to_device
 from engine.scheduler import ScheduledBatch
 
@@ -101,6 +101,7 @@ class Executor:
                                   head_dim, self.dtype, self.device)  # fmt: skip
         self.runner = ModelRunner(model, self.cache, self.backend, swaps)
         self.runner.computes_logits = peers is None or peers.rank == 0  # only rank 0 samples
+        self.runner.native = self.native_forward()
         self.dispatch = StepDispatcher.from_config(
             self.runner.forward, config, self.backend, self.device, graph_flags=self.graph_flags,
             block_size=self.block_size, num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
@@ -131,6 +132,11 @@ class Executor:
         """Replacement forwards active only inside the engine's forwards (the CPU's packed linears and
         fused passes); none by default."""
         return []
+
+    def native_forward(self) -> NativeForward | None:
+        """A forward of whole steps outside transformers' modules (the CPU's native decoder stack);
+        none by default."""
+        return None
 
     def weights_replaced(self) -> None:
         """The model's weights changed (in place, or new tensors): refresh what was made of them. Graphs

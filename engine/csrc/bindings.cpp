@@ -1,6 +1,7 @@
 // The Python module of cbserve's CPU kernels: one binding per kernel file.
 #include <torch/extension.h>
 
+#include "decoder_cpu.h"
 #include "vec.h"
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
@@ -31,5 +32,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x W^T + b on panels from pack_linear_weight, for few rows (CPU)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"), NoGil());
   m.def("linear_panel_width", &linear_panel_width, "Output columns per weight panel of this build");
+  // a model's decoder stack, one call per step (decoder_cpu.cpp; engine/backends/cpu_layers.py builds it)
+  py::class_<cbserve::PackedLinear>(m, "PackedLinear", "One packed linear layer (cpu_linear.py's PackedWeight)")
+      .def(py::init([](c10::optional<at::Tensor> panels, c10::optional<at::Tensor> onednn,
+                       c10::optional<at::Tensor> bias, int64_t n, int64_t panel_rows) {
+             return cbserve::PackedLinear{panels.value_or(at::Tensor()), onednn.value_or(at::Tensor()),
+                                          bias.value_or(at::Tensor()), n, panel_rows};
+           }),
+           py::arg("panels"), py::arg("onednn"), py::arg("bias"), py::arg("n"), py::arg("panel_rows"));
+  py::class_<cbserve::DecoderStack>(m, "DecoderStack", "A Llama-family decoder stack run in one call per step (CPU)")
+      .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scale"))
+      .def("add_layer",
+           [](cbserve::DecoderStack& s, const cbserve::PackedLinear& qkv, const cbserve::PackedLinear& o,
+              const cbserve::PackedLinear& gate, const cbserve::PackedLinear& up, const cbserve::PackedLinear& down,
+              at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, int64_t window) {
+             s.add_layer(cbserve::DecoderLayer{qkv, o, gate, up, down, input_norm, post_norm, input_eps, post_eps, window});
+           },
+           py::arg("qkv"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("input_norm"),
+           py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("window"))
+      .def("set_head", &cbserve::DecoderStack::set_head, py::arg("norm"), py::arg("eps"), py::arg("lm_head"))
+      .def_property_readonly("num_layers", &cbserve::DecoderStack::num_layers)
+      .def("forward", &cbserve::DecoderStack::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("block_tables"), py::arg("k_lens"), py::arg("q_start"),
+           py::arg("slot_mapping"), py::arg("logits_rows"), py::arg("cascade_min_seqs"), NoGil());
   m.def("lanes", [] { return cbserve::kLanes; }, "Float lanes per vector of this build: 16 (AVX-512) or 8 (AVX2)");
 }

@@ -1,0 +1,179 @@
+"""The native decoder stack (engine/backends/cpu_layers.py, engine/csrc/decoder_cpu.cpp).
+
+Its logits are the Python path's bit for bit on prefill, mixed and decode steps, in float32,
+bfloat16 and float16, on panels and on oneDNN's products; greedy output stays model.generate's; every reason it
+declines a model is forced and seen, with the engine then on the Python path; the AVX2 build runs it
+too (a child process with CBSERVE_CPU_ISA=avx2).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingConfig, LLMEngine
+from engine.backends import cpu_layers
+from engine.backends.cpu_kernels import cpu_ops
+from engine.model_runner import StepInputs
+from engine.testing import build_test_model
+from tests.engine.conftest import MAX_NEW, model_for, prompts_for, reference
+from tests.engine.test_cpu_isa import run_child
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="cbserve's C++ kernels are not built on this host")
+
+NATIVE = ("llama", "qwen2", "mistral")  # mistral: a sliding window of 24; qwen2: q/k/v biases
+
+
+def engine_for(model, **config) -> LLMEngine:
+    return LLMEngine(model, ContinuousBatchingConfig(**{"block_size": 16, "num_blocks": 64, **config}))
+
+
+def steps(vocab: int) -> list[StepInputs]:
+    """Three prompts (the longest past the panels' 64 rows), then decodes of two with a chunk of the
+    third's continuation (history in the cache), then a decode of all three."""
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
+    tables = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 16], [10, 11, 12, 13, 14, 15]]
+    return [
+        StepInputs(ids(5 + 70 + 17), [5, 70, 17], [0, 0, 0], tables, [0, 1, 2], []),
+        StepInputs(ids(1 + 1 + 23), [1, 1, 23], [5, 70, 17], tables, [0, 1, 2], []),
+        StepInputs(ids(3), [1, 1, 1], [6, 71, 40], tables, [0, 1, 2], []),
+    ]
+
+
+def both_ways(engine: LLMEngine, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's logits from the native stack and from the Python path (each writes the same keys)."""
+    runner = engine.executor.runner
+    native = runner.native
+    assert native is not None
+    ids, positions, meta, rows = runner.build_metadata(step)
+    with torch.inference_mode():
+        got = runner.forward(ids, positions, meta, rows)
+        runner.native = None
+        try:
+            want = runner.forward(ids, positions, meta, rows)
+        finally:
+            runner.native = native
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", NATIVE)
+def test_logits_equal_the_python_paths_bit_for_bit(arch: str, dtype: torch.dtype) -> None:
+    model = build_test_model(arch, vocab_size=512).to(dtype)
+    engine = engine_for(model)
+    for step in steps(512):
+        got, want = both_ways(engine, step)
+        assert got.dtype == dtype and got.shape == want.shape == (3, 512)
+        assert torch.equal(got, want)
+
+
+def test_many_decodes_and_shared_blocks_equal_the_python_path() -> None:
+    """Forty decode tokens (whole cache rows per work item) of which thirty share a prompt's blocks
+    (cascade attention), as n > 1 sampling makes them."""
+    engine = engine_for(build_test_model("llama", vocab_size=512), num_blocks=256)
+    prompt = torch.randint(4, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    shared = [0, 1]
+    tables = [shared + [2 + i] for i in range(30)] + [[40 + 3 * i, 41 + 3 * i, 42 + 3 * i] for i in range(10)]
+    prefill = StepInputs(prompt[:32] + prompt * 10, [32] + [40] * 10, [0] * 11, [tables[0]] + tables[30:], [], [])
+    got, want = both_ways(engine, prefill)
+    assert got.shape == want.shape == (0, 512)  # no row samples: the head multiplies nothing
+    decode = StepInputs(list(range(4, 44)), [1] * 40, [32 + i % 5 for i in range(30)] + [40] * 10, tables,
+                        list(range(40)), [])  # fmt: skip
+    got, want = both_ways(engine, decode)
+    assert torch.equal(got, want)
+    engine.backend.cascade_min_seqs = 0  # cascade off: both paths read the setting each step
+    got_apart, want_apart = both_ways(engine, decode)
+    assert torch.equal(got_apart, want_apart)
+    assert torch.allclose(got_apart, got, atol=1e-3) and not torch.equal(got_apart, got)  # another summation
+
+
+@pytest.mark.parametrize("arch", NATIVE)
+def test_greedy_output_is_model_generates(arch: str, caplog) -> None:
+    prompts = prompts_for()[:8]
+    with caplog.at_level(logging.INFO, logger="cbserve.engine"):
+        engine = engine_for(model_for(arch), num_blocks=512, max_batch_tokens=64)
+    assert engine.executor.runner.native is not None
+    assert "2 decoder layers in one native call per step" in caplog.text
+    reqs = [engine.make_request(list(p), max_new_tokens=MAX_NEW, ignore_eos=True) for p in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    assert [tuple(r.generated_ids) for r in reqs] == [reference(arch, p) for p in prompts]
+
+
+def _hooked_model():
+    model = build_test_model("llama", vocab_size=512)
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: None)
+    return model
+
+
+def _gelu_model():
+    return build_test_model("llama", vocab_size=512, hidden_act="gelu")
+
+
+DECLINED = {
+    # what is forced: (the model, the engine's config, the reason logged)
+    "switched off": (lambda: model_for("llama"), {}, "CBSERVE_CPU_NATIVE_LAYERS=0"),
+    "qwen3 (q/k norms)": (lambda: model_for("qwen3"), {}, "Qwen3ForCausalLM is not a Llama, Mistral or Qwen2"),
+    "weights not packed": (lambda: model_for("llama"), {"cpu_packed_weights": False}, "linear weights not packed"),
+    "a forward hook": (_hooked_model, {}, "a forward hook on model.layers.1.mlp"),
+    "a GELU MLP": (_gelu_model, {}, "layer 0's norms or MLP have no fused pass"),
+    "head_dim 8": (lambda: build_test_model("llama", vocab_size=512, num_attention_heads=8, num_key_value_heads=2),
+                   {}, "head_dim 8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_each_model_it_declines_keeps_the_python_path_and_says_why(case: str, monkeypatch, caplog) -> None:
+    make, config, why = DECLINED[case]
+    if case == "switched off":
+        monkeypatch.setenv(cpu_layers.ENV, "0")
+    model = make()
+    with caplog.at_level(logging.INFO, logger="cbserve.engine"):
+        engine = engine_for(model, **config)
+    assert engine.executor.runner.native is None
+    assert f"decoder layers through transformers' modules ({why}" in caplog.text
+    prompts = prompts_for()[:3]
+    reqs = [engine.make_request(list(p), max_new_tokens=8, ignore_eos=True) for p in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    with torch.no_grad():
+        for p, r in zip(prompts, reqs):
+            out = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=3)
+            assert r.generated_ids == out[0, len(p) :].tolist()
+
+
+def test_kernels_off_and_tensor_parallel_are_declined() -> None:
+    model = model_for("llama")
+    assert cpu_layers.why_not(model, None, None, None, torch.float32) == "cbserve's C++ kernels are off"
+    engine = engine_for(model)
+    ex = engine.executor
+    args = (model, ex.packed_linears, ex.fused_modules, ex.backend.ops, torch.float32)
+    assert cpu_layers.why_not(*args) is None
+    assert cpu_layers.why_not(*args, tensor_parallel=True) == "tensor parallel"
+    assert cpu_layers.why_not(model, ex.packed_linears, ex.fused_modules, ex.backend.ops, torch.int8) == "dtype torch.int8"
+
+
+def test_the_avx2_build_runs_it_and_matches_the_python_path() -> None:
+    code = """
+        import torch
+        from tests.engine.test_cpu_native_layers import both_ways, engine_for, steps
+        from engine.testing import build_test_model
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = engine_for(build_test_model("qwen2", vocab_size=512).to(dtype))
+            assert engine.backend.ops.lanes() == 8
+            for step in steps(512):
+                got, want = both_ways(engine, step)
+                assert torch.equal(got, want), dtype
+        print("same")
+    """
+    result = run_child(code, CBSERVE_CPU_ISA="avx2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "same"
+    assert "2 decoder layers in one native call per step" in result.stderr

@@ -67,6 +67,7 @@ class ServeSettings:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"
     attn_implementation: str | None = None
     compile: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

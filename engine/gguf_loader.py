@@ -57,15 +57,38 @@ def shared_reader(path: Path) -> Iterator[object]:
         gguf.GGUFReader = cls
 
 
+def _architecture(reader) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
 def _processor(reader, config):
     """transformers' tensor processor for the file's architecture, or None when it does more than
     move whole rows (its effect on blocks would not be its effect on the weights)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
 
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
-    cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    cls = TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor)
     return cls(config=config.to_dict()) if cls in (TensorProcessor, LlamaTensorProcessor) else None
+
+
+def _names(reader, model: torch.nn.Module) -> dict[str, str] | None:
+    """{GGUF tensor name: the model's parameter name}, by gguf's own name table for the file's
+    architecture (what transformers' GGUF loader uses, made once instead of once per module)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == _architecture(reader)), None)
+    if arch is None:
+        return None
+    table = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict(keep_vars=True):
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is None and "." in base:  # some tables know the names without the model's prefix
+            gguf_name = table.get_name(base.split(".", 1)[1])
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}.{suffix}", hf_name)
+    return names
 
 
 def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, native: bool,
@@ -92,7 +115,6 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
     from accelerate import init_empty_weights
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     processor = _processor(reader, config)
@@ -101,7 +123,9 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
-    names = get_gguf_hf_weights_map(model, processor)
+    names = _names(reader, model)
+    if names is None:
+        return None
     embedding = model.get_input_embeddings()
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)

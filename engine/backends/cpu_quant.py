@@ -3,8 +3,11 @@
 A `QuantizedLinear` holds a weight as the GGUF file has it: each output row a run of blocks of 32
 weights (Q8_0: a float16 scale and 32 int8; Q4_0: a float16 scale and 32 nibbles; Q4_1: a float16
 scale, a float16 minimum and 32 nibbles), 8.5, 4.5 and 5 bits a weight. Its product is
-engine/csrc/quant_cpu.cpp's `quant_linear`: the input rows quantized to int8 blocks of 32, integer
-dot products per block (VNNI where the build has it), float sums. A `QuantizedEmbedding` holds the
+engine/csrc/quant_cpu.cpp's `quant_linear`: each block dequantized in registers and multiplied into
+the float32 input rows, so the result is the input times the dequantized weight up to the order of
+the float sums. `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
+quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
+its rounding of the input makes greedy output depart from `model.generate` now and then. A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes.
 
@@ -61,12 +64,13 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.qtype, self.in_features, self.out_features, self.ops = qtype, in_features, blocks.shape[0], ops
+        self.int8_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.ops is not None:
-            y = self.ops.quant_linear(x2, self.blocks, self.qtype, self.bias)
+            y = self.ops.quant_linear(x2, self.blocks, self.qtype, self.bias, self.int8_activations)
         else:
             w = dequantize(self.blocks, self.qtype, self.in_features).to(x.dtype)
             y = torch.nn.functional.linear(x2, w, self.bias)

@@ -3,15 +3,25 @@
 // A weight row is the file's bytes, unchanged: blocks of 32 weights, each a float16 scale d (and
 // for Q4_1 a float16 minimum m) and the quants (Q8_0: 32 int8, w = q * d; Q4_0: 16 bytes of
 // nibbles, elements 0-15 in the low nibbles and 16-31 in the high ones, w = (q - 8) * d; Q4_1: the
-// same nibbles, w = q * d + m). A product first quantizes each row of x to int8 blocks of 32 with a
-// float scale dx per block (and keeps the block's sum s = dx * sum(qx)), then takes integer dot
+// same nibbles, w = q * d + m). Each weight block is unpacked once for up to kRows rows of x; work
+// is split over output rows.
+//
+// Two products. The default keeps x in float32: the block is dequantized in registers (32 floats,
+// exactly the reference's values) and multiplied into the rows of x with FMAs, so the result is x
+// times the dequantized weight up to the order of the float sums: the engine's output matches
+// `model.generate` as it does for a float model.
+//
+// The other (`int8`, llama.cpp's way) first quantizes each row of x to int8 blocks of 32 with a
+// float scale dx per block (keeping the block's sum s = dx * sum(qx)), then takes integer dot
 // products block by block and scales them:
 //   Q8_0: d * dx * sum(q * qx)         Q4_0: d * (dx * sum(q * qx) - 8 s)        Q4_1: d * dx * sum(q * qx) + m s
 // The integer dot of 32 bytes is vpmaddubsw + vpmaddwd on AVX2, and vpdpbusd where the build has
 // VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI): both multiply unsigned by signed bytes, so Q4's
-// nibbles go in as they are and Q8_0's signed quants as |q| against sign(qx, q). Each weight block
-// is unpacked once for up to kRows rows of x. `set_quant_vnni(false)` turns VNNI off at run time
-// (tests prove both paths on a host that has it). Work is split over output rows.
+// nibbles go in as they are and Q8_0's signed quants as |q| against sign(qx, q).
+// `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
+// it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
+// difference in x (another attention kernel) can move a rounding step: greedy output then departs
+// from `model.generate` now and then, so it is not the default.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -116,6 +126,49 @@ inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* o
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + extra[r];
 }
 
+// The same with x in float32: each weight block dequantized to 32 floats once (as the reference
+// does: q * d + m, or (q - 8) * d) and multiplied into R rows of x with FMAs. The result is the
+// product of x and the dequantized weight up to the order of the float sums.
+template <int64_t Q, int R>
+inline void dot_rows_float(const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
+  const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const __m256 d = _mm256_set1_ps(half(blk));
+    __m256 wf[4];
+    if constexpr (Q == kQ8_0) {
+      for (int i = 0; i < 4; ++i)
+        wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                  reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))), d);
+    } else {
+      const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
+      const __m128i lo = _mm_and_si128(nib, low4), hi = _mm_and_si128(_mm_srli_epi16(nib, 4), low4);
+      const __m256 m = Q == kQ4_1 ? _mm256_set1_ps(half(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int i = 0; i < 4; ++i)
+        wf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + (r0 + r) * k + b * kBlock;
+      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+}
+
+template <int64_t Q>
+void dot_rows_float_any(int64_t rows, const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return dot_rows_float<Q, 1>(w, x, k, r0, out);
+    case 2: return dot_rows_float<Q, 2>(w, x, k, r0, out);
+    case 3: return dot_rows_float<Q, 3>(w, x, k, r0, out);
+    default: return dot_rows_float<Q, 4>(w, x, k, r0, out);
+  }
+}
+
 template <int64_t Q, bool VNNI>
 void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r0, float* out) {
   switch (rows) {
@@ -144,8 +197,10 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
   }
 }
 
+// x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
 template <int64_t Q, bool VNNI, typename T>
-void product(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, const T* bias, T* y, int64_t m, int64_t n) {
+void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
+             int64_t m, int64_t n) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n / (4 * threads)));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
@@ -155,7 +210,8 @@ void product(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, const T* 
       const float b = bias ? static_cast<float>(bias[j]) : 0.0f;
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rows = std::min(kRows, m - r0);
-        dot_rows_any<Q, VNNI>(rows, wr, x, r0, out);
+        if (xf) dot_rows_float_any<Q>(rows, wr, xf, x.k, r0, out);
+        else dot_rows_any<Q, VNNI>(rows, wr, x, r0, out);
         for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * n + j] = static_cast<T>(out[r] + b);
       }
     }
@@ -163,11 +219,12 @@ void product(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, const T* 
 }
 
 template <int64_t Q, typename T>
-void product_isa(const QuantizedX& x, const uint8_t* w, int64_t row_bytes, const T* bias, T* y, int64_t m, int64_t n) {
+void product_isa(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
+                 int64_t m, int64_t n) {
 #if CB_VNNI
-  if (g_vnni.load(std::memory_order_relaxed)) return product<Q, true>(x, w, row_bytes, bias, y, m, n);
+  if (!xf && g_vnni.load(std::memory_order_relaxed)) return product<Q, true>(x, xf, w, row_bytes, bias, y, m, n);
 #endif
-  product<Q, false>(x, w, row_bytes, bias, y, m, n);
+  product<Q, false>(x, xf, w, row_bytes, bias, y, m, n);
 }
 
 template <typename T>
@@ -200,15 +257,16 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 }  // namespace
 
 // x [M, K] (float32, bfloat16 or float16) times the quantized weight w [N, row bytes] of ggml type
-// `qtype`, plus `bias` (or None): [M, N] in x's dtype
-at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias) {
+// `qtype`, plus `bias` (or None): [M, N] in x's dtype. `int8`: x quantized to int8 blocks and
+// integer dot products; else x in float32 against the dequantized blocks
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [M, K] expected");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), blocks = k / kBlock;
   check_weight(w, qtype, k);
   auto xf = x.to(at::kFloat).contiguous();
-  auto xq = at::empty({m, k}, x.options().dtype(at::kChar));
-  auto xd = at::empty({m, 2, blocks}, x.options().dtype(at::kFloat));
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+  auto xq = at::empty({int8 ? m : 0, k}, x.options().dtype(at::kChar));
+  auto xd = at::empty({int8 ? m : 0, 2, blocks}, x.options().dtype(at::kFloat));
+  at::parallel_for(0, int8 ? m : 0, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* d = xd.data_ptr<float>() + r * 2 * blocks;
       quantize_row(xf.data_ptr<float>() + r * k, k, xq.data_ptr<int8_t>() + r * k, d, d + blocks);
@@ -217,6 +275,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional
   // scales and sums laid out [m][blocks] each: split the [m, 2, blocks] tensor
   auto scales = xd.select(1, 0).contiguous(), sums = xd.select(1, 1).contiguous();
   const QuantizedX qx{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), k};
+  const float* xfp = int8 ? nullptr : xf.data_ptr<float>();
   auto y = at::empty({m, n}, x.options());
   at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -226,9 +285,9 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
     T* yp = y.data_ptr<T>();
     switch (qtype) {
-      case kQ8_0: return product_isa<kQ8_0, T>(qx, wp, row_bytes, bp, yp, m, n);
-      case kQ4_0: return product_isa<kQ4_0, T>(qx, wp, row_bytes, bp, yp, m, n);
-      case kQ4_1: return product_isa<kQ4_1, T>(qx, wp, row_bytes, bp, yp, m, n);
+      case kQ8_0: return product_isa<kQ8_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
+      case kQ4_0: return product_isa<kQ4_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
+      case kQ4_1: return product_isa<kQ4_1, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
     }
   });
   return y;

@@ -148,7 +148,8 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
             model.set_submodule(owner_name, module)
         else:
             param = getattr(owner, attr)
-            value = torch.from_numpy(np.array(data)).to(dtype).reshape(param.shape)  # a copy: the file is mapped read-only
+            shape = param.shape if param is not None else (-1,)  # a bias of a QuantizedLinear made before it
+            value = torch.from_numpy(np.array(data)).to(dtype).reshape(shape)  # a copy: the file is mapped read-only
             setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
     if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
         _tie_head(model, model.get_input_embeddings(), ops)

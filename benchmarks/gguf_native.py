@@ -7,7 +7,8 @@
 `agreement`: greedy output of cbserve's engine on the native model (Q4_1/Q8_0 blocks) against transformers' `generate` on the dequantised float32 weights, over a fixed set
 of chat prompts: how many of the outputs are identical, and the mean length of the common prefix.
 The engine's own output is also checked against `generate` on the native model (must be identical).
-`memory`: resident memory (RSS) after loading each way, each in a fresh process.
+`memory`: resident memory (RSS) after loading each way and after one short generate (a mapped
+safetensors checkpoint is resident only once read), each in a fresh process.
 `kernels`: time of one product per linear shape of SmolLM2-135M for the quantized kernel (float
 activations, the default, and int8 activations), cbserve's float32 panel kernel and oneDNN's
 float32 product, at each row count.
@@ -73,12 +74,15 @@ def agreement(model_path: str | None, n: int, tokens: int) -> dict:
 
 
 MEMORY_CHILD = """
-import gc, json, sys, psutil
+import gc, json, sys, psutil, torch
 from engine.loader import load_model
 before = psutil.Process().memory_info().rss
 loaded = load_model(sys.argv[1] or None, "float32", quantization=sys.argv[2])
 gc.collect()
-print(json.dumps({"rss_mib": psutil.Process().memory_info().rss / 2**20, "before_mib": before / 2**20}))
+after_load = psutil.Process().memory_info().rss
+loaded.model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)  # every weight read once
+print(json.dumps({"before_mib": before / 2**20, "after_load_mib": after_load / 2**20,
+                  "after_forward_mib": psutil.Process().memory_info().rss / 2**20}))
 """
 
 

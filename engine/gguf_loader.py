@@ -107,7 +107,19 @@ def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, n
                             "than move rows)", path.name)  # fmt: skip
             extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **extra)
+    _release_heap()  # the metadata's parse left many small freed objects behind
     return model.eval(), tokenizer
+
+
+def _release_heap() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: str | None,

@@ -10,7 +10,8 @@ The engine's own output is also checked against `generate` on the native model (
 `memory`: resident memory (RSS) after loading each way and after one short generate (a mapped
 safetensors checkpoint is resident only once read), each in a fresh process.
 `kernels`: time of one product per linear shape of SmolLM2-135M for the quantized kernel (float
-activations, the default, and int8 activations), cbserve's float32 panel kernel and oneDNN's
+activations, and int8 activations), the weight dequantised for the call plus torch's product (what
+steps of more than cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's
 float32 product, at each row count.
 The embedded SmolLM2-135M-Instruct unless --model names a GGUF file.
 """
@@ -119,6 +120,8 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
             for q, b in blocks.items():
                 paths[f"{q} float x"] = lambda b=b, q=q: ops.quant_linear(x, b, int(T[q]), None)
                 paths[f"{q} int8 x"] = lambda b=b, q=q: ops.quant_linear(x, b, int(T[q]), None, int8=True)
+                paths[f"{q} dequantise + torch"] = lambda b=b, q=q: torch.nn.functional.linear(
+                    x, ops.quant_dequantize(b, int(T[q]), k, None, x))
             paths["f32 panels"] = lambda: ops.packed_linear(x, panels, None, n)
             if onednn is not None:
                 paths["f32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")

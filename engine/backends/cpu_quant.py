@@ -5,7 +5,8 @@ weights (Q8_0: a float16 scale and 32 int8; Q4_0: a float16 scale and 32 nibbles
 scale, a float16 minimum and 32 nibbles), 8.5, 4.5 and 5 bits a weight. Its product is
 engine/csrc/quant_cpu.cpp's `quant_linear`: each block dequantized in registers and multiplied into
 the float32 input rows, so the result is the input times the dequantized weight up to the order of
-the float sums. `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
+the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight for the call
+instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
 its rounding of the input makes greedy output depart from `model.generate` now and then. A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
@@ -23,6 +24,10 @@ from types import ModuleType
 import torch
 
 BLOCK = 32
+# products of more rows than this (prompt steps) dequantise the weight into a float copy for the
+# call and run torch's matmul, which then costs little beside the product; fewer rows (decode) run
+# the block kernel. `python benchmarks/gguf_native.py kernels` measures both sides.
+DEQUANTIZE_ROWS = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type numbers
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
@@ -69,8 +74,11 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.ops is not None:
+        if self.ops is not None and (x2.shape[0] <= DEQUANTIZE_ROWS or self.int8_activations):
             y = self.ops.quant_linear(x2, self.blocks, self.qtype, self.bias, self.int8_activations)
+        elif self.ops is not None:  # a prompt step: a float copy for this call, torch's product
+            w = self.ops.quant_dequantize(self.blocks, self.qtype, self.in_features, None, x2)
+            y = torch.nn.functional.linear(x2, w, self.bias)
         else:
             w = dequantize(self.blocks, self.qtype, self.in_features).to(x.dtype)
             y = torch.nn.functional.linear(x2, w, self.bias)

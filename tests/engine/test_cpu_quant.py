@@ -130,6 +130,9 @@ def test_modules_with_and_without_the_kernels(ops) -> None:
     assert errors(fast(x).reshape(6, 48), x.reshape(6, 64), w, None)[1] <= EXACT
     fast.int8_activations = True
     assert errors(fast(x).reshape(6, 48), x.reshape(6, 64), w, None)[1] <= QUANTIZED
+    many = torch.randn(cpu_quant.DEQUANTIZE_ROWS + 3, 64)  # a prompt step: dequantised for the call
+    fast.int8_activations = False
+    assert errors(fast(many), many, w, None)[1] <= EXACT
     emb = QuantizedEmbedding(blocks, int(T.Q4_0), 64, torch.float32, ops)
     ids = torch.tensor([[3, 1], [47, 3]])
     assert torch.equal(emb(ids), w[ids])

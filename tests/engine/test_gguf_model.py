@@ -95,3 +95,13 @@ def test_gguf_refused_where_it_cannot_run(tmp_path) -> None:
         resolve_quantization("gguf", "auto", None, "cuda")
     with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf"):
         resolve_quantization("int4", "auto", None, "cpu")
+
+
+def test_a_gguf_file_by_path_keeps_its_blocks_and_its_name() -> None:
+    from engine.loader import embedded_gguf
+
+    path = str(embedded_gguf())
+    assert resolve_quantization("auto", "auto", path, "cpu") == ("gguf", "float32")
+    loaded = load_model(path, "float32", quantization="gguf")
+    assert loaded.name == "SmolLM2-135M-Instruct.Q4_1" and loaded.max_model_len == 8192
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)

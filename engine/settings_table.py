@@ -263,6 +263,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dtype", "str", "auto", "the weights' dtype; auto: bfloat16 on a GPU that supports it, else float16; "
             "on the CPU bfloat16 where it has bfloat16 dot products (avx512_bf16, amx_bf16), else float32", section="server", choices=("auto", "float32", "bfloat16", "float16"),
             operator=True),
+    Setting("quantization", "str", "auto", "the weights' format in memory: gguf keeps a GGUF file's Q8_0, Q4_0 and "
+            "Q4_1 weights in their blocks (CPU, one rank; the rest in float32 unless dtype says otherwise); none "
+            "dequantises; auto: gguf for a GGUF file (the embedded model included) on the CPU when dtype is auto, "
+            "else none", section="server", choices=("auto", "none", "gguf"), operator=True),
     Setting("attn_implementation", "str", None, "transformers' attn_implementation the model loads with (the engine "
             "runs its own paged attention)", section="server", nullable=True, pattern=r"[A-Za-z0-9_]+",
             max_length=64, operator=True),

@@ -13,6 +13,10 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor pack_linear_weight(at::Tensor weight);
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n);
 int64_t linear_panel_width();
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
+at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
+bool quant_vnni_available();
+bool set_quant_vnni(bool on);
 
 // Every kernel runs with the GIL released, as torch's own ops do: while the engine thread computes
 // a step, the server's event loop and other threads run Python.
@@ -31,6 +35,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil());
   m.def("packed_linear", &packed_linear, "x W^T + b on panels from pack_linear_weight, for few rows (CPU)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"), NoGil());
+  m.def("quant_linear", &quant_linear, "x W^T + b on GGUF blocks (Q8_0, Q4_0, Q4_1); int8: x quantized to int8 blocks (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias"), py::arg("int8") = false, NoGil());
+  m.def("quant_dequantize", &quant_dequantize, "Rows of a GGUF-quantized weight as floats of like's dtype (CPU)",
+        py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("rows"), py::arg("like"), NoGil());
+  m.def("quant_vnni_available", &quant_vnni_available, "Whether this build has VNNI byte dot products");
+  m.def("set_quant_vnni", &set_quant_vnni, "Turn VNNI in quant_linear on or off; returns the previous state",
+        py::arg("on"));
   m.def("linear_panel_width", &linear_panel_width, "Output columns per weight panel of this build");
   // a model's decoder stack, one call per step (decoder_cpu.cpp; engine/backends/cpu_layers.py builds it)
   py::class_<cbserve::PackedLinear>(m, "PackedLinear", "One packed linear layer (cpu_linear.py's PackedWeight)")

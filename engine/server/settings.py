@@ -69,6 +69,7 @@ class ServeSettings:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"
     attn_implementation: str | None = None
     compile: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -49,12 +49,13 @@ def test_bad_model_uris_say_what_is_accepted(uri: Any) -> None:
 
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(SpecError) as info:
-        parse_spec("m", spec(replicas="two", engine={"blockSize": 100, "dtype": "int4"},
+        parse_spec("m", spec(replicas="two", engine={"blockSize": 100, "dtype": "int4", "quantization": "q4"},
                              pdb={"minAvailable": 1, "maxUnavailable": 1}, resources={"cpu": "fast"}))
     problems = info.value.problems
     assert "replicas must be int, got 'two'" in problems
     assert "engine.blockSize must be a power of two from 16 to 1024, got 100" in problems
     assert any(p.startswith("engine.dtype must be one of") for p in problems)
+    assert "engine.quantization must be one of auto, none, gguf, got 'q4'" in problems
     assert "set pdb.minAvailable or pdb.maxUnavailable, not both" in problems
     assert any(p.startswith("resources.cpu 'fast' is not a Kubernetes quantity") for p in problems)
 

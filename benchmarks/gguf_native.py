@@ -1,0 +1,162 @@
+"""A GGUF model served in its blocks (quantization gguf) against the same file dequantised.
+
+    python benchmarks/gguf_native.py agreement [--prompts 64] [--tokens 32] [--model file.gguf]
+    python benchmarks/gguf_native.py memory [--model file.gguf]
+    python benchmarks/gguf_native.py kernels [--rows 1,16,128] [--repeats 20]
+
+`agreement`: greedy output of cbserve's engine on the native model (Q4_1/Q8_0 blocks) against transformers' `generate` on the dequantised float32 weights, over a fixed set
+of chat prompts: how many of the outputs are identical, and the mean length of the common prefix.
+The engine's own output is also checked against `generate` on the native model (must be identical).
+`memory`: resident memory (RSS) after loading each way and after one short generate (a mapped
+safetensors checkpoint is resident only once read), each in a fresh process.
+`kernels`: time of one product per linear shape of SmolLM2-135M for the quantized kernel (float
+activations, and int8 activations), the weight dequantised for the call plus torch's product (what
+steps of more than cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's
+float32 product, at each row count.
+The embedded SmolLM2-135M-Instruct unless --model names a GGUF file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TOPICS = ["the sea", "a mountain village", "bread", "the moon", "rivers", "bees", "winter", "a library", "trains",
+          "the desert", "owls", "gardens", "rain", "a lighthouse", "chess", "volcanoes"]  # fmt: skip
+TEMPLATES = ["Write a short poem about {}.", "Explain {} to a child in two sentences.",
+             "List three facts about {}.", "What is the most surprising thing about {}?"]  # fmt: skip
+
+
+def prompts(n: int) -> list[str]:
+    """n fixed prompts: every template over every topic, in a fixed order (64 in all)."""
+    out = [t.format(topic) for topic in TOPICS for t in TEMPLATES]
+    if n > len(out):
+        raise SystemExit(f"at most {len(out)} prompts")
+    return out[:n]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)  # fmt: skip
+
+
+def agreement(model_path: str | None, n: int, tokens: int) -> dict:
+    import torch
+
+    from engine import generate_batch
+    from engine.loader import load_model
+
+    native = load_model(model_path, "float32", quantization="gguf")
+    reference = load_model(model_path, "float32", quantization="none")
+    ids = [list(chat_ids(native.tokenizer, p)) for p in prompts(n)]
+    out = generate_batch(native.model, ids, max_new_tokens=tokens, ignore_eos=True, progress_bar=False)
+    engine = [list(o.generated_tokens) for o in out.values()]
+    same_as_generate = identical = prefix = 0
+    for i, prompt in enumerate(ids):
+        x = torch.tensor([prompt])
+        kw = {"attention_mask": torch.ones_like(x), "max_new_tokens": tokens, "do_sample": False, "eos_token_id": None}
+        own = native.model.generate(x, **kw)[0, len(prompt):]
+        ref = reference.model.generate(x, **kw)[0, len(prompt):]
+        mine = engine[i]
+        same_as_generate += mine == own.tolist()
+        common = next((j for j, (a, b) in enumerate(zip(mine, ref.tolist())) if a != b), min(len(mine), len(ref)))
+        identical += common == len(mine)
+        prefix += common
+    return {"prompts": n, "tokens": tokens, "engine_equals_generate_on_native": same_as_generate,
+            "identical_to_dequantised": identical, "mean_common_prefix": prefix / n}  # fmt: skip
+
+
+MEMORY_CHILD = """
+import gc, json, sys, psutil, torch
+from engine.loader import load_model
+before = psutil.Process().memory_info().rss
+loaded = load_model(sys.argv[1] or None, "float32", quantization=sys.argv[2])
+gc.collect()
+after_load = psutil.Process().memory_info().rss
+loaded.model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)  # every weight read once
+print(json.dumps({"before_mib": before / 2**20, "after_load_mib": after_load / 2**20,
+                  "after_forward_mib": psutil.Process().memory_info().rss / 2**20}))
+"""
+
+
+def memory(model_path: str | None) -> dict:
+    out = {}
+    for q in ("gguf", "none"):
+        r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, model_path or "", q], capture_output=True, text=True,
+                           cwd=ROOT, check=True)  # fmt: skip
+        out[q] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+def kernels(rows: list[int], repeats: int) -> list[dict]:
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from engine.backends.cpu_kernels import cpu_ops
+    from engine.backends.cpu_linear import packing_available
+
+    ops = cpu_ops()
+    results = []
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate/up": (1536, 576), "down": (576, 1536), "head": (49152, 576)}
+    for name, (n, k) in shapes.items():
+        w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+        wf = torch.from_numpy(w)
+        panels = ops.pack_linear_weight(wf)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
+        blocks = {t.name: torch.from_numpy(quants.quantize(w, t)) for t in (T.Q8_0, T.Q4_0, T.Q4_1)}
+        for m in rows:
+            x = torch.randn(m, k)
+            paths = {}
+            for q, b in blocks.items():
+                paths[f"{q} float x"] = lambda b=b, q=q: ops.quant_linear(x, b, int(T[q]), None)
+                paths[f"{q} int8 x"] = lambda b=b, q=q: ops.quant_linear(x, b, int(T[q]), None, int8=True)
+                paths[f"{q} dequantise + torch"] = lambda b=b, q=q: torch.nn.functional.linear(
+                    x, ops.quant_dequantize(b, int(T[q]), k, None, x))
+            paths["f32 panels"] = lambda: ops.packed_linear(x, panels, None, n)
+            if onednn is not None:
+                paths["f32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+            for path, fn in paths.items():
+                fn()
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
+                us = sorted(times)[len(times) // 2] * 1e6
+                results.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "median_us": round(us, 1)})
+                print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("agreement", "memory", "kernels"))
+    p.add_argument("--model", default=None, help="a GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    from engine.backends.cpu_isa import capabilities
+
+    print(capabilities().describe(), f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
+    if args.what == "agreement":
+        print(json.dumps(agreement(args.model, args.prompts, args.tokens)))
+    elif args.what == "memory":
+        print(json.dumps(memory(args.model)))
+    else:
+        kernels([int(r) for r in args.rows.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Linear layers and token embeddings on GGUF-quantized weights, kept in the file's blocks.
+
+A `QuantizedLinear` holds a weight as the GGUF file has it: each output row a run of blocks of 32
+weights (Q8_0: a float16 scale and 32 int8; Q4_0: a float16 scale and 32 nibbles; Q4_1: a float16
+scale, a float16 minimum and 32 nibbles), 8.5, 4.5 and 5 bits a weight. Its product is
+engine/csrc/quant_cpu.cpp's `quant_linear`: each block dequantized in registers and multiplied into
+the float32 input rows, so the result is the input times the dequantized weight up to the order of
+the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight for the call
+instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
+quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
+its rounding of the input makes greedy output depart from `model.generate` now and then. A `QuantizedEmbedding` holds the
+token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
+gets a `QuantizedLinear` LM head on the same bytes.
+
+The modules replace the model's own (engine/gguf_loader.py), so `model.generate` and the engine run
+the same products. Without cbserve's kernels they dequantize in torch on every call (correct, slow:
+the loader dequantizes at load time instead when the kernels are missing).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+BLOCK = 32
+# products of more rows than this (prompt steps) dequantise the weight into a float copy for the
+# call and run torch's matmul, which then costs little beside the product; fewer rows (decode) run
+# the block kernel. `python benchmarks/gguf_native.py kernels` measures both sides.
+DEQUANTIZE_ROWS = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type numbers
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"GGUF type {qtype} is not one of {sorted(NAMES.values())}")
+    if k % BLOCK:
+        raise ValueError(f"rows of {k} weights are not whole blocks of {BLOCK}")
+    return k // BLOCK * BLOCK_BYTES[qtype]
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The float32 weights [rows, k] of `blocks` (uint8 [rows, row bytes]), in torch alone."""
+    rows = blocks.shape[0]
+    if blocks.shape[-1] != row_bytes(qtype, k):
+        raise ValueError(f"{blocks.shape[-1]} bytes a row do not hold {k} {NAMES[qtype]} weights")
+    b = blocks.reshape(rows, k // BLOCK, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == Q8_0:
+        w = b[..., 2:].contiguous().view(torch.int8).float() * d
+    else:
+        nib = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
+        w = q * d + b[..., 2:4].contiguous().view(torch.float16).float() if qtype == Q4_1 else (q - 8) * d
+    return w.reshape(rows, k)
+
+
+class QuantizedLinear(torch.nn.Module):
+    """y = x W^T + b with W in GGUF blocks (uint8 [out_features, row bytes])."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None,
+                 ops: ModuleType | None = None) -> None:  # fmt: skip
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
+            raise ValueError(f"{NAMES.get(qtype, qtype)} blocks for {in_features} inputs must be uint8 "
+                             f"[rows, {row_bytes(qtype, in_features)}], got {blocks.dtype} {list(blocks.shape)}")
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.qtype, self.in_features, self.out_features, self.ops = qtype, in_features, blocks.shape[0], ops
+        self.int8_activations = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.ops is not None and (x2.shape[0] <= DEQUANTIZE_ROWS or self.int8_activations):
+            y = self.ops.quant_linear(x2, self.blocks, self.qtype, self.bias, self.int8_activations)
+        elif self.ops is not None:  # a prompt step: a float copy for this call, torch's product
+            w = self.ops.quant_dequantize(self.blocks, self.qtype, self.in_features, None, x2)
+            y = torch.nn.functional.linear(x2, w, self.bias)
+        else:
+            w = dequantize(self.blocks, self.qtype, self.in_features).to(x.dtype)
+            y = torch.nn.functional.linear(x2, w, self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.blocks, self.qtype, self.in_features).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {NAMES[self.qtype]}, "
+                f"bias={self.bias is not None}")
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """A token embedding in GGUF blocks: the rows looked up are dequantized to `dtype`."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
+                 ops: ModuleType | None = None) -> None:  # fmt: skip
+        super().__init__()
+        row_bytes(qtype, embedding_dim)
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.qtype, self.embedding_dim, self.num_embeddings, self.dtype, self.ops = (
+            qtype, embedding_dim, blocks.shape[0], dtype, ops)  # fmt: skip
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self.ops is not None:
+            rows = self.ops.quant_dequantize(self.blocks, self.qtype, self.embedding_dim, flat,
+                                             torch.empty(0, dtype=self.dtype))  # fmt: skip
+        else:
+            rows = dequantize(self.blocks[flat], self.qtype, self.embedding_dim).to(self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {NAMES[self.qtype]}"
+
+
+def quantized_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the quantized blocks a model holds (shared blocks counted once)."""
+    seen = {m.blocks.data_ptr(): m.blocks.numel() for m in model.modules()
+            if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}  # fmt: skip
+    return sum(seen.values())

@@ -1,0 +1,322 @@
+// Linear layers on GGUF-quantized weights, multiplied in their blocks: Q8_0, Q4_0 and Q4_1.
+//
+// A weight row is the file's bytes, unchanged: blocks of 32 weights, each a float16 scale d (and
+// for Q4_1 a float16 minimum m) and the quants (Q8_0: 32 int8, w = q * d; Q4_0: 16 bytes of
+// nibbles, elements 0-15 in the low nibbles and 16-31 in the high ones, w = (q - 8) * d; Q4_1: the
+// same nibbles, w = q * d + m). Each weight block is unpacked once for up to kRows rows of x; work
+// is split over output rows.
+//
+// Two products. The default keeps x in float32: the block is dequantized in registers (32 floats,
+// exactly the reference's values) and multiplied into the rows of x with FMAs, so the result is x
+// times the dequantized weight up to the order of the float sums: the engine's output matches
+// `model.generate` as it does for a float model.
+//
+// The other (`int8`, llama.cpp's way) first quantizes each row of x to int8 blocks of 32 with a
+// float scale dx per block (keeping the block's sum s = dx * sum(qx)), then takes integer dot
+// products block by block and scales them:
+//   Q8_0: d * dx * sum(q * qx)         Q4_0: d * (dx * sum(q * qx) - 8 s)        Q4_1: d * dx * sum(q * qx) + m s
+// The integer dot of 32 bytes is vpmaddubsw + vpmaddwd on AVX2, and vpdpbusd where the build has
+// VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI): both multiply unsigned by signed bytes, so Q4's
+// nibbles go in as they are and Q8_0's signed quants as |q| against sign(qx, q).
+// `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
+// it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
+// difference in x (another attention kernel) can move a rounding step: greedy output then departs
+// from `model.generate` now and then, so it is not the default.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace cbserve;
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRows = 4;  // rows of x per unpacked weight block
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CB_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define CB_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define CB_VNNI 0
+#endif
+
+std::atomic<bool> g_vnni{CB_VNNI != 0};
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ8_0: return 2 + 32;
+    case kQ4_0: return 2 + 16;
+    case kQ4_1: return 4 + 16;
+  }
+  TORCH_CHECK(false, "quantized linear: type ", qtype, " is not Q8_0 (8), Q4_0 (2) or Q4_1 (3)");
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 32 unsigned bytes times 32 signed bytes, summed in pairs of pairs: 8 int32 lanes
+template <bool VNNI>
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if CB_VNNI
+  if constexpr (VNNI) return dpbusd(_mm256_setzero_si256(), u, s);
+#endif
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct QuantizedX {  // rows of x as int8 blocks
+  const int8_t* q;   // [m, k]
+  const float* d;    // [m, k / 32] scales
+  const float* s;    // [m, k / 32] dx * sum(qx)
+  int64_t k;
+};
+
+// R rows of x (from row r0) against weight row `w` of type Q: R sums into out[0..R)
+template <int64_t Q, bool VNNI, int R>
+inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* out) {
+  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  __m256 acc[R];
+  float extra[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), extra[r] = 0.0f;
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const float d = half(blk);
+    __m256i wq;
+    if constexpr (Q == kQ8_0) {
+      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    } else {
+      const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
+      wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), low4), _mm_and_si128(nib, low4));
+    }
+    const __m256i wu = Q == kQ8_0 ? _mm256_sign_epi8(wq, wq) : wq;  // |q|: unsigned for the product
+    const float m = Q == kQ4_1 ? half(blk + 2) : 0.0f;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = row * blocks + b;
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + row * x.k + b * kBlock));
+      if constexpr (Q == kQ8_0) xq = _mm256_sign_epi8(xq, wq);
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8<VNNI>(wu, xq));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[i]), acc[r]);
+      if constexpr (Q == kQ4_0) extra[r] -= 8.0f * d * x.s[i];
+      if constexpr (Q == kQ4_1) extra[r] += m * x.s[i];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + extra[r];
+}
+
+// The same with x in float32: each weight block dequantized to 32 floats once (as the reference
+// does: q * d + m, or (q - 8) * d) and multiplied into R rows of x with FMAs. The result is the
+// product of x and the dequantized weight up to the order of the float sums.
+template <int64_t Q, int R>
+inline void dot_rows_float(const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
+  const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const __m256 d = _mm256_set1_ps(half(blk));
+    __m256 wf[4];
+    if constexpr (Q == kQ8_0) {
+      for (int i = 0; i < 4; ++i)
+        wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                  reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))), d);
+    } else {
+      const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
+      const __m128i lo = _mm_and_si128(nib, low4), hi = _mm_and_si128(_mm_srli_epi16(nib, 4), low4);
+      const __m256 m = Q == kQ4_1 ? _mm256_set1_ps(half(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int i = 0; i < 4; ++i)
+        wf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + (r0 + r) * k + b * kBlock;
+      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+}
+
+template <int64_t Q>
+void dot_rows_float_any(int64_t rows, const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return dot_rows_float<Q, 1>(w, x, k, r0, out);
+    case 2: return dot_rows_float<Q, 2>(w, x, k, r0, out);
+    case 3: return dot_rows_float<Q, 3>(w, x, k, r0, out);
+    default: return dot_rows_float<Q, 4>(w, x, k, r0, out);
+  }
+}
+
+template <int64_t Q, bool VNNI>
+void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return dot_rows<Q, VNNI, 1>(w, x, r0, out);
+    case 2: return dot_rows<Q, VNNI, 2>(w, x, r0, out);
+    case 3: return dot_rows<Q, VNNI, 3>(w, x, r0, out);
+    default: return dot_rows<Q, VNNI, 4>(w, x, r0, out);
+  }
+}
+
+// x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx)
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = dx;
+    s[b] = dx * static_cast<float>(sum);
+  }
+}
+
+// x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
+template <int64_t Q, bool VNNI, typename T>
+void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
+             int64_t m, int64_t n) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n / (4 * threads)));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    float out[kRows];
+    for (int64_t j = n0; j < n1; ++j) {
+      const uint8_t* wr = w + j * row_bytes;
+      const float b = bias ? static_cast<float>(bias[j]) : 0.0f;
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, m - r0);
+        if (xf) dot_rows_float_any<Q>(rows, wr, xf, x.k, r0, out);
+        else dot_rows_any<Q, VNNI>(rows, wr, x, r0, out);
+        for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * n + j] = static_cast<T>(out[r] + b);
+      }
+    }
+  });
+}
+
+template <int64_t Q, typename T>
+void product_isa(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
+                 int64_t m, int64_t n) {
+#if CB_VNNI
+  if (!xf && g_vnni.load(std::memory_order_relaxed)) return product<Q, true>(x, xf, w, row_bytes, bias, y, m, n);
+#endif
+  product<Q, false>(x, xf, w, row_bytes, bias, y, m, n);
+}
+
+template <typename T>
+void dequantize_row(const uint8_t* w, int64_t qtype, int64_t k, T* out) {
+  const int64_t bb = block_bytes(qtype);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const float d = half(blk);
+    T* o = out + b * kBlock;
+    if (qtype == kQ8_0) {
+      for (int64_t i = 0; i < kBlock; ++i) o[i] = static_cast<T>(d * static_cast<float>(static_cast<int8_t>(blk[2 + i])));
+    } else {
+      const uint8_t* nib = blk + (qtype == kQ4_1 ? 4 : 2);
+      const float m = qtype == kQ4_1 ? half(blk + 2) : -8.0f * d;
+      for (int64_t i = 0; i < 16; ++i) {
+        o[i] = static_cast<T>(static_cast<float>(nib[i] & 0x0f) * d + m);
+        o[i + 16] = static_cast<T>(static_cast<float>(nib[i] >> 4) * d + m);
+      }
+    }
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.is_contiguous(),
+              "quantized linear: the weight must be a contiguous uint8 CPU tensor [rows, row bytes]");
+  TORCH_CHECK(k % kBlock == 0 && w.size(1) == k / kBlock * block_bytes(qtype),
+              "quantized linear: ", w.size(1), " bytes a row do not hold ", k, " weights of type ", qtype);
+}
+
+}  // namespace
+
+// x [M, K] (float32, bfloat16 or float16) times the quantized weight w [N, row bytes] of ggml type
+// `qtype`, plus `bias` (or None): [M, N] in x's dtype. `int8`: x quantized to int8 blocks and
+// integer dot products; else x in float32 against the dequantized blocks
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x [M, K] expected");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), blocks = k / kBlock;
+  check_weight(w, qtype, k);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto xq = at::empty({int8 ? m : 0, k}, x.options().dtype(at::kChar));
+  auto xd = at::empty({int8 ? m : 0, 2, blocks}, x.options().dtype(at::kFloat));
+  at::parallel_for(0, int8 ? m : 0, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* d = xd.data_ptr<float>() + r * 2 * blocks;
+      quantize_row(xf.data_ptr<float>() + r * k, k, xq.data_ptr<int8_t>() + r * k, d, d + blocks);
+    }
+  });
+  // scales and sums laid out [m][blocks] each: split the [m, 2, blocks] tensor
+  auto scales = xd.select(1, 0).contiguous(), sums = xd.select(1, 1).contiguous();
+  const QuantizedX qx{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), k};
+  const float* xfp = int8 ? nullptr : xf.data_ptr<float>();
+  auto y = at::empty({m, n}, x.options());
+  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  for_each_float_type(x, "quant_linear", [&](auto zero) {
+    using T = decltype(zero);
+    const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    switch (qtype) {
+      case kQ8_0: return product_isa<kQ8_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
+      case kQ4_0: return product_isa<kQ4_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
+      case kQ4_1: return product_isa<kQ4_1, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
+    }
+  });
+  return y;
+}
+
+// the rows `rows` (int64 [R], or all when None) of w [N, row bytes] as [R, k] in `like`'s dtype
+at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like) {
+  check_weight(w, qtype, k);
+  at::Tensor idx = rows.has_value() ? rows->to(at::kLong).contiguous() : at::Tensor();
+  const int64_t r = idx.defined() ? idx.numel() : w.size(0), n = w.size(0), row_bytes = w.size(1);
+  if (idx.defined() && r > 0) {
+    TORCH_CHECK(idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < n, "quant_dequantize: a row out of range");
+  }
+  auto out = at::empty({r, k}, like.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  for_each_float_type(out, "quant_dequantize", [&](auto zero) {
+    using T = decltype(zero);
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, r, 8, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t j = idx.defined() ? idx.data_ptr<int64_t>()[i] : i;
+        dequantize_row(wp + j * row_bytes, qtype, k, op + i * k);
+      }
+    });
+  });
+  return out;
+}
+
+// whether this build has VNNI's byte dot products; `on` turns them on or off (off: vpmaddubsw),
+// returning the previous state
+bool quant_vnni_available() { return CB_VNNI != 0; }
+bool set_quant_vnni(bool on) { return g_vnni.exchange(on && CB_VNNI != 0); }

@@ -1,0 +1,194 @@
+"""A GGUF file loaded with its quantized weights kept in their blocks (engine/backends/cpu_quant.py).
+
+The model is built empty from the file's config (transformers reads it from the GGUF metadata), then
+each tensor of the file goes where transformers' own GGUF loader would put it (its name map and its
+tensor processor): a Q8_0, Q4_0 or Q4_1 weight of a linear layer or of the token embedding stays in
+its blocks, in a `QuantizedLinear` / `QuantizedEmbedding` that replaces the module; every other
+tensor (norms, a float or K-quant weight) is dequantized to the model's dtype as transformers does.
+No float copy of the quantized weights is ever made, so a model whose float32 weights would not fit
+in memory loads in about the file's size.
+
+Llama's q and k rows were permuted by llama.cpp's converter; transformers' Llama tensor processor
+undoes that on the dequantized weight. The permutation moves whole rows, so it is applied to the
+rows of blocks the same way (tests check the rows equal transformers' dequantized weights bit for
+bit). Architectures whose tensor processor does more than move rows are loaded dequantized.
+
+With tied embeddings the LM head is a `QuantizedLinear` on the embedding's very bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from engine.backends.cpu_quant import BLOCK_BYTES, NAMES, QuantizedEmbedding, QuantizedLinear, quantized_bytes
+
+logger = logging.getLogger("cbserve.loader")
+
+NATIVE_TYPES = frozenset(BLOCK_BYTES)  # ggml type numbers of Q8_0, Q4_0, Q4_1
+
+
+def is_gguf(path: Path | str | None) -> bool:
+    return path is not None and str(path).lower().endswith(".gguf") and Path(path).is_file()
+
+
+@contextlib.contextmanager
+def shared_reader(path: Path) -> Iterator[object]:
+    """One parse of the file's metadata (tens of seconds for a large vocabulary) for all of the
+    load: transformers' config and tokenizer readers get this one instead of parsing it again."""
+    import gguf
+
+    cls = gguf.GGUFReader
+    reader = cls(path)
+
+    def reuse(p, *args, **kwargs):
+        return reader if Path(p).resolve() == Path(path).resolve() and not args and not kwargs else cls(p, *args, **kwargs)
+
+    gguf.GGUFReader = reuse
+    try:
+        yield reader
+    finally:
+        gguf.GGUFReader = cls
+
+
+def _architecture(reader) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _processor(reader, config):
+    """transformers' tensor processor for the file's architecture, or None when it does more than
+    move whole rows (its effect on blocks would not be its effect on the weights)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
+
+    cls = TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor)
+    return cls(config=config.to_dict()) if cls in (TensorProcessor, LlamaTensorProcessor) else None
+
+
+def _names(reader, model: torch.nn.Module) -> dict[str, str] | None:
+    """{GGUF tensor name: the model's parameter name}, by gguf's own name table for the file's
+    architecture (what transformers' GGUF loader uses, made once instead of once per module)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == _architecture(reader)), None)
+    if arch is None:
+        return None
+    table = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict(keep_vars=True):
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is None and "." in base:  # some tables know the names without the model's prefix
+            gguf_name = table.get_name(base.split(".", 1)[1])
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}.{suffix}", hf_name)
+    return names
+
+
+def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, native: bool,
+              ops: ModuleType | None) -> tuple[torch.nn.Module, object]:  # fmt: skip
+    """The file's causal LM and tokenizer. `native`: its Q8_0/Q4_0/Q4_1 weights in their blocks and
+    the rest in `dtype` (dequantized instead when its architecture cannot be loaded so); else all of
+    it dequantized to `dtype` by transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with shared_reader(path) as reader:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = _load_native(path, reader, dtype, attn_implementation, ops) if native else None
+        if model is None:
+            if native:
+                logger.info("cbserve: %s's architecture is loaded dequantized (its tensor processor does more "
+                            "than move rows)", path.name)  # fmt: skip
+            extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **extra)
+    _release_heap()  # the metadata's parse left many small freed objects behind
+    return model.eval(), tokenizer
+
+
+def _release_heap() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: str | None,
+                 ops: ModuleType | None) -> torch.nn.Module | None:  # fmt: skip
+    from accelerate import init_empty_weights
+    from gguf import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    processor = _processor(reader, config)
+    if processor is None:
+        return None
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    names = _names(reader, model)
+    if names is None:
+        return None
+    embedding = model.get_input_embeddings()
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            logger.info("cbserve: GGUF tensor %s has no place in %s; skipped", tensor.name, type(model).__name__)
+            continue
+        owner_name, attr = hf_name.rsplit(".", 1)
+        owner = model.get_submodule(owner_name)
+        qtype = int(tensor.tensor_type)
+        native = qtype in NATIVE_TYPES and attr == "weight" and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
+        data = tensor.data if native else dequantize(tensor.data, tensor.tensor_type)
+        data = processor.process(weights=data, name=tensor.name).weights  # q/k: rows un-permuted
+        if native:
+            blocks = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).copy())
+            if isinstance(owner, torch.nn.Embedding):
+                module = QuantizedEmbedding(blocks, qtype, owner.embedding_dim, dtype, ops)
+            else:
+                bias = owner.bias if owner.bias is not None and owner.bias.device.type != "meta" else None
+                module = QuantizedLinear(blocks, qtype, owner.in_features, bias, ops)
+            model.set_submodule(owner_name, module)
+        else:
+            param = getattr(owner, attr)
+            shape = param.shape if param is not None else (-1,)  # a bias of a QuantizedLinear made before it
+            value = torch.from_numpy(np.array(data)).to(dtype).reshape(shape)  # a copy: the file is mapped read-only
+            setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+    if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
+        _tie_head(model, model.get_input_embeddings(), ops)
+    elif model.get_input_embeddings() is embedding and embedding.weight.device.type == "meta":
+        raise ValueError(f"{path}: no token embedding found in the file")
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{path}: no tensor in the file for {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    model.generation_config = GenerationConfig.from_model_config(config)
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
+            counts[NAMES[m.qtype]] = counts.get(NAMES[m.qtype], 0) + 1
+    logger.info("cbserve: %s loaded with %s in their GGUF blocks (%.0f MiB of blocks; the rest %s)", path.name,
+                ", ".join(f"{n} {k} weights" for k, n in sorted(counts.items())) or "no weights",
+                quantized_bytes(model) / 2**20, str(dtype).removeprefix("torch."))  # fmt: skip
+    return model.eval()
+
+
+def _tie_head(model: torch.nn.Module, embedding: torch.nn.Module, ops: ModuleType | None) -> None:
+    """The LM head of a tied model: on the embedding's blocks, or its float weight."""
+    head = model.get_output_embeddings()
+    if isinstance(embedding, QuantizedEmbedding):
+        module = QuantizedLinear(embedding.blocks, embedding.qtype, embedding.embedding_dim, None, ops)
+        for name, m in model.named_modules():
+            if m is head:
+                model.set_submodule(name, module)
+                break
+    else:
+        head.weight = embedding.weight

@@ -1,0 +1,107 @@
+"""The embedded SmolLM2 GGUF loaded in its blocks (quantization gguf), and the setting's rules.
+
+The blocks the loader keeps are the file's, with Llama's q/k rows un-permuted as transformers does
+on its dequantised weights: dequantised, they equal transformers' float32 weights bit for bit. The
+engine's greedy output on the native model equals `model.generate` on it; against transformers on
+the dequantised weights it differs by the order of float sums only (benchmarks/gguf_native.py
+agreement states it over 64 prompts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from engine import generate_batch  # noqa: E402
+from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear  # noqa: E402
+from engine.loader import embedded_folder, load_model, resolve_quantization  # noqa: E402
+
+PROMPTS = ["Write a short poem about the sea.", "List three facts about bees.", "What is 7 times 6?",
+           "Explain rain to a child in two sentences."]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def native():
+    return load_model(None, "float32", quantization="gguf")
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))  # fmt: skip
+
+
+def test_blocks_are_the_dequantised_weights_bit_for_bit(native) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = native.model
+    reference = AutoModelForCausalLM.from_pretrained(embedded_folder(), dtype=torch.float32).state_dict()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 30 * 7 + 1  # every projection of the 30 layers, and the LM head
+    assert isinstance(model.get_input_embeddings(), QuantizedEmbedding)
+    assert model.lm_head.blocks is model.get_input_embeddings().blocks  # tied: one copy of the bytes
+    for name, m in linears:
+        assert torch.equal(m.dequantized(), reference[f"{name}.weight"]), name
+    emb = model.get_input_embeddings()
+    assert torch.equal(emb(torch.arange(emb.num_embeddings)), reference["model.embed_tokens.weight"])
+    for name, p in model.named_parameters():  # the norms: float32 as in the file
+        assert torch.equal(p, reference[name]), name
+
+
+def test_engine_equals_generate_on_the_native_model(native) -> None:
+    ids = [chat(native.tokenizer, p) for p in PROMPTS]
+    out = generate_batch(native.model, ids, max_new_tokens=16, ignore_eos=True, progress_bar=False)
+    for prompt, o in zip(ids, out.values()):
+        # the mask is given: SmolLM2's pad id is <|im_end|>, which chat prompts contain
+        want = native.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=16, do_sample=False, eos_token_id=None)  # fmt: skip
+        assert o.generated_tokens == want[0, len(prompt):].tolist()
+
+
+def test_native_output_reads_as_the_dequantised_models(native) -> None:
+    """Same tokens as transformers on the dequantised weights for these prompts (the 64-prompt
+    agreement is benchmarks/gguf_native.py's)."""
+    reference = load_model(None, "float32", quantization="none").model
+    for text in PROMPTS:
+        prompt = chat(native.tokenizer, text)
+        x = torch.tensor([prompt])
+        mask = torch.ones_like(x)
+        mine = native.model.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)[0, len(prompt):]
+        ref = reference.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)[0, len(prompt):]
+        assert mine.tolist() == ref.tolist(), text
+
+
+@pytest.mark.parametrize(
+    "setting, dtype, path, device, world, want",
+    [
+        ("auto", "auto", None, "cpu", 1, ("gguf", "float32")),  # the embedded model: its blocks
+        ("auto", "float32", None, "cpu", 1, ("none", None)),  # an explicit dtype dequantises
+        ("auto", "auto", None, "cuda", 1, ("none", None)),
+        ("auto", "auto", None, "cpu", 2, ("none", None)),  # tensor parallel: dequantised
+        ("auto", "auto", "some/folder", "cpu", 1, ("none", None)),
+        ("gguf", "bfloat16", None, "cpu", 1, ("gguf", None)),  # blocks, the rest in bfloat16
+        ("none", "auto", None, "cpu", 1, ("none", None)),
+    ],
+)
+def test_which_loads_keep_the_blocks(setting, dtype, path, device, world, want) -> None:
+    assert resolve_quantization(setting, dtype, path, device, world) == want
+
+
+def test_gguf_refused_where_it_cannot_run(tmp_path) -> None:
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        resolve_quantization("gguf", "auto", str(tmp_path), "cpu")
+    with pytest.raises(ValueError, match="runs on the CPU with one rank"):
+        resolve_quantization("gguf", "auto", None, "cuda")
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf"):
+        resolve_quantization("int4", "auto", None, "cpu")
+
+
+def test_a_gguf_file_by_path_keeps_its_blocks_and_its_name() -> None:
+    from engine.loader import embedded_gguf
+
+    path = str(embedded_gguf())
+    assert resolve_quantization("auto", "auto", path, "cpu") == ("gguf", "float32")
+    loaded = load_model(path, "float32", quantization="gguf")
+    assert loaded.name == "SmolLM2-135M-Instruct.Q4_1" and loaded.max_model_len == 8192
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)

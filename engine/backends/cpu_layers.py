@@ -100,8 +100,10 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
     if dtype not in KERNEL_DTYPES:
         return f"dtype {dtype}"
     base = getattr(model, "model", None)
-    if type(base) is not base_type or type(base.embed_tokens) is not torch.nn.Embedding:
+    if type(base) is not base_type:
         return f"{type(model).__name__}'s base model is not {base_type.__name__}"
+    if type(base.embed_tokens) is not torch.nn.Embedding:
+        return f"its embedding is a {type(base.embed_tokens).__name__}, not torch's Embedding"
     if (hook := _hooked(model)) is not None:
         return hook
     config = model.config

@@ -119,9 +119,13 @@ def test_apply_example_creates_owned_children_with_the_knobs(operator: KopfRunne
     assert status["selector"] == "app.kubernetes.io/instance=smollm2,app.kubernetes.io/name=cbserve"
     assert status["url"] == f"http://smollm2.{ns}.svc:8000"
     assert conditions(owner)["ConfigValid"]["status"] == "True"
-    # Kopf's bookkeeping lives under cbserve.io, not the shared kopf.zalando.org prefix.
-    annotations = owner["metadata"].get("annotations", {})
-    assert "cbserve.io/last-handled-configuration" in annotations
+    # Kopf's bookkeeping lives under cbserve.io, not the shared kopf.zalando.org prefix. Kopf patches it
+    # after the handler returns, so it may land after the status the handler wrote: wait for it.
+    def handled() -> dict[str, Any] | None:
+        annotations = cbd(c, ns, "smollm2")["metadata"].get("annotations", {})
+        return annotations if "cbserve.io/last-handled-configuration" in annotations else None
+
+    annotations = wait_for(handled, what="Kopf's last-handled annotation")
     assert not [k for k in annotations if "kopf.zalando.org" in k]
     # No finalizer: deleting a CBDeployment never waits for the operator; garbage collection does it.
     assert owner["metadata"].get("finalizers", []) == []

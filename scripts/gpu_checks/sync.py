@@ -16,6 +16,7 @@ On the CPU the steps run (the code path), but nothing can be observed: skipped w
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -27,7 +28,25 @@ from scripts.gpu_checks.report import Skipped, require
 
 NAME = "no host sync inside decode steps"
 TIMEOUT_S = 90
-ALLOWED_FILE = "sampler.py"
+ALLOWED_FILE = "engine/sampler.py"
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_DIR = ROOT / "engine"
+
+
+def sync_site() -> str:
+    """Where a sync warning came from: the innermost frame of this repository's engine/ (the line the
+    engine wrote), with the innermost frame of all (torch's own line) in brackets when that is elsewhere.
+    Called from `warnings.showwarning`, so the stack is the warning's."""
+    frames = [f for f in traceback.extract_stack()[:-2] if Path(f.filename).name != "warnings.py"]
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(ENGINE_DIR)]
+    inner = frames[-1] if frames else None
+    where = ours[-1] if ours else inner
+    if where is None:
+        return "?"
+    site = f"{Path(where.filename).resolve().relative_to(ROOT) if ours else Path(where.filename).name}:{where.lineno}"
+    if inner is not None and inner is not where:
+        site += f" [{Path(inner.filename).parent.name}/{Path(inner.filename).name}:{inner.lineno}]"
+    return site
 
 
 def decode_steps(ctx: Context, engine, prompts, steps: int, per_prompt: list[dict]) -> list[list[str]]:
@@ -43,8 +62,10 @@ def decode_steps(ctx: Context, engine, prompts, steps: int, per_prompt: list[dic
         while engine.scheduler.waiting or any(r.status != RequestStatus.DECODING for r in reqs):
             engine.step()
         for _ in range(steps):
-            with warnings.catch_warnings(record=True) as caught:
+            sites: list[str] = []
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = lambda message, *a, **kw: sites.append(sync_site()) if "synchroniz" in str(message) else None
                 if ctx.cuda:
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
@@ -52,7 +73,7 @@ def decode_steps(ctx: Context, engine, prompts, steps: int, per_prompt: list[dic
                 finally:
                     if ctx.cuda:
                         torch.cuda.set_sync_debug_mode(0)
-            per_step.append([f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)])
+            per_step.append(sites)
     for r in reqs:
         engine.abort_request(r.request_id)
     return per_step

@@ -185,7 +185,7 @@ def _fake_cuda(monkeypatch, capability=(8, 0)):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(flex, "flex_unavailable", lambda: None)
-    monkeypatch.setattr(flex, "self_check", lambda device: real_check("cpu", flex_attention))
+    monkeypatch.setattr(flex, "self_check", lambda device, backend=None: real_check("cpu", flex_attention))
 
 
 def test_flex_self_check_passes_and_names_what_fails():
@@ -203,7 +203,7 @@ def test_flex_self_check_passes_and_names_what_fails():
 def test_a_flex_that_fails_its_self_check_leaves_sdpa_with_the_reason(monkeypatch, caplog):
     _fake_cuda(monkeypatch)
     monkeypatch.setattr(cuda, "flash_attn_available", lambda: False)
-    monkeypatch.setattr(flex, "self_check", lambda device: "its self-check on cuda:0 failed: RuntimeError: boom")
+    monkeypatch.setattr(flex, "self_check", lambda device, backend=None: "its self-check on cuda:0 failed: RuntimeError: boom")
     with caplog.at_level(logging.INFO, logger="cbserve.backends.cuda"):
         assert isinstance(cuda.make_backend("cuda:0"), cuda.SDPACudaBackend)
     (record,) = caplog.records
@@ -267,3 +267,31 @@ def test_decode_and_varlen_graphs_with_flex_change_no_token_and_name_the_backend
     engine.close()
     assert dispatch.graphs.replays > 0 and dispatch.varlen_graphs.replays > 0
     assert graphed == eager
+
+
+def test_tiles_too_big_for_the_gpu_step_down_and_the_self_check_passes(caplog):
+    """An H200 refused torch's own bfloat16 tiles for head dim 64 ("No valid triton configs ... out of
+    resource"): the backend tries smaller ones, warns once, and keeps them for later calls."""
+    seen = []
+
+    def fussy(q, k, v, kernel_options=None, **kw):
+        seen.append(kernel_options)
+        if not kernel_options or kernel_options["BLOCK_M"] > 32:
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: Required: 245760")
+        return flex_attention(q, k, v, **kw)
+
+    backend = flex.FlexAttnBackend(fussy)
+    with caplog.at_level(logging.WARNING, logger="cbserve.backends.cuda"):
+        assert flex.self_check("cpu", backend=backend) is None
+    assert backend.kernel_options == flex.KERNEL_OPTIONS[-1]
+    assert seen[:3] == [None, flex.KERNEL_OPTIONS[1], flex.KERNEL_OPTIONS[2]]
+    assert all(o == flex.KERNEL_OPTIONS[2] for o in seen[3:])  # the prefill call starts where decode ended
+    assert len(caplog.records) == 2 and "do not fit this GPU" in caplog.records[0].getMessage()
+
+
+def test_other_flex_errors_and_the_smallest_tiles_failing_are_raised():
+    def broken(q, k, v, kernel_options=None, **kw):
+        raise RuntimeError("out of resource: shared memory")
+
+    assert flex.self_check("cpu", broken).startswith("its self-check on cpu failed: RuntimeError: out of resource")
+    assert not flex.out_of_resources(RuntimeError("triton compile error"))

@@ -131,15 +131,17 @@ def make_backend(device: torch.device | str) -> AttentionBackend:
         )  # fmt: skip
 
     choice = choose(flex.flex_unavailable())
+    flex_backend = None
     if choice.kernel == "flex":  # compiled and run once here, against SDPA, before it serves
-        failed = flex.self_check(device)
+        flex_backend = flex.FlexAttnBackend()
+        failed = flex.self_check(device, backend=flex_backend)
         if failed is not None:
             choice = choose(failed)
     logger.log(logging.WARNING if choice.warn else logging.INFO, "cbserve: %s", choice.line)
     if choice.kernel == "flash-attn":
         return FlashAttnBackend()
     if choice.kernel == "flex":
-        return flex.FlexAttnBackend()
+        return flex_backend or flex.FlexAttnBackend()
     return SDPACudaBackend()
 
 

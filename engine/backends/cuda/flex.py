@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ import torch
 
 from engine.backends.base import AttentionBackend, AttentionMetadata
 from engine.backends.cuda.sdpa import write_kv
+
+logger = logging.getLogger("cbserve.backends.cuda")
 
 TILE = 128  # flex's default sparse block: query tiles and key tiles of the BlockMask
 
@@ -180,6 +183,22 @@ def softcap_mod(softcap: float) -> Callable[..., Any]:
     return score_mod
 
 
+# Kernel tiles to try, in order: torch's own choice first, then smaller ones. On an H200 (torch 2.11)
+# torch's bfloat16 tiles for head dim 64 asked for 240 KiB of shared memory, over the 227 KiB a
+# block may have ("No valid triton configs ... out of resource"): the backend steps down then.
+KERNEL_OPTIONS: tuple[dict[str, int], ...] = (
+    {},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1},
+)
+
+
+def out_of_resources(exc: BaseException) -> bool:
+    """Whether a flex_attention failure is its kernel's tiles not fitting the GPU (smaller ones may)."""
+    text = str(exc)
+    return "out of resource" in text or "No valid triton configs" in text
+
+
 RECOMPILE_LIMIT = 64  # dynamo's per-function cache (8 by default) would refuse the variants past it
 
 
@@ -196,10 +215,11 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
 
 
 def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> str | None:  # fmt: skip
-    """Run the backend once on `device` over a small paged step (two decode rows, a prompt, a chunk
-    with history; 4 query heads over 2 KV heads) against torch SDPA over the same cache: None when
-    they agree, else why not (a compile error, a kernel error, or the largest difference)."""
+               dtype: torch.dtype = torch.bfloat16, backend: FlexAttnBackend | None = None) -> str | None:  # fmt: skip
+    """Run the backend (`backend`, else a new one over `flex_fn`) once on `device` over a small paged
+    step (two decode rows, a prompt, a chunk with history; 4 query heads over 2 KV heads) against
+    torch SDPA over the same cache: None when they agree, else why not (a compile error, a kernel
+    error, or the largest difference). Tiles too big for the GPU step `backend` down to ones that fit."""
     from engine.backends.cuda.sdpa import SDPACudaBackend
 
     device = torch.device(device)
@@ -235,7 +255,7 @@ def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] 
     k_cache, v_cache = rnd(num_blocks, bs, hkv, d), rnd(num_blocks, bs, hkv, d)
     try:
         with torch.inference_mode():
-            got = FlexAttnBackend(flex_fn).attend(q, k, v, k_cache.clone(), v_cache.clone(), meta(), scaling=d**-0.5)
+            got = (backend or FlexAttnBackend(flex_fn)).attend(q, k, v, k_cache.clone(), v_cache.clone(), meta(), scaling=d**-0.5)
             sdpa, reference = SDPACudaBackend(), meta()
             sdpa.prepare(reference)
             want = sdpa.attend(q, k, v, k_cache, v_cache, reference, scaling=d**-0.5)
@@ -262,6 +282,28 @@ class FlexAttnBackend(AttentionBackend):
 
     def __init__(self, flex_fn: Callable[..., torch.Tensor] | None = None) -> None:
         self._flex = flex_fn
+        self._tiles = 0  # index into KERNEL_OPTIONS
+
+    @property
+    def kernel_options(self) -> dict[str, int]:
+        return KERNEL_OPTIONS[self._tiles]
+
+    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """flex_attention with the current tiles; tiles too big for the GPU step down (one warning)
+        and the call is made again. Compilation happens on a step's first, eager call (warm-up), never
+        inside a CUDA graph capture."""
+        if self._flex is None:
+            self._flex = compiled_flex_attention()
+        while True:
+            options = self.kernel_options
+            try:
+                return self._flex(q, k, v, kernel_options=dict(options) if options else None, **kw)
+            except Exception as exc:
+                if not out_of_resources(exc) or self._tiles + 1 >= len(KERNEL_OPTIONS):
+                    raise
+                self._tiles += 1
+                logger.warning("cbserve: FlexAttention's kernel tiles do not fit this GPU (%s); using %s",
+                               str(exc).strip().splitlines()[-1][:200], KERNEL_OPTIONS[self._tiles])  # fmt: skip
 
     def check_config(self, block_size: int) -> None:
         if block_size % TILE:
@@ -296,8 +338,6 @@ class FlexAttnBackend(AttentionBackend):
                softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         from torch.nn.attention.flex_attention import BlockMask
 
-        if self._flex is None:
-            self._flex = compiled_flex_attention()
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         num_blocks, bs, hkv = k_cache.shape[0], meta.block_size, k_cache.shape[2]
         slots = num_blocks * bs
@@ -316,7 +356,7 @@ class FlexAttnBackend(AttentionBackend):
             num, indices = self._blocks(step, "decode", sliding_window)
             block_mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=TILE, mask_mod=mask, seq_lengths=(1, slots),
                                                   compute_q_blocks=False)  # fmt: skip
-            o = self._flex(query[:nd].unsqueeze(2), k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling,
+            o = self._call(query[:nd].unsqueeze(2), k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                            enable_gqa=gqa)  # fmt: skip
             out[:nd] = o.squeeze(2)
         if nd < meta.num_seqs:
@@ -328,6 +368,6 @@ class FlexAttnBackend(AttentionBackend):
                                                   seq_lengths=(pre.rows, slots), compute_q_blocks=False)  # fmt: skip
             q = query.new_zeros(1, query.shape[1], pre.rows, query.shape[2])
             q[0].index_copy_(1, pre.dest, query[nd:].transpose(0, 1))
-            o = self._flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+            o = self._call(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
             out[nd:] = o[0].index_select(1, pre.dest).transpose(0, 1)
         return out

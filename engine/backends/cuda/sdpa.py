@@ -27,9 +27,11 @@ def _sdpa(q, k, v, mask, scaling, softcap):
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scaling / softcap) * softcap
+    # In float32 throughout, as flash-attn applies its softcap: tanh over bfloat16 scores alone was
+    # 3 bfloat16 ulps off (0.023) on an H200 at head dim 64.
+    scores = torch.tanh(torch.matmul(q.float(), k.float().transpose(-1, -2)) * (scaling / softcap)) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(v.dtype)
 
 
 class SDPACudaBackend(AttentionBackend):

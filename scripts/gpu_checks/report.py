@@ -44,8 +44,15 @@ class Row:
     detail: str = ""  # an optional markdown table printed under the summary
 
     def cells(self) -> list[str]:
-        status = self.status if not self.reason else f"{self.status}: {self.reason}"
+        reason = " ".join(self.reason.split())  # one line: a table cell
+        if len(reason) > CELL_CHARS:
+            reason = reason[: CELL_CHARS - 3] + "..."
+        status = self.status if not reason else f"{self.status}: {reason}"
         return [self.check, status.replace("|", "/"), f"{self.seconds:.1f}", _figures(self.figures)]
+
+
+CELL_CHARS = 300  # a failure's reason in the table; a longer error is shown whole below it
+DETAIL_CHARS = 6000
 
 
 def _figures(figures: dict[str, Any]) -> str:
@@ -72,7 +79,10 @@ def run_check(name: str, fn: Callable[[], dict[str, Any]], sync: Callable[[], No
         row = Row(name, FAIL, str(exc), figures=exc.figures)
     except Exception as exc:  # a crash is a failure of the check, with the last frame that raised
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        row = Row(name, FAIL, f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})")
+        message = f"{type(exc).__name__}: {exc}"
+        row = Row(name, FAIL, f"{message} ({Path(where.filename).name}:{where.lineno})")
+        if len(message) > CELL_CHARS or "\n" in message:  # the whole message under the table
+            row.figures["_detail"] = f"### {name}: the error\n\n```\n{message[:DETAIL_CHARS]}\n```"
     row.seconds = time.perf_counter() - start
     row.detail = row.figures.pop("_detail", "")
     return row

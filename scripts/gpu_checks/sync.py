@@ -16,6 +16,7 @@ On the CPU the steps run (the code path), but nothing can be observed: skipped w
 
 from __future__ import annotations
 
+import threading
 import traceback
 import warnings
 from collections import Counter
@@ -31,6 +32,7 @@ TIMEOUT_S = 90
 ALLOWED_FILE = "engine/sampler.py"
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = ROOT / "engine"
+STACKS: dict[str, str] = {}  # a sync site outside ALLOWED_FILE -> the stack that made it (the first time)
 
 
 def sync_site() -> str:
@@ -46,6 +48,8 @@ def sync_site() -> str:
     site = f"{Path(where.filename).resolve().relative_to(ROOT) if ours else Path(where.filename).name}:{where.lineno}"
     if inner is not None and inner is not where:
         site += f" [{Path(inner.filename).parent.name}/{Path(inner.filename).name}:{inner.lineno}]"
+    if not site.startswith(ALLOWED_FILE) and site not in STACKS:  # the report shows where it came from
+        STACKS[site] = f"thread {threading.current_thread().name}:\n" + "".join(traceback.format_list(frames[-14:]))
     return site
 
 
@@ -105,6 +109,9 @@ def run(ctx: Context) -> dict:
     figures["steps"] = "decode graphs" if ctx.graphs else ("eager: " + ctx.no_graphs_reason() if ctx.cuda else "eager")
     if not ctx.cuda:
         raise Skipped("torch.cuda.set_sync_debug_mode needs CUDA: the steps ran on the CPU, no sync can be seen", figures)
+    if STACKS:
+        figures["_detail"] = "### Syncs outside engine/sampler.py, where they came from\n\n" + "\n".join(
+            f"{site}\n```\n{stack}```\n" for site, stack in STACKS.items())
     bad = [site for per_step in (greedy, sampled) for step in per_step for site in step
            if not site.startswith(ALLOWED_FILE)]  # fmt: skip
     require(replays > 0 or not ctx.graphs, "no decode step replayed a graph", figures)

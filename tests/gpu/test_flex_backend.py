@@ -277,7 +277,7 @@ def test_tiles_too_big_for_the_gpu_step_down_and_the_self_check_passes(caplog):
     def fussy(q, k, v, kernel_options=None, **kw):
         seen.append(kernel_options)
         if not kernel_options or kernel_options["BLOCK_M"] > 32:
-            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: Required: 245760")
+            raise RuntimeError("InductorError: boom\nNo valid triton configs. OutOfMemoryError: out of resource: Required: 245760\nSet TORCHDYNAMO_VERBOSE=1")
         return flex_attention(q, k, v, **kw)
 
     backend = flex.FlexAttnBackend(fussy)
@@ -287,6 +287,12 @@ def test_tiles_too_big_for_the_gpu_step_down_and_the_self_check_passes(caplog):
     assert seen[:3] == [None, flex.KERNEL_OPTIONS[1], flex.KERNEL_OPTIONS[2]]
     assert all(o == flex.KERNEL_OPTIONS[2] for o in seen[3:])  # the prefill call starts where decode ended
     assert len(caplog.records) == 2 and "do not fit this GPU" in caplog.records[0].getMessage()
+    assert "out of resource: Required: 245760" in caplog.records[0].getMessage()
+
+
+def test_the_warning_quotes_the_line_that_says_what_did_not_fit():
+    exc = RuntimeError("InductorError: LoweringException\nwhile lowering\nOutOfMemoryError: out of resource: Required: 1\nSet TORCHDYNAMO_VERBOSE=1")
+    assert flex.resource_line(exc) == "OutOfMemoryError: out of resource: Required: 1"
 
 
 def test_other_flex_errors_and_the_smallest_tiles_failing_are_raised():

@@ -155,6 +155,20 @@ def test_a_row_is_pass_fail_or_skipped_with_its_reason():
     assert row.status == "fail" and row.reason.startswith("KeyError: 'k' (test_gpu_check.py:")
 
 
+def test_a_long_error_is_one_line_in_the_table_and_whole_below_it():
+    """An inductor error on the H200 ran to 60 lines and broke the table: the cell is one line now."""
+    load()
+    from scripts.gpu_checks.report import CELL_CHARS, markdown, run_check
+
+    def crashed():
+        raise RuntimeError("InductorError: LoweringException\n" + "args[0]: TensorBox(...)\n" * 60)
+
+    row = run_check("kernels", crashed)
+    (cell,) = [line for line in markdown([], [row], "t").splitlines() if line.startswith("| kernels |")]
+    assert "\n" not in cell and len(cell) < CELL_CHARS + 100 and cell.split(" | ")[1].endswith("...")
+    assert row.detail.startswith("### kernels: the error") and row.detail.count("args[0]") == 60
+
+
 def test_the_serve_check_starts_the_server_as_the_operator_s_pod_does():
     load()
     from cbserve_operator.spec import parse_spec

@@ -199,19 +199,35 @@ def out_of_resources(exc: BaseException) -> bool:
     return "out of resource" in text or "No valid triton configs" in text
 
 
+def resource_line(exc: BaseException) -> str:
+    """The line of an out-of-resources failure that says what did not fit."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "out of resource" in line or "No valid triton configs" in line]
+    return (named or lines or [type(exc).__name__])[0][:200]
+
+
 RECOMPILE_LIMIT = 64  # dynamo's per-function cache (8 by default) would refuse the variants past it
 
 
-def compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """flex_attention compiled (the GPU kernels). Shapes are dynamic, so steps of every size share a
-    compilation; what still compiles anew is each kind (decode rows, prefill tiles) with each
-    window and softcap a model's layers use, and sizes of 1 (dynamo specialises them). With
-    fullgraph a variant past dynamo's recompile limit would be an error: the limit is raised."""
+def compiled_flex_attention(kernel_options: dict[str, int] | None = None) -> Callable[..., torch.Tensor]:
+    """flex_attention compiled (the GPU kernels), with `kernel_options` fixed inside the compiled
+    function. Shapes are dynamic, so steps of every size share a compilation; what still compiles
+    anew is each kind (decode rows, prefill tiles) with each window and softcap a model's layers use,
+    and sizes of 1 (dynamo specialises them). With fullgraph a variant past dynamo's recompile limit
+    would be an error: the limit is raised.
+
+    The options are closed over, not passed: passed at each call, `dynamic=True` made their integers
+    symbols, and inductor's lowering failed on them ("unbacked_bindings", torch 2.11 on an H200)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(flex_attention, fullgraph=True, dynamic=True)
+    options = dict(kernel_options) if kernel_options else None
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        return flex_attention(q, k, v, kernel_options=options, **kw)
+
+    return torch.compile(attention, fullgraph=True, dynamic=True)
 
 
 def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] | None = None,
@@ -281,7 +297,8 @@ class FlexAttnBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, flex_fn: Callable[..., torch.Tensor] | None = None) -> None:
-        self._flex = flex_fn
+        self._given = flex_fn  # called with kernel_options=; else compiled_flex_attention per tile choice
+        self._flex: Callable[..., torch.Tensor] | None = None
         self._tiles = 0  # index into KERNEL_OPTIONS
 
     @property
@@ -292,18 +309,23 @@ class FlexAttnBackend(AttentionBackend):
         """flex_attention with the current tiles; tiles too big for the GPU step down (one warning)
         and the call is made again. Compilation happens on a step's first, eager call (warm-up), never
         inside a CUDA graph capture."""
-        if self._flex is None:
-            self._flex = compiled_flex_attention()
         while True:
             options = self.kernel_options
+            if self._flex is None:
+                if self._given is not None:
+                    given = self._given
+                    self._flex = lambda *a, **more: given(*a, kernel_options=dict(options) if options else None, **more)
+                else:
+                    self._flex = compiled_flex_attention(options)
             try:
-                return self._flex(q, k, v, kernel_options=dict(options) if options else None, **kw)
+                return self._flex(q, k, v, **kw)
             except Exception as exc:
                 if not out_of_resources(exc) or self._tiles + 1 >= len(KERNEL_OPTIONS):
                     raise
                 self._tiles += 1
-                logger.warning("cbserve: FlexAttention's kernel tiles do not fit this GPU (%s); using %s",
-                               str(exc).strip().splitlines()[-1][:200], KERNEL_OPTIONS[self._tiles])  # fmt: skip
+                self._flex = None
+                logger.warning("cbserve: FlexAttention's kernel tiles do not fit this GPU (%s); using smaller ones: %s",
+                               resource_line(exc), KERNEL_OPTIONS[self._tiles])  # fmt: skip
 
     def check_config(self, block_size: int) -> None:
         if block_size % TILE:

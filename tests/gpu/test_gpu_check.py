@@ -228,3 +228,13 @@ def test_the_kernels_row_holds_the_sdpa_fallback_to_the_reference():
     for seed, (seqs, variant) in enumerate((s, v) for s in kernels.STEPS.values() for v in variants):
         err = kernels.one_case(ctx, SDPACudaBackend(), reference, seqs, 64, torch.bfloat16, variant, seed=seed)
         assert err <= kernels.TOLERANCE[torch.bfloat16], (seqs, variant, err)
+
+
+def test_the_sync_check_counts_c10s_sync_warning_and_not_torchs_notice_about_the_mode():
+    """On the H200 the notice set_sync_debug_mode gives once per process was counted as a sync."""
+    load()
+    from scripts.gpu_checks.sync import is_sync
+
+    assert is_sync(UserWarning("called a synchronizing CUDA operation"))
+    assert not is_sync(UserWarning("Synchronization debug mode is a prototype feature and does not yet detect all "
+                                   "synchronizing operations"))

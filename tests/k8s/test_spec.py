@@ -55,7 +55,7 @@ def test_every_problem_is_reported_at_once() -> None:
     assert "replicas must be int, got 'two'" in problems
     assert "engine.blockSize must be a power of two from 16 to 1024, got 100" in problems
     assert any(p.startswith("engine.dtype must be one of") for p in problems)
-    assert "engine.quantization must be one of auto, none, gguf, got 'q4'" in problems
+    assert "engine.quantization must be one of auto, none, gguf, int8, got 'q4'" in problems
     assert "set pdb.minAvailable or pdb.maxUnavailable, not both" in problems
     assert any(p.startswith("resources.cpu 'fast' is not a Kubernetes quantity") for p in problems)
 

@@ -1,8 +1,8 @@
 """CUDA attention over the paged cache: flash-attn, else torch's FlexAttention (engine/backends/cuda/flex.py),
 else torch SDPA on CUDA. `make_backend` chooses (see `choose_backend`) and logs the choice.
 
-Written to flash-attn 2's documented API (`flash_attn.flash_attn_interface`); not yet run on a GPU
-in this project's CI (see docs/gpu.md). This module imports on a machine without CUDA or
+Written to flash-attn 2's documented API (`flash_attn.flash_attn_interface`); flash-attn has not run
+on a GPU yet (the FlexAttention and SDPA paths have, on an H200: docs/gpu.md). This module imports on a machine without CUDA or
 flash-attn: flash-attn is imported only when a `FlashAttnBackend` is built.
 
 - Every step first writes its new keys and values into the cache by slot mapping.

@@ -201,15 +201,18 @@ def _converter_packages() -> Path:
     return folder
 
 
-def _convert(folder: Path, target: Path) -> None:
-    """The vendored converter, checkpoint folder -> F32 GGUF, with the vendored gguf-py (ahead of the venv's
-    gguf) and sentencepiece first on the path."""
-    source = source_dir()
-    path = (str(source / "gguf-py"), str(_converter_packages()), os.environ.get("PYTHONPATH"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in path if x)}
+def converter_env() -> dict[str, str]:
+    """The environment llama.cpp's Python tools run in: the vendored gguf-py (ahead of the venv's gguf)
+    and sentencepiece first on the path."""
+    path = (str(source_dir() / "gguf-py"), str(_converter_packages()), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in path if x)}
+
+
+def convert(folder: Path, target: Path, outtype: str = "f32") -> None:
+    """The vendored converter, checkpoint folder -> GGUF of `outtype` (f32, f16, bf16, q8_0)."""
     partial = target.with_name(target.name + ".partial")
-    subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                    "--outfile", str(partial)], check=True, env=env)  # fmt: skip
+    subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+                    "--outfile", str(partial)], check=True, env=converter_env())  # fmt: skip
     partial.rename(target)
 
 
@@ -247,7 +250,7 @@ def setup(model_folder: Path | None = None) -> tuple[Path, Path]:
 
             model_folder = _timed("find the embedded model's checkpoint folder", embedded_folder)
         folder = Path(model_folder)
-        _timed(f"convert {folder} to {target} (F32)", lambda: _convert(folder, target))
+        _timed(f"convert {folder} to {target} (F32)", lambda: convert(folder, target))
     print(f"setup took {time.perf_counter() - start:.1f} s", flush=True)
     return install_dir() / "bin" / "llama-server", target
 

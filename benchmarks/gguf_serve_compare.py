@@ -23,9 +23,12 @@ same prompts, same output lengths, completions endpoint) for --rounds rounds. Wh
 thread samples the resident memory (RSS) of its process tree; the peak is held against the file
 plus the KV cache the server allocated (cbserve's /v1/models says it; llama.cpp's is 2 x layers x
 KV heads x head_dim x context x 2 bytes, its default F16 cache): at most RSS_BUDGET times. The
-batch-1 decode step (inter-token p50 at 1 user) is held against the weight-bandwidth bound: the bytes
-of the tensors a step reads (every one but an untied token embedding) over the STREAM triad
-bandwidth (benchmarks/machine_limits.py, measured at the start unless --limits gives its --json).
+decode step (time per output token, TPOT p50; at 1 user the batch-1 step; llama-server streams
+tokens in bursts, so its inter-token p50 is no step time) is held against the weight-bandwidth
+bound: the bytes of the tensors a step reads (every one but an untied token embedding) over the
+STREAM triad bandwidth (benchmarks/machine_limits.py, measured at the start unless --limits gives
+its --json). If llama-server stops with SIGILL before it is ready (its AMX kernels on some hosts),
+it is restarted with --no-repack and the report says so.
 The table goes to reports/gguf-peer/SHAPE/gguf_serve_compare.md (and results.json) and is printed.
 """
 
@@ -37,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -237,7 +241,8 @@ def prepare(shape: Shape, quants: list[str], keep_f16: bool = False) -> dict[str
         target = gguf_file(shape, quant)
         files[quant] = target
         if target.is_file():
-            print(f"{target.name}: there ({tool_note(target).read_text().strip() if tool_note(target).is_file() else '?'})")
+            note = tool_note(target)
+            print(f"{target.name}: there ({note.read_text().strip() if note.is_file() else 'tool not noted'})")
             continue
         if quant == "q8_0":
             _timed(f"convert to {target.name}", lambda: llama_cpp_peer.convert(folder, target, "q8_0"))
@@ -425,12 +430,20 @@ def cbserve_target(gguf: Path, users: int, ctx_per_slot: int):
     return Target("cbserve", f"http://127.0.0.1:{port}", command=command)
 
 
-def llama_cpp_target(gguf: Path, users: int, ctx_per_slot: int):
+def llama_cpp_target(gguf: Path, users: int, ctx_per_slot: int, extra: list[str] | None = None):
     from loadtest.target import Target, free_port
 
     port = free_port()
     command = llama_cpp_peer.serve_command(port, gguf, parallel=users, ctx_per_slot=ctx_per_slot)
-    return Target("llama.cpp", f"http://127.0.0.1:{port}", command=command)
+    return Target("llama.cpp", f"http://127.0.0.1:{port}", command=command + (extra or []))
+
+
+NO_REPACK_NOTE = ("llama-server ran with --no-repack: with repacking on, its AMX kernels for Q8_0/Q4_0 stopped with "
+                  "SIGILL before it was ready on this host (so its plain ggml CPU kernels served these files)")
+
+
+def stopped_by_sigill(target) -> bool:
+    return target.proc is not None and target.proc.poll() == -signal.SIGILL
 
 
 def cbserve_kv_bytes(url: str) -> int | None:
@@ -469,7 +482,7 @@ def measure_system(target, kv_bytes: int | None, users: int, args: argparse.Name
         peak = rss.stop()
         target.stop()
     return {"output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["p50_ttft_ms"],
-            "itl_p50_ms": summary["p50_itl_ms"], "itl_p99_ms": summary["p99_itl_ms"],
+            "tpot_p50_ms": summary["p50_tpot_ms"], "itl_p99_ms": summary["p99_itl_ms"],
             "completed": summary["completed"], "failed": summary["failed"], "peak_rss": peak,
             "ready_rss": ready_rss, "kv_bytes": kv_bytes or 0}  # fmt: skip
 
@@ -483,23 +496,26 @@ def bandwidth(limits_path: str | None) -> tuple[float, str]:
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
+    return f"{n / GIB:.3g}"
 
 
-def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[str, str], load: str) -> str:
+def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[str, str], load: str,
+             notes: list[str] | None = None) -> str:  # fmt: skip
     lines = [f"## {shape.model}: cbserve against llama-server, same GGUF files", "",
              f"host: {host}; STREAM triad {gbs:.1f} GB/s; load: {load}", ""]  # fmt: skip
     lines += [f"- `{q}`: {tool}" for q, tool in tools.items()]
-    lines += ["", "| file | users | server | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | peak RSS GiB | "
-              "file + KV GiB | RSS ratio (<= 1.2) | weights read GiB | bound ms | ITL p50 / bound |",
+    lines += [f"- {note}" for note in notes or []]
+    lines += ["", "| file | users | server | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p99 ms | peak RSS GiB | "
+              "file + KV GiB | RSS ratio (<= 1.2) | weights read GiB | bound ms | TPOT p50 / bound |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         ratio = rss_ratio(r["peak_rss"], r["file_bytes"], r["kv_bytes"])
-        lines.append(f"| {r['quant']} | {r['users']} | {r['system']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-                     f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {gib(r['peak_rss'])} | "
+        lines.append(f"| {r['quant']} | {r['users']} | {r['system']} | {r['output_tok_s']:.1f} | "
+                     f"{r['ttft_p50_ms']:.0f} | "
+                     f"{r['tpot_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {gib(r['peak_rss'])} | "
                      f"{gib(r['file_bytes'])} + {gib(r['kv_bytes'])} | {ratio:.2f} "
                      f"{'ok' if ratio <= RSS_BUDGET else 'over'} | {gib(r['weight_bytes'])} | "
-                     f"{1e3 * r['bound_s']:.1f} | {r['itl_p50_ms'] / (1e3 * r['bound_s']):.2f}x |")  # fmt: skip
+                     f"{1e3 * r['bound_s']:.1f} | {r['tpot_p50_ms'] / (1e3 * r['bound_s']):.2f}x |")  # fmt: skip
     lines += ["", "cbserve against llama.cpp (tok/s >= 1.0x, TTFT p50 and ITL p99 no worse):", ""]
     by_key: dict[tuple, dict] = {}
     for r in rows:
@@ -507,7 +523,8 @@ def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[
     for (quant, users), pair in by_key.items():
         if "cbserve" in pair and "llama.cpp" in pair:
             c, l = pair["cbserve"], pair["llama.cpp"]
-            lines.append(f"- {quant}, {users} users: {c['output_tok_s'] / l['output_tok_s']:.2f}x tok/s, "
+            lines.append(f"- {quant}, {users} user{'s' if users > 1 else ''}: "
+                         f"{c['output_tok_s'] / l['output_tok_s']:.2f}x tok/s, "
                          f"TTFT p50 {c['ttft_p50_ms']:.0f} vs {l['ttft_p50_ms']:.0f} ms, ITL p99 "
                          f"{c['itl_p99_ms']:.1f} vs {l['itl_p99_ms']:.1f} ms: {verdict(c, l)}")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -561,6 +578,8 @@ def main(argv: list[str]) -> int:
     print(f"host: {host}; STREAM triad {gbs:.1f} GB/s", flush=True)
     out = Path(args.out)
     rows = []
+    llama_extra: list[str] = []
+    notes: list[str] = []
     for quant, path in files.items():
         weight_bytes = step_weight_bytes(path)
         for users in opts.users:
@@ -568,20 +587,30 @@ def main(argv: list[str]) -> int:
                 if system == "cbserve":
                     target, kv = cbserve_target(path, users, opts.ctx_per_slot), None
                 else:
-                    target = llama_cpp_target(path, users, opts.ctx_per_slot)
+                    target = llama_cpp_target(path, users, opts.ctx_per_slot, llama_extra)
                     kv = llama_cpp_kv_bytes(shape, users, opts.ctx_per_slot)
                 print(f"\n{quant}, {users} users, {system}", flush=True)
-                figures = measure_system(target, kv, users, args, out / quant / f"u{users}" / system)
+                where = out / quant / f"u{users}" / system
+                try:
+                    figures = measure_system(target, kv, users, args, where)
+                except UsageError:
+                    if system != "llama.cpp" or llama_extra or not stopped_by_sigill(target):
+                        raise
+                    print(NO_REPACK_NOTE, flush=True)
+                    llama_extra, notes = ["--no-repack"], [*notes, NO_REPACK_NOTE]
+                    target = llama_cpp_target(path, users, opts.ctx_per_slot, llama_extra)
+                    figures = measure_system(target, kv, users, args, where)
                 rows.append({"quant": quant, "users": users, "system": system, "file_bytes": path.stat().st_size,
                              "weight_bytes": weight_bytes, "bound_s": weight_bound_s(weight_bytes, gbs), **figures})
     tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
     load = (f"completions, {args.input_len} words in, {args.output_len} tokens out, {args.duration_s:.0f} s x "
             f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone")
-    text = markdown(shape, rows, gbs, host, tools, load)
+    text = markdown(shape, rows, gbs, host, tools, load, notes)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gguf_serve_compare.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"shape": asdict(shape), "bandwidth_gbs": gbs, "host": host,
-                                                  "tools": tools, "load": load, "rows": rows}, indent=2))
+                                                  "tools": tools, "load": load, "notes": notes,
+                                                  "rows": rows}, indent=2))
     print("\n" + text)
     print(f"written: {out / 'gguf_serve_compare.md'}, {out / 'results.json'}")
     return 0 if all(r["completed"] for r in rows) else 1

@@ -137,7 +137,8 @@ def test_the_verdict_needs_throughput_ttft_and_itl_p99_all(gsc) -> None:
 def test_the_table_has_a_row_per_run_and_a_verdict_per_pair(gsc) -> None:
     row = {"quant": "q8_0", "users": 1, "file_bytes": 1 << 30, "weight_bytes": 1 << 30, "bound_s": 0.1,
            "output_tok_s": 8.0, "ttft_p50_ms": 300.0, "tpot_p50_ms": 120.0, "itl_p99_ms": 150.0,
-           "peak_rss": 1 << 30, "kv_bytes": 1 << 28, "completed": 3, "failed": 0}  # fmt: skip
+           "peak_rss": 1 << 30, "serving_peak_rss": 1 << 29, "kv_bytes": 1 << 28, "completed": 3,
+           "failed": 0}  # fmt: skip
     rows = [{**row, "system": "cbserve"}, {**row, "system": "llama.cpp", "output_tok_s": 10.0}]
     text = gsc.markdown(gsc.SHAPES["1b"], rows, 10.0, "test CPU", {"q8_0": "convert_hf_to_gguf.py"}, "a load",
                         ["a note"])  # fmt: skip
@@ -155,7 +156,8 @@ def test_peak_rss_sums_the_process_tree(gsc) -> None:
         assert proc.stdout.readline().strip() == "ready"
         rss = gsc.PeakRss(proc.pid, interval=0.05).start()
         assert rss.current() >= 256 << 20
-        assert rss.stop() >= 256 << 20
+        assert rss.serving() >= 256 << 20
+        assert rss.stop() >= 256 << 20 and rss.serving_peak >= 256 << 20
         assert 0 < gsc.high_water_mark(proc.pid) < 64 << 20  # the shell's own: the child's is not in it
     finally:
         proc.stdin.close()

@@ -133,7 +133,8 @@ SHAPES = {
 LOAD_DEFAULTS = {
     "tiny": ["--duration", "10s", "--rounds", "1", "--input-len", "16:64", "--output-len", "32"],
     "1b": ["--duration", "60s", "--rounds", "2", "--input-len", "64:256", "--output-len", "128"],
-    "8b": ["--duration", "120s", "--rounds", "1", "--input-len", "16:64", "--output-len", "64"],
+    "8b": ["--duration", "180s", "--rounds", "1", "--input-len", "16:64", "--output-len", "64",
+           "--ready-timeout", "900"],
 }
 
 

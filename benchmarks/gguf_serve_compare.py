@@ -531,6 +531,9 @@ def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[
               "TPOT p50 / bound |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['quant']} | {r['users']} | {r['system']} | failed: {r['error']} |" + " |" * 9)
+            continue
         ratio = rss_ratio(r["peak_rss"], r["file_bytes"], r["kv_bytes"])
         lines.append(f"| {r['quant']} | {r['users']} | {r['system']} | {r['output_tok_s']:.1f} | "
                      f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
@@ -541,7 +544,8 @@ def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[
     lines += ["", "cbserve against llama.cpp (tok/s >= 1.0x, TTFT p50 and ITL p99 no worse):", ""]
     by_key: dict[tuple, dict] = {}
     for r in rows:
-        by_key.setdefault((r["quant"], r["users"]), {})[r["system"]] = r
+        if "error" not in r:
+            by_key.setdefault((r["quant"], r["users"]), {})[r["system"]] = r
     for (quant, users), pair in by_key.items():
         if "cbserve" in pair and "llama.cpp" in pair:
             c, l = pair["cbserve"], pair["llama.cpp"]
@@ -599,43 +603,57 @@ def main(argv: list[str]) -> int:
     gbs, host = bandwidth(opts.limits)
     print(f"host: {host}; STREAM triad {gbs:.1f} GB/s", flush=True)
     out = Path(args.out)
-    rows = []
+    out.mkdir(parents=True, exist_ok=True)
+    tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
+    load = (f"completions, {args.input_len} words in, {args.output_len} tokens out, {args.duration_s:.0f} s x "
+            f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone")
+    rows: list[dict] = []
+    text = ""
     llama_extra: list[str] = []
     notes: list[str] = []
     for quant, path in files.items():
         weight_bytes = step_weight_bytes(path)
         for users in opts.users:
             for system in opts.systems:
-                if system == "cbserve":
-                    target, kv = cbserve_target(path, users, opts.ctx_per_slot), None
-                else:
-                    target = llama_cpp_target(path, users, opts.ctx_per_slot, llama_extra)
-                    kv = llama_cpp_kv_bytes(shape, users, opts.ctx_per_slot)
                 print(f"\n{quant}, {users} users, {system}", flush=True)
-                where = out / quant / f"u{users}" / system
+                row = {"quant": quant, "users": users, "system": system, "file_bytes": path.stat().st_size,
+                       "weight_bytes": weight_bytes, "bound_s": weight_bound_s(weight_bytes, gbs)}  # fmt: skip
                 try:
-                    figures = measure_system(target, kv, users, args, where)
-                except UsageError:
-                    if system != "llama.cpp" or llama_extra or not stopped_by_sigill(target):
-                        raise
-                    print(NO_REPACK_NOTE, flush=True)
-                    llama_extra, notes = ["--no-repack"], [*notes, NO_REPACK_NOTE]
-                    target = llama_cpp_target(path, users, opts.ctx_per_slot, llama_extra)
-                    figures = measure_system(target, kv, users, args, where)
-                rows.append({"quant": quant, "users": users, "system": system, "file_bytes": path.stat().st_size,
-                             "weight_bytes": weight_bytes, "bound_s": weight_bound_s(weight_bytes, gbs), **figures})
-    tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
-    load = (f"completions, {args.input_len} words in, {args.output_len} tokens out, {args.duration_s:.0f} s x "
-            f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone")
-    text = markdown(shape, rows, gbs, host, tools, load, notes)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gguf_serve_compare.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"shape": asdict(shape), "bandwidth_gbs": gbs, "host": host,
-                                                  "tools": tools, "load": load, "notes": notes,
-                                                  "rows": rows}, indent=2))
+                    row |= serve_and_measure(system, path, shape, users, opts.ctx_per_slot, args,
+                                             out / quant / f"u{users}" / system, llama_extra, notes)  # fmt: skip
+                except UsageError as exc:  # this server failed (the log says why); the others still run
+                    print(f"{system} failed: {exc}", flush=True)
+                    row["error"] = str(exc)
+                rows.append(row)
+                text = markdown(shape, rows, gbs, host, tools, load, notes)  # written after every run
+                (out / "gguf_serve_compare.md").write_text(text)
+                (out / "results.json").write_text(json.dumps({"shape": asdict(shape), "bandwidth_gbs": gbs,
+                                                              "host": host, "tools": tools, "load": load,
+                                                              "notes": notes, "rows": rows}, indent=2))  # fmt: skip
     print("\n" + text)
     print(f"written: {out / 'gguf_serve_compare.md'}, {out / 'results.json'}")
-    return 0 if all(r["completed"] for r in rows) else 1
+    return 0 if all(r.get("completed") for r in rows) else 1
+
+
+def serve_and_measure(system: str, path: Path, shape: Shape, users: int, ctx_per_slot: int, args: argparse.Namespace,
+                      where: Path, llama_extra: list[str], notes: list[str]) -> dict:  # fmt: skip
+    """One server on one file at one user count. A llama-server stopped by SIGILL before it was ready is
+    restarted with --no-repack, which `llama_extra` then keeps for the later runs and `notes` records."""
+    from loadtest.target import UsageError
+
+    if system == "cbserve":
+        return measure_system(cbserve_target(path, users, ctx_per_slot), None, users, args, where)
+    kv = llama_cpp_kv_bytes(shape, users, ctx_per_slot)
+    target = llama_cpp_target(path, users, ctx_per_slot, llama_extra)
+    try:
+        return measure_system(target, kv, users, args, where)
+    except UsageError:
+        if llama_extra or not stopped_by_sigill(target):
+            raise
+    print(NO_REPACK_NOTE, flush=True)
+    llama_extra.append("--no-repack")
+    notes.append(NO_REPACK_NOTE)
+    return measure_system(llama_cpp_target(path, users, ctx_per_slot, llama_extra), kv, users, args, where)
 
 
 if __name__ == "__main__":

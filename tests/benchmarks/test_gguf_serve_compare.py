@@ -146,6 +146,11 @@ def test_the_table_has_a_row_per_run_and_a_verdict_per_pair(gsc) -> None:
     assert text.count("| q8_0 | 1 |") == 2 and "- a note" in text
     assert "1.20x" in text  # TPOT 120 ms against a 100 ms bound
     assert "0.80x tok/s" in text and "not met (tok/s)" in text
+    failed = {"quant": "q4_0", "users": 16, "system": "cbserve", "error": "the server exited with status 1"}
+    text = gsc.markdown(gsc.SHAPES["1b"], [*rows, failed], 10.0, "test CPU", {}, "a load")
+    line = next(x for x in text.splitlines() if x.startswith("| q4_0 | 16 | cbserve |"))
+    assert "failed: the server exited with status 1" in line and line.count("|") == text.splitlines()[7].count("|")
+    assert "q4_0, 16 users" not in text  # no verdict without both servers' figures
 
 
 def test_peak_rss_sums_the_process_tree(gsc) -> None:

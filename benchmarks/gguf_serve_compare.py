@@ -458,8 +458,8 @@ def llama_cpp_target(gguf: Path, users: int, ctx_per_slot: int, extra: list[str]
     return Target("llama.cpp", f"http://127.0.0.1:{port}", command=command + (extra or []))
 
 
-NO_REPACK_NOTE = ("llama-server ran with --no-repack: with repacking on, its AMX kernels for Q8_0/Q4_0 stopped with "
-                  "SIGILL before it was ready on this host (so its plain ggml CPU kernels served these files)")
+NO_REPACK_NOTE = ("llama-server ran with --no-repack: with weight repacking on (its AMX and repacked CPU kernels) "
+                  "it stopped with SIGILL before it was ready, so ggml's plain CPU kernels served these files")
 
 
 def stopped_by_sigill(target) -> bool:

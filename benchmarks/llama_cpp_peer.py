@@ -3,6 +3,7 @@
     python benchmarks/llama_cpp_peer.py --setup                 # once: about 10 minutes on 2 cores
     python benchmarks/llama_cpp_peer.py --setup --model FOLDER  # also converts another checkpoint
     python benchmarks/serve_compare.py                          # then finds it and serves it alongside
+    python benchmarks/llama_cpp_peer.py --build-quantize        # llama-quantize too (about 40 min on 2 cores)
 
 `--setup` downloads the `llama-cpp-python==0.3.36` sdist with pip (PyPI is the one registry this
 project reaches; the sdist vendors llama.cpp's sources), extracts its `vendor/llama.cpp` into
@@ -20,7 +21,9 @@ the venv lacks, sentencepiece (a wheel), goes into `<dir>/converter-packages`, n
 `--model FOLDER` converts that checkpoint folder instead, to `<dir>/<folder name>-f32.gguf`.
 
 Each step is skipped when its result is there (a binary built from the pinned version, the GGUF), so
-a second `--setup` is a quick no-op. `serve_command()` is the `llama-server` command line the load
+a second `--setup` is a quick no-op. `--build-quantize` builds the `llama-quantize` target from the same
+sources, the same way, into `<dir>/bin/llama-quantize` (benchmarks/gguf_serve_compare.py uses it for
+Q4_0 files when it is there). `serve_command()` is the `llama-server` command line the load
 test runs: one slot per concurrent user, continuous batching, Prometheus metrics on.
 """
 
@@ -69,6 +72,12 @@ def _stamp() -> Path:
 def server_binary() -> Path | None:
     """The installed `llama-server` if `--setup` has built it, else None."""
     binary = install_dir() / "bin" / "llama-server"
+    return binary if binary.is_file() and os.access(binary, os.X_OK) else None
+
+
+def quantize_binary() -> Path | None:
+    """The installed `llama-quantize` if `--build-quantize` has built it, else None."""
+    binary = install_dir() / "bin" / "llama-quantize"
     return binary if binary.is_file() and os.access(binary, os.X_OK) else None
 
 
@@ -147,21 +156,38 @@ def _changelog_commit(changelog: str) -> str:
     return found.group(1) if found else "unknown"
 
 
-def _build(source: Path, build: Path) -> None:
-    """Configure and build the `llama-server` target only, on 2 jobs."""
+def _build(source: Path, build: Path, target: str = "llama-server") -> None:
+    """Configure and build one target (`llama-server`, `llama-quantize`), on 2 jobs."""
     commit = (source / "LLAMA_CPP_COMMIT").read_text().strip()
     subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}",
                     "-DLLAMA_BUILD_NUMBER=0"], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", "2"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", "2"], check=True)
 
 
-def _install(build: Path) -> Path:
-    binary = install_dir() / "bin" / "llama-server"
+def _install(build: Path, target: str = "llama-server") -> Path:
+    binary = install_dir() / "bin" / target
     binary.parent.mkdir(parents=True, exist_ok=True)
-    partial = binary.with_name("llama-server.partial")
-    shutil.copy2(build / "bin" / "llama-server", partial)
+    partial = binary.with_name(f"{target}.partial")
+    shutil.copy2(build / "bin" / target, partial)
     partial.rename(binary)
-    _stamp().write_text(LLAMA_CPP_PYTHON_VERSION + "\n")
+    if target == "llama-server":
+        _stamp().write_text(LLAMA_CPP_PYTHON_VERSION + "\n")
+    return binary
+
+
+def build_quantize() -> Path:
+    """Build and install `llama-quantize` from the sources `--setup` extracted (run that first), unless
+    it is there."""
+    if quantize_binary() is not None:
+        print(f"llama-quantize: already built ({quantize_binary()})", flush=True)
+        return install_dir() / "bin" / "llama-quantize"
+    if not (source_dir() / "CMakeLists.txt").is_file():
+        raise FileNotFoundError(f"no llama.cpp sources in {source_dir()}: run --setup first")
+    with tempfile.TemporaryDirectory(dir=install_dir(), prefix="quantize-") as scratch:
+        build = Path(scratch) / "build"
+        _timed("build llama-quantize (cmake, Release, -j 2)", lambda: _build(source_dir(), build, "llama-quantize"))
+        binary = _install(build, "llama-quantize")
+    print(f"installed {binary}", flush=True)
     return binary
 
 
@@ -175,15 +201,18 @@ def _converter_packages() -> Path:
     return folder
 
 
-def _convert(folder: Path, target: Path) -> None:
-    """The vendored converter, checkpoint folder -> F32 GGUF, with the vendored gguf-py (ahead of the venv's
-    gguf) and sentencepiece first on the path."""
-    source = source_dir()
-    path = (str(source / "gguf-py"), str(_converter_packages()), os.environ.get("PYTHONPATH"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in path if x)}
+def converter_env() -> dict[str, str]:
+    """The environment llama.cpp's Python tools run in: the vendored gguf-py (ahead of the venv's gguf)
+    and sentencepiece first on the path."""
+    path = (str(source_dir() / "gguf-py"), str(_converter_packages()), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in path if x)}
+
+
+def convert(folder: Path, target: Path, outtype: str = "f32") -> None:
+    """The vendored converter, checkpoint folder -> GGUF of `outtype` (f32, f16, bf16, q8_0)."""
     partial = target.with_name(target.name + ".partial")
-    subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                    "--outfile", str(partial)], check=True, env=env)  # fmt: skip
+    subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+                    "--outfile", str(partial)], check=True, env=converter_env())  # fmt: skip
     partial.rename(target)
 
 
@@ -221,7 +250,7 @@ def setup(model_folder: Path | None = None) -> tuple[Path, Path]:
 
             model_folder = _timed("find the embedded model's checkpoint folder", embedded_folder)
         folder = Path(model_folder)
-        _timed(f"convert {folder} to {target} (F32)", lambda: _convert(folder, target))
+        _timed(f"convert {folder} to {target} (F32)", lambda: convert(folder, target))
     print(f"setup took {time.perf_counter() - start:.1f} s", flush=True)
     return install_dir() / "bin" / "llama-server", target
 
@@ -230,12 +259,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", action="store_true", help="build llama-server and convert the model to GGUF")
     parser.add_argument("--model", type=Path, help="a checkpoint folder to convert (default: the embedded model)")
+    parser.add_argument("--build-quantize", action="store_true", help="build llama-quantize too (after --setup)")
     args = parser.parse_args(argv)
-    if args.setup:
+    if args.build_quantize and not args.setup:
+        build_quantize()
+    elif args.setup:
         if args.model is not None and not (args.model / "config.json").is_file():
             parser.error(f"--model {args.model} is not a transformers checkpoint folder (no config.json)")
         binary, gguf = setup(args.model)
         print(f"llama.cpp peer ready: {binary} {gguf}")
+        if args.build_quantize:
+            build_quantize()
     else:
         parser.print_help()
 

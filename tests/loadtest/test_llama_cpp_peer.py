@@ -81,3 +81,16 @@ def test_changelog_commit(peer) -> None:
 def test_help_runs(peer, capsys) -> None:
     peer.main([])
     assert "--setup" in capsys.readouterr().out
+
+
+def test_llama_quantize_is_found_once_built_and_needs_the_sources_to_build(peer, tmp_path) -> None:
+    assert peer.quantize_binary() is None
+    with pytest.raises(FileNotFoundError, match="run --setup first"):
+        peer.build_quantize()
+    binary = tmp_path / "llama-cpp" / "bin" / "llama-quantize"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    assert peer.quantize_binary() is None  # not executable
+    binary.chmod(0o755)
+    assert peer.quantize_binary() == binary
+    assert peer.build_quantize() == binary  # there: nothing built

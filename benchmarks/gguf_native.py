@@ -12,7 +12,9 @@ safetensors checkpoint is resident only once read), each in a fresh process.
 `kernels`: time of one product per linear shape of SmolLM2-135M for the quantized kernel (float
 activations, and int8 activations), the weight dequantised for the call plus torch's product (what
 steps of more than cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's
-float32 product, at each row count.
+float32 product (and its bfloat16 one where the CPU multiplies bfloat16 natively: the dense path
+`quantization auto` weighs the blocks against on such a host), at each row count, all in one
+process, one shape after another.
 The embedded SmolLM2-135M-Instruct unless --model names a GGUF file.
 """
 
@@ -102,6 +104,7 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
+    from engine.backends.cpu_isa import onednn_native
     from engine.backends.cpu_kernels import cpu_ops
     from engine.backends.cpu_linear import packing_available
 
@@ -113,6 +116,8 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
         wf = torch.from_numpy(w)
         panels = ops.pack_linear_weight(wf)
         onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
+        bf16 = onednn_native(torch.bfloat16) and onednn is not None  # the dense path of a bfloat16 model here
+        onednn_bf16 = torch.ops.mkldnn._reorder_linear_weight(wf.bfloat16(), 64) if bf16 else None
         blocks = {t.name: torch.from_numpy(quants.quantize(w, t)) for t in (T.Q8_0, T.Q4_0, T.Q4_1)}
         for m in rows:
             x = torch.randn(m, k)
@@ -125,6 +130,9 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
             paths["f32 panels"] = lambda: ops.packed_linear(x, panels, None, n)
             if onednn is not None:
                 paths["f32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+            if onednn_bf16 is not None:
+                xb = x.bfloat16()
+                paths["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, onednn_bf16, None, "none", [], "")
             for path, fn in paths.items():
                 fn()
                 times = []

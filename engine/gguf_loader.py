@@ -223,9 +223,12 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
     for m in model.modules():
         if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
             counts[NAMES[m.qtype]] = counts.get(NAMES[m.qtype], 0) + 1
-    logger.info("cbserve: %s loaded with %s in their GGUF blocks (%.0f MiB of blocks; the rest %s)", path.name,
-                ", ".join(f"{n} {k} weights" for k, n in sorted(counts.items())) or "no weights",
-                quantized_bytes(model) / 2**20, str(dtype).removeprefix("torch."))  # fmt: skip
+    if counts:
+        logger.info("cbserve: %s loaded with %s in their GGUF blocks (%.0f MiB of blocks; the rest %s)", path.name,
+                    ", ".join(f"{n} {k} weights" for k, n in sorted(counts.items())),
+                    quantized_bytes(model) / 2**20, str(dtype).removeprefix("torch."))  # fmt: skip
+    else:
+        logger.info("cbserve: %s loaded dequantised to %s", path.name, str(dtype).removeprefix("torch."))
     model.cbserve_quantization = choice.as_dict()  # the engine's placement shows it (GET /v1/models)
     return model.eval()
 

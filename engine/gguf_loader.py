@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from types import ModuleType
 
 import numpy as np
@@ -104,7 +105,7 @@ def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, q
     native = quantization in ("gguf", "auto") and ops is not None
     with shared_reader(path) as reader:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = _load_native(path, reader, dtype, attn_implementation, ops, quantization) if native else None
+        model = _load_native(path, reader, dtype, attn_implementation, ops, quantization) if ops and native else None
         if model is None:
             if native:
                 logger.info("cbserve: %s's architecture is loaded dequantized (its tensor processor does more "
@@ -141,7 +142,7 @@ def _choice(model: torch.nn.Module, reader, names: dict[str, str], tied: bool, d
     """gguf: blocks everywhere; auto: the probe on each kind's largest block-kept matrix."""
     if quantization == "gguf":
         return BlockChoice.everywhere(dtype)
-    largest: dict[str, object] = {}
+    largest: dict[str, Any] = {}  # kind -> gguf's ReaderTensor
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None or int(tensor.tensor_type) not in NATIVE_TYPES or not hf_name.endswith(".weight"):

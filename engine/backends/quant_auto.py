@@ -83,6 +83,9 @@ class BlockChoice:
         parts = []
         for kind in KINDS:
             t = self.timings.get(kind)
+            if t is None and self.setting == "auto":
+                parts.append(f"{kind}: no Q8_0, Q4_0 or Q4_1 weights")
+                continue
             what = f"{NAMES[t.qtype]} blocks" if t and self.keeps(kind) else "blocks" if self.keeps(kind) else f"dense {dtype}"
             times = ""
             if t is not None:

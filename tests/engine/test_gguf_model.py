@@ -149,3 +149,17 @@ def test_a_split_choice_serves_as_generate_does(monkeypatch) -> None:
     engine = LLMEngine(loaded.model, ContinuousBatchingConfig(block_size=16, num_blocks=16))
     assert engine.placement()["quantization"]["blocks"] == blocks
     assert (engine.executor.native_layers is not None) == (not blocks["layers"])  # dense layers: the native stack
+
+
+def test_the_rule_and_the_line_of_a_probe() -> None:
+    """A kind keeps its blocks only when they win clearly over the two row counts; a near tie stays
+    dense; the start-up line says each kind's choice and times."""
+    from engine.backends.quant_auto import BlockChoice, Timing
+
+    fast = Timing(8, (49152, 576), (100.0, 300.0), (200.0, 300.0))
+    tie = Timing(3, (576, 1536), (100.0, 100.0), (95.0, 110.0))
+    assert fast.keeps_blocks and not tie.keeps_blocks
+    choice = BlockChoice("auto", {"head": True, "layers": False}, torch.bfloat16, {"head": fast, "layers": tie})
+    assert choice.describe() == ("quantization auto: layers dense bfloat16 (blocks 100+100 us against dense 95+110 us "
+                                 "at 1+16 rows); head Q8_0 blocks (blocks 100+300 us against dense 200+300 us at 1+16 rows)")
+    assert "layers: no Q8_0, Q4_0 or Q4_1 weights" in BlockChoice("auto", {}, torch.float32).describe()

@@ -3,6 +3,7 @@
     python benchmarks/gguf_native.py agreement [--prompts 64] [--tokens 32] [--model file.gguf]
     python benchmarks/gguf_native.py memory [--model file.gguf]
     python benchmarks/gguf_native.py kernels [--rows 1,16,128] [--repeats 20]
+    python benchmarks/gguf_native.py probe [--model file.gguf] [--dtype bfloat16]
 
 `agreement`: greedy output of cbserve's engine on the native model (Q4_1/Q8_0 blocks) against transformers' `generate` on the dequantised float32 weights, over a fixed set
 of chat prompts: how many of the outputs are identical, and the mean length of the common prefix.
@@ -12,7 +13,12 @@ safetensors checkpoint is resident only once read), each in a fresh process.
 `kernels`: time of one product per linear shape of SmolLM2-135M for the quantized kernel (float
 activations, and int8 activations), the weight dequantised for the call plus torch's product (what
 steps of more than cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's
-float32 product, at each row count.
+float32 product (and its bfloat16 one where the CPU multiplies bfloat16 natively: the dense path
+`quantization auto` weighs the blocks against on such a host), at each row count, all in one
+process, one shape after another.
+`probe`: `quantization auto`'s load-time probe (engine/backends/quant_auto.py, one thread) on the
+model's LM head and largest layer matrix, then the same timing on all of torch's threads, and each
+way's choice: whether the one-thread probe decides as the cores the engine uses would.
 The embedded SmolLM2-135M-Instruct unless --model names a GGUF file.
 """
 
@@ -102,6 +108,7 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
+    from engine.backends.cpu_isa import onednn_native
     from engine.backends.cpu_kernels import cpu_ops
     from engine.backends.cpu_linear import packing_available
 
@@ -113,6 +120,8 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
         wf = torch.from_numpy(w)
         panels = ops.pack_linear_weight(wf)
         onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
+        bf16 = onednn_native(torch.bfloat16) and onednn is not None  # the dense path of a bfloat16 model here
+        onednn_bf16 = torch.ops.mkldnn._reorder_linear_weight(wf.bfloat16(), 64) if bf16 else None
         blocks = {t.name: torch.from_numpy(quants.quantize(w, t)) for t in (T.Q8_0, T.Q4_0, T.Q4_1)}
         for m in rows:
             x = torch.randn(m, k)
@@ -125,6 +134,9 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
             paths["f32 panels"] = lambda: ops.packed_linear(x, panels, None, n)
             if onednn is not None:
                 paths["f32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+            if onednn_bf16 is not None:
+                xb = x.bfloat16()
+                paths["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, onednn_bf16, None, "none", [], "")
             for path, fn in paths.items():
                 fn()
                 times = []
@@ -138,9 +150,41 @@ def kernels(rows: list[int], repeats: int) -> list[dict]:
     return results
 
 
+def probe(model_path: str | None, dtype_name: str) -> list[dict]:
+    import numpy as np
+    import torch
+
+    from engine.backends import quant_auto
+    from engine.backends.cpu_kernels import cpu_ops
+    from engine.gguf_loader import NATIVE_TYPES, shared_reader
+    from engine.loader import DTYPES, embedded_gguf
+
+    path = Path(model_path) if model_path else embedded_gguf()
+    dtype, ops = DTYPES[dtype_name], cpu_ops()
+    out = []
+    with shared_reader(path) as reader:
+        native = [t for t in reader.tensors if int(t.tensor_type) in NATIVE_TYPES and len(t.shape) == 2]
+        head = [t for t in native if t.name in ("output.weight", "token_embd.weight")]
+        layers = [t for t in native if t.name.startswith("blk.")]
+        for kind, group in (("head", head), ("layers", layers)):
+            if not group:
+                continue
+            t = max(group, key=lambda t: t.n_elements)
+            blocks = torch.from_numpy(np.array(t.data[: quant_auto.PROBE_ROWS], dtype=np.uint8))
+            shape = (int(t.shape[1]), int(t.shape[0]))
+            one = quant_auto.measure(blocks, int(t.tensor_type), shape, dtype, ops)  # the probe: one thread
+            every = quant_auto._measure(blocks, int(t.tensor_type), shape, dtype, ops)  # torch's threads
+            for label, timing in (("one thread (the probe)", one), (f"{torch.get_num_threads()} threads", every)):
+                out.append({"kind": kind, "tensor": t.name, "how": label, **timing.as_dict(),
+                            "keeps_blocks": timing.keeps_blocks})  # fmt: skip
+                print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("agreement", "memory", "kernels"))
+    p.add_argument("what", choices=("agreement", "memory", "kernels", "probe"))
+    p.add_argument("--dtype", default="bfloat16", help="probe: the dense dtype (bfloat16, float32, float16)")
     p.add_argument("--model", default=None, help="a GGUF file; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32)
@@ -154,6 +198,8 @@ def main() -> None:
         print(json.dumps(agreement(args.model, args.prompts, args.tokens)))
     elif args.what == "memory":
         print(json.dumps(memory(args.model)))
+    elif args.what == "probe":
+        probe(args.model, args.dtype)
     else:
         kernels([int(r) for r in args.rows.split(",")], args.repeats)
 

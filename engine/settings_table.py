@@ -266,8 +266,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quantization", "str", "auto", "the weights' format in memory: gguf keeps a GGUF file's Q8_0, Q4_0 and "
             "Q4_1 weights in their blocks (CPU, one rank; the rest in float32 unless dtype says otherwise); none "
             "dequantises; int8 makes any checkpoint's linear layers int8 with per-channel scales at load time (CPU, one "
-            "rank); auto: gguf for a GGUF file (the embedded model included) on the CPU when dtype is auto, "
-            "else none", section="server", choices=("auto", "none", "gguf", "int8"), operator=True),
+            "rank); auto, for a GGUF file (the embedded model included) on the CPU when dtype is auto: "
+            "blocks for the kinds of weights (decoder layers, LM head) where a probe at load times the block "
+            "kernel faster, the rest dequantised to the dtype; else none", section="server", choices=("auto", "none", "gguf", "int8"), operator=True),
     Setting("attn_implementation", "str", None, "transformers' attn_implementation the model loads with (the engine "
             "runs its own paged attention)", section="server", nullable=True, pattern=r"[A-Za-z0-9_]+",
             max_length=64, operator=True),

@@ -14,8 +14,11 @@ are that path's bit for bit.
 It takes a model when all of this holds, and otherwise the engine keeps the Python path and logs one
 line saying why (`why_not`): cbserve's C++ kernels are built; the model is transformers'
 Llama, Mistral or Qwen2 causal LM (exactly those classes: their forwards are embed, rotary, the
-layers, the norm, the LM head) with those classes' layers and attention; every linear layer is
-packed (q/k/v as one product) and every norm, MLP and the rotary got cpu_fused's pass (RMSNorm,
+layers, the norm, the LM head) with those classes' layers and attention; every linear layer of the
+layers is packed (q/k/v as one product), and the LM head too or else it is a GGUF-quantized
+`QuantizedLinear` (the stack then returns the final norm's rows and the head runs as the model's own
+module after it, as a `QuantizedEmbedding` does before it); every norm, MLP and the rotary got
+cpu_fused's pass (RMSNorm,
 SiLU-gated MLP, full rotary); no forward hooks anywhere in the model (accelerate's offloading,
 tensor parallel's all-reduce, anyone's hook); one rank (no tensor parallel); a dtype and head size
 the attention kernel takes. `CBSERVE_CPU_NATIVE_LAYERS=0` turns it off.
@@ -35,6 +38,7 @@ from engine.backends.base import AttentionMetadata
 from engine.backends.cpu import KERNEL_DTYPES, SDPABackend
 from engine.backends.cpu_fused import FusedModules
 from engine.backends.cpu_linear import PackedLinears, PackedWeight, _PackedGroup, _PackedLinear
+from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear
 from engine.kv_cache import PagedKVCache
 
 logger = logging.getLogger("cbserve.engine")
@@ -102,7 +106,7 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
     base = getattr(model, "model", None)
     if type(base) is not base_type:
         return f"{type(model).__name__}'s base model is not {base_type.__name__}"
-    if type(base.embed_tokens) is not torch.nn.Embedding:
+    if type(base.embed_tokens) not in (torch.nn.Embedding, QuantizedEmbedding):
         return f"its embedding is a {type(base.embed_tokens).__name__}, not torch's Embedding"
     if (hook := _hooked(model)) is not None:
         return hook
@@ -122,7 +126,8 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
     swapped = {id(ns) for ns, name, _ in fused.swaps if name == "forward"}
     rotary = {id(ns) for ns, name, _ in fused.swaps if name == "apply_rotary_pos_emb"}
     by_module = _packed_by_module(packed)
-    if id(model.lm_head) not in by_module or id(base.norm.__dict__) not in swapped:
+    quantized_head = type(model.lm_head) is QuantizedLinear and "forward" not in model.lm_head.__dict__
+    if (id(model.lm_head) not in by_module and not quantized_head) or id(base.norm.__dict__) not in swapped:
         return "the final norm or the LM head has no fused or packed form"
     for i, layer in enumerate(layers):
         attn = layer.self_attn
@@ -156,6 +161,7 @@ class NativeLayers:
         base = model.model
         self.embed, self.rotary = base.embed_tokens, base.rotary_emb
         self.window = _families()[type(model)][3]
+        self.head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else None  # run after the stack
         self.stack = self._build()
 
     def rebuild(self) -> None:
@@ -188,7 +194,8 @@ class NativeLayers:
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon, window=self.window(attn) or 0,
             )  # fmt: skip
-        stack.set_head(base.norm.weight.detach(), base.norm.variance_epsilon, single(model.lm_head))
+        head = self.ops.PackedLinear(None, None, None, 0, 0) if self.head is not None else single(model.lm_head)
+        stack.set_head(base.norm.weight.detach(), base.norm.variance_epsilon, head)
         return stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -200,5 +207,6 @@ class NativeLayers:
         if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype
                 and cos.shape == sin.shape and cos.dim() == 3):  # fmt: skip
             return None
-        return self.stack.forward(hidden, cos, sin, cache.k, cache.v, meta.block_tables, meta.seq_lens_k,
-                                  meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.backend.cascade_min_seqs)  # fmt: skip
+        out = self.stack.forward(hidden, cos, sin, cache.k, cache.v, meta.block_tables, meta.seq_lens_k,
+                                 meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.backend.cascade_min_seqs)  # fmt: skip
+        return out if self.head is None else self.head(out)

@@ -118,7 +118,9 @@ class Executor:
                 "attention_backend": self.backend.kernel or self.backend.name, "block_size": self.block_size,
                 "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
                 "kv_cache_bytes": self.sizes.cache_bytes,
-                "tensor_parallel_size": self.peers.world if self.peers else 1}  # fmt: skip
+                "tensor_parallel_size": self.peers.world if self.peers else 1,
+                # a GGUF model's weights: which kinds kept their blocks and the probe that chose (gguf_loader)
+                "quantization": getattr(self.model, "cbserve_quantization", {"setting": "none"})}  # fmt: skip
 
     def placement_line(self) -> str:
         """The start-up log line: device, dtype, attention backend, then the sizes chosen."""

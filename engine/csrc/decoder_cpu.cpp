@@ -140,7 +140,8 @@ at::Tensor DecoderStack::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
     const at::Tensor gated = silu_mul(linear(l.gate, x), linear(l.up, x));
     h = add_residual(h, linear(l.down, gated));
   }
-  return linear(lm_head_, rms_norm(h.index_select(0, logits_rows), final_norm_, final_eps_));
+  const at::Tensor last = rms_norm(h.index_select(0, logits_rows), final_norm_, final_eps_);
+  return lm_head_.n == 0 ? last : linear(lm_head_, last);  // no packed head: the caller applies its own
 }
 
 }  // namespace cbserve

@@ -32,7 +32,8 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // hidden [T, E] (the step's embedded tokens), cos/sin [1, T, D] in the model dtype, the paged cache
   // (one key and one value tensor per layer) and the step's attention metadata: the logits of the
-  // rows `logits_rows` [R] int64, [R, vocab] in the model dtype
+  // rows `logits_rows` [R] int64, [R, vocab] in the model dtype; with a head of no outputs (n 0) set,
+  // the final norm's rows [R, hidden] instead, for the caller's own head (a GGUF-quantized one)
   at::Tensor forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& k_caches,
                      const std::vector<at::Tensor>& v_caches, at::Tensor block_tables, at::Tensor k_lens,
                      at::Tensor q_start, at::Tensor slot_mapping, at::Tensor logits_rows, int64_t cascade_min_seqs) const;

@@ -9,7 +9,10 @@
 // Two products. The default keeps x in float32: the block is dequantized in registers (32 floats,
 // exactly the reference's values) and multiplied into the rows of x with FMAs, so the result is x
 // times the dequantized weight up to the order of the float sums: the engine's output matches
-// `model.generate` as it does for a float model.
+// `model.generate` as it does for a float model. AVX-512 builds run it on tiles of 4 weight rows by 4
+// rows of x in 512-bit vectors (each block dequantized once per tile and used by 4 rows of x, each x
+// vector loaded once for 4 weight rows; above 4 rows of x a tile's weights are dequantized once into
+// a buffer that every group of rows reads); each row's sums take the same steps whatever the batch.
 //
 // The other (`int8`, llama.cpp's way) first quantizes each row of x to int8 blocks of 32 with a
 // float scale dx per block (keeping the block's sum s = dx * sum(qx)), then takes integer dot
@@ -159,6 +162,92 @@ inline void dot_rows_float(const uint8_t* w, const float* x, int64_t k, int64_t 
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kTileN = 4;  // weight rows per tile of the 512-bit float product
+
+// one weight block as two 16-float vectors (elements 0-15, 16-31): the same values as the reference's
+template <int64_t Q>
+inline void dequantize_block16(const uint8_t* blk, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(half(blk));
+  if constexpr (Q == kQ8_0) {
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))), d);
+  } else {
+    const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m512 m = Q == kQ4_1 ? _mm512_set1_ps(half(blk + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(nib, low4))), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(nib, 4), low4))), d, m);
+  }
+}
+
+// A tile of NJ weight rows (from `w`, `row_bytes` apart; or already dequantized, `wf` [NJ, k]) times
+// R rows of x (from row r0): each weight block as 2 NJ vectors multiplied into the R rows' two
+// vectors. Sums into out[r * NJ + j]. Each (row, weight row) sum takes the same steps whatever R and
+// NJ are and wherever the weights come from, so a row's result does not depend on its batch.
+template <int64_t Q, int R, int NJ>
+inline void tile_float16(const uint8_t* w, int64_t row_bytes, const float* wf, const float* x, int64_t k, int64_t r0,
+                         float* out) {
+  const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  __m512 acc[R][NJ];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 lo[NJ], hi[NJ];
+    for (int j = 0; j < NJ; ++j) {
+      if (wf) {
+        lo[j] = _mm512_loadu_ps(wf + j * k + b * kBlock);
+        hi[j] = _mm512_loadu_ps(wf + j * k + b * kBlock + 16);
+      } else {
+        dequantize_block16<Q>(w + j * row_bytes + b * bb, lo[j], hi[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + (r0 + r) * k + b * kBlock;
+      const __m512 xl = _mm512_loadu_ps(xb), xh = _mm512_loadu_ps(xb + 16);
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_fmadd_ps(hi[j], xh, _mm512_fmadd_ps(lo[j], xl, acc[r][j]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NJ; ++j) out[r * NJ + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+template <int64_t Q, int R>
+void tile_float16_n(int64_t nj, const uint8_t* w, int64_t row_bytes, const float* wf, const float* x, int64_t k,
+                    int64_t r0, float* out) {
+  switch (nj) {
+    case 1: return tile_float16<Q, R, 1>(w, row_bytes, wf, x, k, r0, out);
+    case 2: return tile_float16<Q, R, 2>(w, row_bytes, wf, x, k, r0, out);
+    case 3: return tile_float16<Q, R, 3>(w, row_bytes, wf, x, k, r0, out);
+    default: return tile_float16<Q, R, 4>(w, row_bytes, wf, x, k, r0, out);
+  }
+}
+
+template <int64_t Q>
+void tile_float16_any(int64_t rows, int64_t nj, const uint8_t* w, int64_t row_bytes, const float* wf, const float* x,
+                      int64_t k, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return tile_float16_n<Q, 1>(nj, w, row_bytes, wf, x, k, r0, out);
+    case 2: return tile_float16_n<Q, 2>(nj, w, row_bytes, wf, x, k, r0, out);
+    case 3: return tile_float16_n<Q, 3>(nj, w, row_bytes, wf, x, k, r0, out);
+    default: return tile_float16_n<Q, 4>(nj, w, row_bytes, wf, x, k, r0, out);
+  }
+}
+
+// the tile's nj weight rows dequantized into wf [nj, k], for batches of more than kRows rows of x
+template <int64_t Q>
+void dequantize_tile16(const uint8_t* w, int64_t row_bytes, int64_t nj, int64_t k, float* wf) {
+  const int64_t bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  for (int64_t j = 0; j < nj; ++j)
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m512 lo, hi;
+      dequantize_block16<Q>(w + j * row_bytes + b * bb, lo, hi);
+      _mm512_storeu_ps(wf + j * k + b * kBlock, lo);
+      _mm512_storeu_ps(wf + j * k + b * kBlock + 16, hi);
+    }
+}
+#endif
+
 template <int64_t Q>
 void dot_rows_float_any(int64_t rows, const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
   switch (rows) {
@@ -203,6 +292,28 @@ void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row
              int64_t m, int64_t n) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n / (4 * threads)));
+#if defined(__AVX512F__)
+  if (xf) {  // 512-bit float product: tiles of kTileN weight rows by kRows rows of x
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      float out[kRows * kTileN];
+      // more than one group of rows: the tile's weights dequantized once, read by every group
+      std::vector<float> buffer(m > kRows ? kTileN * x.k : 0);
+      float* wf = m > kRows ? buffer.data() : nullptr;
+      for (int64_t j0 = n0; j0 < n1; j0 += kTileN) {
+        const int64_t nj = std::min(kTileN, n1 - j0);
+        if (wf) dequantize_tile16<Q>(w + j0 * row_bytes, row_bytes, nj, x.k, wf);
+        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+          const int64_t rows = std::min(kRows, m - r0);
+          tile_float16_any<Q>(rows, nj, w + j0 * row_bytes, row_bytes, wf, xf, x.k, r0, out);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < nj; ++j)
+              y[(r0 + r) * n + j0 + j] = static_cast<T>(out[r * nj + j] + (bias ? static_cast<float>(bias[j0 + j]) : 0.0f));
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     float out[kRows];
     for (int64_t j = n0; j < n1; ++j) {

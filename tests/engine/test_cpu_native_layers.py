@@ -177,3 +177,24 @@ def test_the_avx2_build_runs_it_and_matches_the_python_path() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "same"
     assert "2 decoder layers in one native call per step" in result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gguf_quantized_head_and_embedding_run_after_and_before_the_stack(dtype: torch.dtype) -> None:
+    """quantization auto's split (engine/backends/quant_auto.py): dense layers in the stack, the LM
+    head and the embedding in GGUF blocks as the model's own modules; logits the Python path's."""
+    gguf = pytest.importorskip("gguf")
+    from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear
+
+    model = build_test_model("llama", vocab_size=512).to(dtype)
+    ops = cpu_ops()
+    as_blocks = lambda w: torch.from_numpy(gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0))  # noqa: E731
+    head, emb = model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach()
+    model.lm_head = QuantizedLinear(as_blocks(head), 8, head.shape[1], ops=ops)
+    model.model.embed_tokens = QuantizedEmbedding(as_blocks(emb), 8, emb.shape[1], dtype, ops)
+    engine = engine_for(model)
+    assert engine.executor.native_layers is not None and engine.executor.native_layers.head is model.lm_head
+    for step in steps(512):
+        got, want = both_ways(engine, step)
+        assert got.dtype == dtype and got.shape == want.shape == (3, 512)
+        assert torch.equal(got, want)

@@ -86,6 +86,17 @@ def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
         assert exact <= EXACT and plain <= QUANTIZED, (vnni, exact, plain)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_float_product_does_not_depend_on_its_batch(ops, qtype) -> None:
+    """Each row of a batch (the 512-bit build's tiles and weight buffer above 4 rows) gets the bits it
+    gets alone: the engine's batched decode equals `model.generate`'s one row at a time."""
+    blocks, _ = random_blocks(qtype, 71, 576)
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
+    batch = ops.quant_linear(x, blocks, int(qtype), None)
+    for rows in ([0], [5, 6, 7], list(range(3, 9))):
+        assert torch.equal(ops.quant_linear(x[rows], blocks, int(qtype), None), batch[rows]), rows
+
+
 def test_vnni_and_maddubs_agree_to_the_last_bit(ops) -> None:
     if not ops.quant_vnni_available():
         pytest.skip("this build has no VNNI (the AVX2 child test covers this build's only path)")

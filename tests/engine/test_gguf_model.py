@@ -1,4 +1,5 @@
-"""The embedded SmolLM2 GGUF loaded in its blocks (quantization gguf), and the setting's rules.
+"""The embedded SmolLM2 GGUF loaded in its blocks (quantization gguf), by kind as the probe chose
+(auto), and the setting's rules.
 
 The blocks the loader keeps are the file's, with Llama's q/k rows un-permuted as transformers does
 on its dequantised weights: dequantised, they equal transformers' float32 weights bit for bit. The
@@ -75,7 +76,7 @@ def test_native_output_reads_as_the_dequantised_models(native) -> None:
 @pytest.mark.parametrize(
     "setting, dtype, path, device, world, want",
     [
-        ("auto", "auto", None, "cpu", 1, ("gguf", "float32")),  # the embedded model: its blocks
+        ("auto", "auto", None, "cpu", 1, ("auto", None)),  # the embedded model: the probe chooses, dtype auto's
         ("auto", "float32", None, "cpu", 1, ("none", None)),  # an explicit dtype dequantises
         ("auto", "auto", None, "cuda", 1, ("none", None)),
         ("auto", "auto", None, "cpu", 2, ("none", None)),  # tensor parallel: dequantised
@@ -101,7 +102,64 @@ def test_a_gguf_file_by_path_keeps_its_blocks_and_its_name() -> None:
     from engine.loader import embedded_gguf
 
     path = str(embedded_gguf())
-    assert resolve_quantization("auto", "auto", path, "cpu") == ("gguf", "float32")
+    assert resolve_quantization("auto", "auto", path, "cpu") == ("auto", None)
     loaded = load_model(path, "float32", quantization="gguf")
     assert loaded.name == "SmolLM2-135M-Instruct.Q4_1" and loaded.max_model_len == 8192
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)
+
+
+def kinds_in_blocks(model) -> dict[str, bool]:
+    layers = [m for n, m in model.named_modules() if ".layers." in n and isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    assert len(layers) == 30 * 7 and len({type(m) for m in layers}) == 1  # one choice for every layer's linears
+    head, emb = model.lm_head, model.get_input_embeddings()
+    assert isinstance(head, QuantizedLinear) == isinstance(emb, QuantizedEmbedding)  # tied: one choice
+    return {"layers": isinstance(layers[0], QuantizedLinear), "head": isinstance(head, QuantizedLinear)}
+
+
+def test_auto_keeps_the_blocks_of_the_kinds_the_probe_timed_faster() -> None:
+    from engine.backends.quant_auto import MARGIN
+
+    model = load_model(None, "bfloat16", quantization="auto").model
+    info = model.cbserve_quantization  # what the engine's placement shows
+    assert info["setting"] == "auto" and set(info["probe"]) == {"layers", "head"}
+    for kind, probe in info["probe"].items():
+        assert info["blocks"][kind] == (sum(probe["blocks_us"]) < MARGIN * sum(probe["dense_us"])), kind
+    assert info["probe"]["head"]["type"] == "Q8_0" and info["probe"]["head"]["shape"] == [49152, 576]
+    assert kinds_in_blocks(model) == info["blocks"]
+    assert model.model.norm.weight.dtype == torch.bfloat16  # the rest in the dtype asked for
+
+
+def test_a_split_choice_serves_as_generate_does(monkeypatch) -> None:
+    """The split the probe can make, forced (its timing stood in for): dense layers (the native stack)
+    and the LM head in blocks; the engine's greedy output equals `model.generate` on the model loaded
+    so, and the placement shows the split. (All blocks: quantization gguf, above; none: dense.)"""
+    blocks = {"layers": False, "head": True}
+    from engine import ContinuousBatchingConfig, LLMEngine, gguf_loader
+    from engine.backends.quant_auto import BlockChoice
+
+    monkeypatch.setattr(gguf_loader, "choose", lambda samples, dtype, ops: BlockChoice("auto", dict(blocks), dtype))
+    loaded = load_model(None, "float32", quantization="auto")
+    assert kinds_in_blocks(loaded.model) == blocks
+    ids = [chat(loaded.tokenizer, p) for p in PROMPTS[:2]]
+    out = generate_batch(loaded.model, ids, max_new_tokens=8, ignore_eos=True, progress_bar=False)
+    for prompt, o in zip(ids, out.values()):
+        want = loaded.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=8, do_sample=False, eos_token_id=None)  # fmt: skip
+        assert o.generated_tokens == want[0, len(prompt):].tolist()
+    engine = LLMEngine(loaded.model, ContinuousBatchingConfig(block_size=16, num_blocks=16))
+    assert engine.placement()["quantization"]["blocks"] == blocks
+    assert (engine.executor.native_layers is not None) == (not blocks["layers"])  # dense layers: the native stack
+
+
+def test_the_rule_and_the_line_of_a_probe() -> None:
+    """A kind keeps its blocks only when they win clearly over the two row counts; a near tie stays
+    dense; the start-up line says each kind's choice and times."""
+    from engine.backends.quant_auto import BlockChoice, Timing
+
+    fast = Timing(8, (49152, 576), (100.0, 300.0), (200.0, 300.0))
+    tie = Timing(3, (576, 1536), (100.0, 100.0), (95.0, 110.0))
+    assert fast.keeps_blocks and not tie.keeps_blocks
+    choice = BlockChoice("auto", {"head": True, "layers": False}, torch.bfloat16, {"head": fast, "layers": tie})
+    assert choice.describe() == ("quantization auto: layers dense bfloat16 (blocks 100+100 us against dense 95+110 us "
+                                 "at 1+16 rows); head Q8_0 blocks (blocks 100+300 us against dense 200+300 us at 1+16 rows)")
+    assert "layers: no Q8_0, Q4_0 or Q4_1 weights" in BlockChoice("auto", {}, torch.float32).describe()

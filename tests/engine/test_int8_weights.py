@@ -59,6 +59,7 @@ def test_a_checkpoint_folder_loads_in_int8(tmp_path) -> None:
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 2 * 7 + 1 and all(m.qtype == Q8_0 for m in layers)
     assert not any(type(m) is torch.nn.Linear for m in loaded.model.modules())
+    assert loaded.model.cbserve_quantization == {"setting": "int8", "layers": 15}  # GET /v1/models shows it
     reference = load_model(str(folder), "float32", quantization="none").model
     x = torch.tensor([random_prompts(1, 30, 30, 512, seed=6)[0]])
     with torch.inference_mode():

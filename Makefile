@@ -53,8 +53,15 @@ $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE
 	$(IMAGE_PY) scripts/gpu_bundle.py build --dest $(IMAGE_VENV)/bundle \
 		--python-version $$($(IMAGE_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
+# Two pytest-xdist workers, each a whole test file at a time (a file's tests share its module fixtures,
+# and some read what the file's earlier tests left); tests/conftest.py gives each its share of the cores.
+# Then the tests marked serial (timing a second worker would disturb), alone; both runs always run.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(TOOLS) kernels gpu-image
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; export PATH; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -q -m serial; serial=$$?; \
+	test $$parallel -eq 0 && test $$serial -eq 0
 
 demo: $(STAMP) kernels
 	$(PY) -m loadtest --users 4 --duration 60s --endpoint chat --input-len 32:128 --output-len 64 --out reports/demo

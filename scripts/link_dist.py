@@ -8,8 +8,9 @@ what torch requires at the versions `.venv/` has, in a second or two instead of 
 more that pip spends unpacking and byte-compiling them. Every file in each distribution's RECORD is
 linked (copied where a link cannot be made) to the same place under the target's site-packages;
 console scripts are copied with their first line naming the target's Python. A requirement the
-source lacks, or the target has at any version, is left to pip, which the caller runs next. Exit status 1, with nothing linked, when the
-source lacks that exact version of the distribution; the caller then installs it the ordinary way.
+source lacks, or the target has at any version, is left to pip, which the caller runs next. Exit
+status 1, with nothing linked, when the source lacks that exact version of the distribution; the
+caller then installs it the ordinary way.
 """
 
 from __future__ import annotations

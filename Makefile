@@ -35,7 +35,8 @@ $(GPU_BUNDLE)/README.txt: pyproject.toml scripts/gpu_bundle.py
 
 # A venv built the way the GPU machine's image is (its versions where this machine can have them: torch
 # 2.11 has no CPU wheel here, 2.13 is the oldest), and the bundle for its Python: tests/gpu/test_gpu_image.py
-# runs scripts/gpu_check.sh in it, offline, in CPU smoke mode.
+# runs scripts/gpu_check.sh in it, offline, in CPU smoke mode. Its torch (and what torch requires) is
+# hard-linked from .venv when .venv has that torch (scripts/link_dist.py), else installed.
 IMAGE_VENV  := .gpu-image-venv
 IMAGE_PY    := $(IMAGE_VENV)/bin/python
 IMAGE_TORCH := 2.13.0
@@ -44,7 +45,7 @@ gpu-image: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) $(IMAGE
 $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS):
 	rm -rf $(IMAGE_VENV)
 	$(PYTHON) -m venv $(IMAGE_VENV)
-	$(IMAGE_PY) scripts/install_torch.py $(IMAGE_PY)
+	$(IMAGE_PY) scripts/link_dist.py $(PY) $(IMAGE_PY) torch==$(IMAGE_TORCH) || $(IMAGE_PY) scripts/install_torch.py $(IMAGE_PY)
 	$(IMAGE_PY) -m pip install -q transformers==$(IMAGE_TRANSFORMERS) torch==$(IMAGE_TORCH) \
 		numpy safetensors prometheus-client httpx ninja uvloop
 	touch $@
@@ -52,8 +53,15 @@ $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE
 	$(IMAGE_PY) scripts/gpu_bundle.py build --dest $(IMAGE_VENV)/bundle \
 		--python-version $$($(IMAGE_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
+# Two pytest-xdist workers, each a whole test file at a time (a file's tests share its module fixtures,
+# and some read what the file's earlier tests left); tests/conftest.py gives each its share of the cores.
+# Then the tests marked serial (timing a second worker would disturb), alone; both runs always run.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(TOOLS) kernels gpu-image
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; export PATH; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -q -m serial; serial=$$?; \
+	test $$parallel -eq 0 && test $$serial -eq 0
 
 demo: $(STAMP) kernels
 	$(PY) -m loadtest --users 4 --duration 60s --endpoint chat --input-len 32:128 --output-len 64 --out reports/demo

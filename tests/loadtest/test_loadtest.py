@@ -53,6 +53,7 @@ def test_short_run_report_is_consistent(model_dir, tmp_path) -> None:
     assert json.loads((out / "server_samples.json").read_text())
 
 
+@pytest.mark.serial  # each arrival is checked against its scheduled time
 def test_open_loop_sends_the_seeded_schedule_whatever_the_answers(model_dir, tmp_path) -> None:
     from loadtest.arrivals import arrivals_within
 

@@ -158,13 +158,18 @@ def runnable_isas() -> list[str]:
 
 if __name__ == "__main__":
     # `make kernels`: this CPU's build, and on an AVX-512 CPU the AVX2 one as well, which the tests
-    # run there (CBSERVE_CPU_ISA=avx2) so that both sides of the probe are tested on such a host
+    # run there (CBSERVE_CPU_ISA=avx2) so that both sides of the probe are tested on such a host. The
+    # other builds run at the same time, each in its own process (symbols clash in one): a build's
+    # compile steps leave a core idle while its largest source compiles, and two builds fill it.
+    import subprocess
+
     logging.basicConfig(level=logging.INFO)
+    others = [(other, subprocess.Popen([sys.executable, "-c", "from engine.backends.cpu_kernels import load_kernels; "
+                                        f"load_kernels({other!r})"]))  # fmt: skip
+              for other in runnable_isas()[1:] if other != kernel_isa()]
     ops = cpu_ops()
     print(f"cbserve CPU kernels: {'built in ' + str(build_directory()) if ops else 'unavailable (torch path)'}")
-    for other in runnable_isas()[1:]:
-        import subprocess
-
-        subprocess.run([sys.executable, "-c", "from engine.backends.cpu_kernels import load_kernels; "
-                        f"load_kernels({other!r})"], check=True)  # fmt: skip  (its own process: symbols clash)
+    for other, process in others:
+        if process.wait() != 0:
+            raise SystemExit(f"cbserve CPU kernels ({other}): the build failed (exit {process.returncode})")
         print(f"cbserve CPU kernels ({other}, for tests): built in {build_directory(other)}")

@@ -30,6 +30,17 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return full[len(prefix) :]
 
+    def flush(self) -> str:
+        """At the end of generation: the text held back while the last token ended inside a character,
+        as the tokenizer decodes it (a replacement character included), so that the whole text equals
+        a decode of every token."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
 
 class StopStrings:
     def __init__(self, stops: list[str]) -> None:
@@ -102,6 +113,9 @@ class TextStream:
         return out
 
     def finish(self) -> str:
-        out = self.stops.flush()
+        """The text held back at the end: an incomplete last character, then a tail that never became
+        a stop string."""
+        out = "" if self.stopped else self.stops.feed(self.detokenizer.flush())
+        out += self.stops.flush()
         self.text += out
         return out

@@ -22,6 +22,19 @@ def test_incremental_text_equals_a_full_decode(tok) -> None:
     assert "".join(d.add([t]) for t in ids) == tok.decode(ids) == TEXT
 
 
+def test_a_text_that_ends_inside_a_character_is_released_whole_at_the_end(tok) -> None:
+    """Held back while more tokens could complete it, the last incomplete character is released when
+    the sequence ends (a cancelled stream cut one off: the text then fell short of a decode)."""
+    ids = tok("Ünïcödé ✓", add_special_tokens=False).input_ids
+    for n in range(1, len(ids) + 1):
+        s = TextStream(tok)
+        out = "".join(s.add([t]) for t in ids[:n]) + s.finish()
+        assert out == s.text == tok.decode(ids[:n]), n
+    assert any(tok.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))  # the case is covered
+    s = TextStream(tok, ["\ufffd"])  # a stop string still wins over the flush
+    assert "".join(s.add([t]) for t in ids[:2]) + s.finish() == tok.decode(ids[:2]).split("\ufffd")[0]
+
+
 def test_stop_string_spanning_tokens_is_cut_exactly(tok) -> None:
     ids = tok(TEXT, add_special_tokens=False).input_ids
     for stop in ["capital of", "Paris.", "e acc", "✓"]:

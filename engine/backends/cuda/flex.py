@@ -193,16 +193,18 @@ KERNEL_OPTIONS: tuple[dict[str, int], ...] = (
 )
 
 
+TOO_BIG = ("out of resource", "No valid triton configs")  # what triton and inductor say when tiles do not fit
+
+
 def out_of_resources(exc: BaseException) -> bool:
     """Whether a flex_attention failure is its kernel's tiles not fitting the GPU (smaller ones may)."""
-    text = str(exc)
-    return "out of resource" in text or "No valid triton configs" in text
+    return any(mark in str(exc) for mark in TOO_BIG)
 
 
 def resource_line(exc: BaseException) -> str:
     """The line of an out-of-resources failure that says what did not fit."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "out of resource" in line or "No valid triton configs" in line]
+    named = [line for line in lines if any(mark in line for mark in TOO_BIG)]
     return (named or lines or [type(exc).__name__])[0][:200]
 
 
@@ -271,7 +273,8 @@ def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] 
     k_cache, v_cache = rnd(num_blocks, bs, hkv, d), rnd(num_blocks, bs, hkv, d)
     try:
         with torch.inference_mode():
-            got = (backend or FlexAttnBackend(flex_fn)).attend(q, k, v, k_cache.clone(), v_cache.clone(), meta(), scaling=d**-0.5)
+            flex = backend or FlexAttnBackend(flex_fn)
+            got = flex.attend(q, k, v, k_cache.clone(), v_cache.clone(), meta(), scaling=d**-0.5)
             sdpa, reference = SDPACudaBackend(), meta()
             sdpa.prepare(reference)
             want = sdpa.attend(q, k, v, k_cache, v_cache, reference, scaling=d**-0.5)

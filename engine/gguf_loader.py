@@ -105,7 +105,7 @@ def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, q
     native = quantization in ("gguf", "auto") and ops is not None
     with shared_reader(path) as reader:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = _load_native(path, reader, dtype, attn_implementation, ops, quantization) if ops and native else None
+        model = _load_native(path, reader, dtype, attn_implementation, ops, quantization) if native else None
         if model is None:
             if native:
                 logger.info("cbserve: %s's architecture is loaded dequantized (its tensor processor does more "

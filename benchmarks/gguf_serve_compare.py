@@ -28,8 +28,9 @@ decode step (time per output token, TPOT p50; at 1 user the batch-1 step; llama-
 tokens in bursts, so its inter-token p50 is no step time) is held against the weight-bandwidth
 bound: the bytes of the tensors a step reads (every one but an untied token embedding) over the
 STREAM triad bandwidth (benchmarks/machine_limits.py, measured at the start unless --limits gives
-its --json). If llama-server stops with SIGILL before it is ready (its AMX kernels on some hosts),
-it is restarted with --no-repack and the report says so.
+its --json). If llama-server stops with SIGILL before it is ready (a build with ggml's AMX
+kernels did on the Xeon here; llama_cpp_peer.py now leaves them out), it is restarted with
+--no-repack and the report says so.
 The table goes to reports/gguf-peer/SHAPE/gguf_serve_compare.md (and results.json) and is printed.
 """
 

@@ -1,16 +1,16 @@
 """llama.cpp's `llama-server` as a benchmark peer, built here from source (no prebuilt binary).
 
-    python benchmarks/llama_cpp_peer.py --setup                 # once: about 10 minutes on 2 cores
+    python benchmarks/llama_cpp_peer.py --setup                 # once: about 20 minutes on 2 cores
     python benchmarks/llama_cpp_peer.py --setup --model FOLDER  # also converts another checkpoint
     python benchmarks/serve_compare.py                          # then finds it and serves it alongside
-    python benchmarks/llama_cpp_peer.py --build-quantize        # llama-quantize too (about 40 min on 2 cores)
+    python benchmarks/llama_cpp_peer.py --build-quantize        # llama-quantize alone, if --setup predates it
 
 `--setup` downloads the `llama-cpp-python==0.3.36` sdist with pip (PyPI is the one registry this
 project reaches; the sdist vendors llama.cpp's sources), extracts its `vendor/llama.cpp` into
 `$CBSERVE_LLAMA_CPP_DIR` (default `~/.cache/cbserve/llama-cpp`), builds the one target
-`llama-server` with cmake (Release, static, `GGML_NATIVE` for this CPU's ISA, no curl, OpenSSL or web
-UI) and installs it as `<dir>/bin/llama-server`. The build tree is then removed; the sources stay,
-for the converter.
+`llama-server` and `llama-quantize` in one cmake tree (Release, static, ggml's ISA options set from
+this CPU's flags with the AMX kernels off, see ISA_OPTIONS; no curl, OpenSSL or web UI) and installs
+them in `<dir>/bin/`. The build tree is then removed; the sources stay, for the converter.
 
 It then converts the model cbserve serves by default (its converted float32 checkpoint folder, made
 by `engine.loader.embedded_folder()` on first use) to `<dir>/smollm2-135m-instruct-f32.gguf` with
@@ -21,9 +21,9 @@ the venv lacks, sentencepiece (a wheel), goes into `<dir>/converter-packages`, n
 `--model FOLDER` converts that checkpoint folder instead, to `<dir>/<folder name>-f32.gguf`.
 
 Each step is skipped when its result is there (a binary built from the pinned version, the GGUF), so
-a second `--setup` is a quick no-op. `--build-quantize` builds the `llama-quantize` target from the same
-sources, the same way, into `<dir>/bin/llama-quantize` (benchmarks/gguf_serve_compare.py uses it for
-Q4_0 files when it is there). `serve_command()` is the `llama-server` command line the load
+a second `--setup` is a quick no-op; a binary built another way (the stamp's BUILD_FLAVOUR) is
+rebuilt. `--build-quantize` builds `llama-quantize` alone the same way, for an install that lacks it
+(benchmarks/gguf_serve_compare.py uses it for Q4_0 files when it is there). `serve_command()` is the `llama-server` command line the load
 test runs: one slot per concurrent user, continuous batching, Prometheus metrics on.
 """
 
@@ -45,12 +45,21 @@ from typing import TypeVar
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # vendors ggml-org/llama.cpp@0c1e57098 (its CHANGELOG says)
 SENTENCEPIECE_VERSION = "0.2.3"  # the converter imports it for every Llama checkpoint, used or not
 MODEL_NAME = "smollm2-135m-instruct"  # the embedded model's folder name, and the server's --alias
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
                "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_CCACHE=OFF"]  # fmt: skip
 # the web UI would be built with npm or fetched from a model hub at build time: neither is reachable,
 # and the benchmark does not use it (serve_command also turns it off)
+BUILD_FLAVOUR = "isa-flags-no-amx"  # in the stamp: a binary built another way is rebuilt
+# ggml's x86 options, each on where this CPU reports the feature (/proc/cpuinfo's flags). GGML_NATIVE
+# (-march=native) is not used: it also turns on the AMX kernels, which die with SIGILL on the hosts
+# here that report amx flags (a VM whose kernel does not grant the tile state); the AMX options stay
+# off, so llama.cpp runs its AVX-512/VNNI (or AVX2) kernels with its Q4_0 repacking, as on a CPU
+# without AMX.
+ISA_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+               "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+               "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}  # fmt: skip
 
 T = TypeVar("T")
 
@@ -156,12 +165,27 @@ def _changelog_commit(changelog: str) -> str:
     return found.group(1) if found else "unknown"
 
 
-def _build(source: Path, build: Path, target: str = "llama-server") -> None:
-    """Configure and build one target (`llama-server`, `llama-quantize`), on 2 jobs."""
+def isa_flags(cpu_flags: set[str] | None = None) -> list[str]:
+    """ggml's ISA options for this CPU (or for `cpu_flags`, /proc/cpuinfo's names): each on where the
+    CPU has it, AMX off."""
+    if cpu_flags is None:
+        cpu_flags = set()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                cpu_flags = set(line.split(":", 1)[1].split())
+                break
+    return [f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in ISA_OPTIONS.items()]
+
+
+def _build(source: Path, build: Path, targets: tuple[str, ...] = ("llama-server",)) -> None:
+    """Configure and build the targets (`llama-server`, `llama-quantize`) in one tree, on 2 jobs."""
     commit = (source / "LLAMA_CPP_COMMIT").read_text().strip()
-    subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}",
+    flags = isa_flags()
+    print("llama.cpp ISA options: " + " ".join(f.removeprefix("-DGGML_") for f in flags), flush=True)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *flags, "-DGGML_AMX_TILE=OFF",
+                    "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", f"-DLLAMA_BUILD_COMMIT={commit}",
                     "-DLLAMA_BUILD_NUMBER=0"], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", "2"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", "2"], check=True)
 
 
 def _install(build: Path, target: str = "llama-server") -> Path:
@@ -171,7 +195,7 @@ def _install(build: Path, target: str = "llama-server") -> Path:
     shutil.copy2(build / "bin" / target, partial)
     partial.rename(binary)
     if target == "llama-server":
-        _stamp().write_text(LLAMA_CPP_PYTHON_VERSION + "\n")
+        _stamp().write_text(f"{LLAMA_CPP_PYTHON_VERSION} {BUILD_FLAVOUR}\n")
     return binary
 
 
@@ -185,7 +209,7 @@ def build_quantize() -> Path:
         raise FileNotFoundError(f"no llama.cpp sources in {source_dir()}: run --setup first")
     with tempfile.TemporaryDirectory(dir=install_dir(), prefix="quantize-") as scratch:
         build = Path(scratch) / "build"
-        _timed("build llama-quantize (cmake, Release, -j 2)", lambda: _build(source_dir(), build, "llama-quantize"))
+        _timed("build llama-quantize (cmake, Release, -j 2)", lambda: _build(source_dir(), build, ("llama-quantize",)))
         binary = _install(build, "llama-quantize")
     print(f"installed {binary}", flush=True)
     return binary
@@ -219,7 +243,7 @@ def convert(folder: Path, target: Path, outtype: str = "f32") -> None:
 def built() -> bool:
     """A `llama-server` from the pinned version, and the sources the converter needs, are in place."""
     stamp = _stamp()
-    return (server_binary() is not None and stamp.is_file() and stamp.read_text().strip() == LLAMA_CPP_PYTHON_VERSION
+    return (server_binary() is not None and stamp.is_file() and stamp.read_text().strip() == f"{LLAMA_CPP_PYTHON_VERSION} {BUILD_FLAVOUR}"
             and (source_dir() / "convert_hf_to_gguf.py").is_file())  # fmt: skip
 
 
@@ -232,13 +256,16 @@ def setup(model_folder: Path | None = None) -> tuple[Path, Path]:
         print(f"llama-server {LLAMA_CPP_PYTHON_VERSION}: already built ({server_binary()})", flush=True)
     else:
         with tempfile.TemporaryDirectory(dir=install_dir(), prefix="setup-") as scratch:
-            sdist = _timed(f"download the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist",
-                           lambda: _download_sdist(Path(scratch)))  # fmt: skip
-            commit = _timed(f"extract vendor/llama.cpp to {source_dir()}",
-                            lambda: _extract_vendored(sdist, source_dir()))  # fmt: skip
-            print(f"llama.cpp commit {commit}", flush=True)
+            if not (source_dir() / "convert_hf_to_gguf.py").is_file():
+                sdist = _timed(f"download the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist",
+                               lambda: _download_sdist(Path(scratch)))  # fmt: skip
+                commit = _timed(f"extract vendor/llama.cpp to {source_dir()}",
+                                lambda: _extract_vendored(sdist, source_dir()))  # fmt: skip
+                print(f"llama.cpp commit {commit}", flush=True)
             build = Path(scratch) / "build"
-            _timed("build llama-server (cmake, Release, -j 2)", lambda: _build(source_dir(), build))
+            _timed("build llama-server and llama-quantize (cmake, Release, -j 2)",
+                   lambda: _build(source_dir(), build, ("llama-server", "llama-quantize")))  # fmt: skip
+            print(f"installed {_install(build, 'llama-quantize')}", flush=True)
             print(f"installed {_install(build)}", flush=True)
     target = _gguf_target(model_folder)
     if target.is_file():

@@ -94,3 +94,29 @@ def test_llama_quantize_is_found_once_built_and_needs_the_sources_to_build(peer,
     binary.chmod(0o755)
     assert peer.quantize_binary() == binary
     assert peer.build_quantize() == binary  # there: nothing built
+
+
+def test_isa_flags_follow_the_cpu_and_leave_amx_out(peer) -> None:
+    zen3 = peer.isa_flags({"avx", "avx2", "fma", "f16c", "bmi2"})
+    assert "-DGGML_AVX2=ON" in zen3 and "-DGGML_AVX512=OFF" in zen3 and "-DGGML_AVX512_VNNI=OFF" in zen3
+    xeon = peer.isa_flags({"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8",
+                           "amx_tile", "avx_vnni"})  # fmt: skip
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON"} <= set(xeon)
+    assert not any("AMX" in f for f in xeon)  # _build turns AMX off explicitly
+    assert "-DGGML_NATIVE=OFF" in peer.CMAKE_FLAGS
+    here = peer.isa_flags()  # this machine's /proc/cpuinfo: x86-64 with AVX2 at least
+    assert "-DGGML_AVX2=ON" in here
+
+
+def test_a_binary_built_another_way_is_not_taken(peer, tmp_path) -> None:
+    source = peer.source_dir()
+    source.mkdir(parents=True)
+    (source / "convert_hf_to_gguf.py").write_text("")
+    binary = tmp_path / "llama-cpp" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    peer._stamp().write_text(peer.LLAMA_CPP_PYTHON_VERSION + "\n")  # an earlier GGML_NATIVE build
+    assert not peer.built()
+    peer._stamp().write_text(f"{peer.LLAMA_CPP_PYTHON_VERSION} {peer.BUILD_FLAVOUR}\n")
+    assert peer.built()

@@ -16,8 +16,9 @@ a shard at a time (the 8B never exists whole in memory). Then llama.cpp's own to
 2-D weight in Q4_0 as `--pure` would. Each file's `.tool` note says which tool made it. All of it
 is cached in ~/.cache/cbserve/gguf-peer/SHAPE/ (the F16 file is deleted unless --keep-f16).
 
-Each file is served in turn, alone on the machine, by `cbserve serve --model FILE` (quantization
-auto: the GGUF blocks) and by `llama-server -m FILE` (one slot per user), both with --ctx-per-slot
+Each file is served in turn, alone on the machine, by `cbserve serve --model FILE --quantization
+gguf` (every weight in the file's blocks; `--cbserve-quantization auto` lets auto's probe dequantise
+a kind it times faster dense, which the memory budget below does not allow for) and by `llama-server -m FILE` (one slot per user), both with --ctx-per-slot
 tokens of context per user, and measured with the same seeded Locust load (loadtest's run_locust:
 same prompts, same output lengths, completions endpoint) for --rounds rounds. While a server runs, a
 thread samples the resident memory (RSS) of its process tree; the peak over the server's life
@@ -440,14 +441,14 @@ def high_water_mark(pid: int) -> int:
     return int(found.group(1)) * 1024 if found else 0
 
 
-def cbserve_target(gguf: Path, users: int, ctx_per_slot: int):
+def cbserve_target(gguf: Path, users: int, ctx_per_slot: int, quantization: str = "gguf"):
     from loadtest.target import Target, cbserve_command, free_port
 
     port = free_port()
     per_request = math.ceil(ctx_per_slot / BLOCK_SIZE)
     command = cbserve_command(port, str(gguf)) + [
         "--block-size", str(BLOCK_SIZE), "--num-blocks", str(users * per_request),
-        "--max-blocks-per-request", str(per_request)]  # fmt: skip
+        "--max-blocks-per-request", str(per_request), "--quantization", quantization]  # fmt: skip
     return Target("cbserve", f"http://127.0.0.1:{port}", command=command)
 
 
@@ -566,6 +567,9 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--ctx-per-slot", type=int, default=1024, help="tokens of context per user, both servers")
     p.add_argument("--limits", help="machine_limits.py --json output (default: measure the bandwidth here)")
     p.add_argument("--prepare-only", action="store_true", help="make the checkpoint and files, serve nothing")
+    p.add_argument("--cbserve-quantization", default="gguf", choices=("gguf", "auto"),
+                   help="cbserve's --quantization: gguf keeps every weight in the file's blocks (default: the "
+                        "memory budget is the file's); auto lets its load-time probe dequantise a kind")  # fmt: skip
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 conversion the Q4_0 file is made from")
     opts, rest = p.parse_known_args(argv)
     opts.quants = [q for q in opts.quants.split(",") if q]
@@ -598,6 +602,7 @@ def main(argv: list[str]) -> int:
     except UsageError as exc:
         print(f"gguf_serve_compare: error: {exc}", file=sys.stderr)
         return exc.status
+    args.cbserve_quantization = opts.cbserve_quantization
     files = prepare(shape, opts.quants, opts.keep_f16)
     if opts.prepare_only:
         return 0
@@ -607,7 +612,8 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
     load = (f"completions, {args.input_len} words in, {args.output_len} tokens out, {args.duration_s:.0f} s x "
-            f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone")
+            f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone; "
+            f"cbserve --quantization {opts.cbserve_quantization}")
     rows: list[dict] = []
     text = ""
     llama_extra: list[str] = []
@@ -625,6 +631,8 @@ def main(argv: list[str]) -> int:
                 except UsageError as exc:  # this server failed (the log says why); the others still run
                     print(f"{system} failed: {exc}", flush=True)
                     row["error"] = str(exc)
+                if "error" not in row and not row.get("completed"):  # nothing to compare: a row, not a ratio
+                    row["error"] = f"no request completed in {args.rounds} x {args.duration_s:.0f} s"
                 rows.append(row)
                 text = markdown(shape, rows, gbs, host, tools, load, notes)  # written after every run
                 (out / "gguf_serve_compare.md").write_text(text)
@@ -643,7 +651,7 @@ def serve_and_measure(system: str, path: Path, shape: Shape, users: int, ctx_per
     from loadtest.target import UsageError
 
     if system == "cbserve":
-        return measure_system(cbserve_target(path, users, ctx_per_slot), None, users, args, where)
+        return measure_system(cbserve_target(path, users, ctx_per_slot, args.cbserve_quantization), None, users, args, where)
     kv = llama_cpp_kv_bytes(shape, users, ctx_per_slot)
     target = llama_cpp_target(path, users, ctx_per_slot, llama_extra)
     try:

@@ -168,3 +168,15 @@ def test_peak_rss_sums_the_process_tree(gsc) -> None:
     finally:
         proc.stdin.close()
         proc.wait(30)
+
+
+def test_cbserve_serves_the_files_blocks_unless_told_auto(gsc, tmp_path) -> None:
+    gguf = tmp_path / "m-q4_0.gguf"
+    command = gsc.cbserve_target(gguf, users=16, ctx_per_slot=1024).command
+    assert command[command.index("--quantization") + 1] == "gguf"
+    assert command[command.index("--model") + 1] == str(gguf)
+    assert int(command[command.index("--num-blocks") + 1]) == 16 * math.ceil(1024 / gsc.BLOCK_SIZE)
+    auto = gsc.cbserve_target(gguf, users=1, ctx_per_slot=1024, quantization="auto").command
+    assert auto[auto.index("--quantization") + 1] == "auto"
+    opts, _ = gsc.own_flags(["--shape", "1b"])
+    assert opts.cbserve_quantization == "gguf"

@@ -2,9 +2,10 @@
 
 The model is built empty from the file's config (transformers reads it from the GGUF metadata), then
 each tensor of the file goes where transformers' own GGUF loader would put it (its name map and its
-tensor processor): a Q8_0, Q4_0 or Q4_1 weight of a linear layer or of the token embedding stays in
-its blocks, in a `QuantizedLinear` / `QuantizedEmbedding` that replaces the module; every other
-tensor (norms, a float or K-quant weight) is dequantized to the model's dtype as transformers does.
+tensor processor): a Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weight of a linear layer or of the token
+embedding stays in its blocks, in a `QuantizedLinear` / `QuantizedEmbedding` that replaces the
+module; every other tensor (norms, a float weight, other K-quants) is dequantized to the model's
+dtype as transformers does.
 No float copy of the quantized weights is ever made, so a model whose float32 weights would not fit
 in memory loads in about the file's size.
 
@@ -28,12 +29,13 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from engine.backends.cpu_quant import BLOCK_BYTES, NAMES, QuantizedEmbedding, QuantizedLinear, quantized_bytes
+from engine.backends.cpu_quant import (BLOCK_BYTES, NAMES, QuantizedEmbedding, QuantizedLinear, dequantize_rows,
+                                       quantized_bytes)  # fmt: skip
 from engine.backends.quant_auto import PROBE_ROWS, BlockChoice, choose
 
 logger = logging.getLogger("cbserve.loader")
 
-NATIVE_TYPES = frozenset(BLOCK_BYTES)  # ggml type numbers of Q8_0, Q4_0, Q4_1
+NATIVE_TYPES = frozenset(BLOCK_BYTES)  # ggml type numbers of Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
 
 
 def is_gguf(path: Path | str | None) -> bool:
@@ -95,7 +97,7 @@ def _names(reader, model: torch.nn.Module) -> dict[str, str] | None:
 
 def load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str | None, quantization: str,
               ops: ModuleType | None) -> tuple[torch.nn.Module, object]:  # fmt: skip
-    """The file's causal LM and tokenizer. `quantization` gguf: its Q8_0/Q4_0/Q4_1 weights in their
+    """The file's causal LM and tokenizer. `quantization` gguf: its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in their
     blocks and the rest in `dtype`; auto: blocks for the kinds of weights where the block kernel
     measured faster (engine/backends/quant_auto.py), the rest dequantized to `dtype`; both need `ops`
     and are dequantized instead when the architecture cannot be loaded so. none: all of it
@@ -198,7 +200,7 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
             blocks = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).copy())
             k = owner.embedding_dim if isinstance(owner, torch.nn.Embedding) else owner.in_features
             if not choice.keeps(_kind(model, owner, tied)):  # auto: dense, by the kernel in one pass
-                dense, native = ops.quant_dequantize(blocks, qtype, k, None, torch.empty(0, dtype=dtype)), False
+                dense, native = dequantize_rows(ops, blocks, qtype, k, None, torch.empty(0, dtype=dtype)), False
         if native:
             if isinstance(owner, torch.nn.Embedding):
                 module = QuantizedEmbedding(blocks, qtype, owner.embedding_dim, dtype, ops)

@@ -184,7 +184,7 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
     """A local checkpoint folder, a GGUF file, `hf://org/name[@revision]` (from its model folder,
     downloaded there first unless complete: engine/hub.py), a hub id (`org/name`, through
     transformers' own cache), or (path None) the embedded SmolLM2 model. `quantization` "gguf" (a
-    GGUF file or the embedded model; resolve_quantization): the file's Q8_0/Q4_0/Q4_1 weights stay in
+    GGUF file or the embedded model; resolve_quantization): the file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights stay in
     their blocks; "auto": those of the kinds where the block kernel measured faster (both dequantised
     where cbserve's CPU kernels cannot be built). `device` is a resolved one (engine/device.py): on CUDA the
     weights load straight onto it, never whole into host memory first. "meta": the model's parameters

@@ -2,13 +2,16 @@
 
 A `QuantizedLinear` holds a weight as the GGUF file has it: each output row a run of blocks of 32
 weights (Q8_0: a float16 scale and 32 int8; Q4_0: a float16 scale and 32 nibbles; Q4_1: a float16
-scale, a float16 minimum and 32 nibbles), 8.5, 4.5 and 5 bits a weight. Its product is
+scale, a float16 minimum and 32 nibbles), 8.5, 4.5 and 5 bits a weight, or in K-quant super-blocks
+of 256 (Q4_K, 4.5 bits; Q6_K, 6.56 bits; engine/csrc/kquant_cpu.cpp has their layouts, and
+`kquant_linear` their product, x in float32, as below). Its product is
 engine/csrc/quant_cpu.cpp's `quant_linear`: each block dequantized in registers and multiplied into
 the float32 input rows, so the result is the input times the dequantized weight up to the order of
 the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight for the call
 instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
-its rounding of the input makes greedy output depart from `model.generate` now and then. A `QuantizedEmbedding` holds the
+its rounding of the input makes greedy output depart from `model.generate` now and then (K-quants
+have no such path: they multiply float x whatever the flag). A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes.
 
@@ -28,17 +31,50 @@ BLOCK = 32
 # call and run torch's matmul, which then costs little beside the product; fewer rows (decode) run
 # the block kernel. `python benchmarks/gguf_native.py kernels` measures both sides.
 DEQUANTIZE_ROWS = 32
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type numbers
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14  # ggml's type numbers
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+K_QUANTS = frozenset((Q4_K, Q6_K))  # super-blocks of 256 weights, engine/csrc/kquant_cpu.cpp
+SUPER = 256
+
+
+def block_weights(qtype: int) -> int:
+    return SUPER if qtype in K_QUANTS else BLOCK
 
 
 def row_bytes(qtype: int, k: int) -> int:
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"GGUF type {qtype} is not one of {sorted(NAMES.values())}")
-    if k % BLOCK:
-        raise ValueError(f"rows of {k} weights are not whole blocks of {BLOCK}")
-    return k // BLOCK * BLOCK_BYTES[qtype]
+    if k % block_weights(qtype):
+        raise ValueError(f"rows of {k} weights are not whole {NAMES[qtype]} blocks of {block_weights(qtype)}")
+    return k // block_weights(qtype) * BLOCK_BYTES[qtype]
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """[..., 144] super-blocks -> [..., 256] floats: w = d sc_j q - dmin m_j per sub-block j of 32."""
+    d, dmin, s = _half(b[..., 0:2]), _half(b[..., 2:4]), b[..., 4:16]
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], dim=-1).float()
+    m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1).float()
+    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32).float()  # sub-blocks 2i, 2i+1
+    return ((d * sc).unsqueeze(-1) * q - (dmin * m).unsqueeze(-1)).reshape(*b.shape[:-1], SUPER)
+
+
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """[..., 210] super-blocks -> [..., 256] floats: w = d sc (q - 32), a scale per 16 weights."""
+    lead = b.shape[:-1]
+    ql, qh = b[..., 0:128].reshape(*lead, 2, 2, 32), b[..., 128:192].reshape(*lead, 2, 32)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float().reshape(*lead, 2, 4, 2)
+    d = _half(b[..., 208:210]).reshape(*lead, 1, 1, 1)
+    lo, hi = ql[..., 0, :], ql[..., 1, :]  # bytes l and l + 32 of each half
+    q = torch.stack([(lo & 0x0F) | ((qh & 3) << 4), (hi & 0x0F) | (((qh >> 2) & 3) << 4),
+                     (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], dim=-2)  # fmt: skip
+    q = q.float().reshape(*lead, 2, 4, 2, 16) - 32  # [half, group of 32, its two scales' 16 weights]
+    return (d.unsqueeze(-1) * sc.unsqueeze(-1) * q).reshape(*lead, SUPER)
 
 
 def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -46,6 +82,9 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     rows = blocks.shape[0]
     if blocks.shape[-1] != row_bytes(qtype, k):
         raise ValueError(f"{blocks.shape[-1]} bytes a row do not hold {k} {NAMES[qtype]} weights")
+    if qtype in K_QUANTS:
+        b = blocks.reshape(rows, k // SUPER, BLOCK_BYTES[qtype])
+        return (_dequantize_q4_k(b) if qtype == Q4_K else _dequantize_q6_k(b)).reshape(rows, k)
     b = blocks.reshape(rows, k // BLOCK, BLOCK_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).float()
     if qtype == Q8_0:
@@ -55,6 +94,22 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
         w = q * d + b[..., 2:4].contiguous().view(torch.float16).float() if qtype == Q4_1 else (q - 8) * d
     return w.reshape(rows, k)
+
+
+def linear(ops: ModuleType, x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
+           int8: bool = False) -> torch.Tensor:  # fmt: skip
+    """x [M, K] times the blocks' weight, by cbserve's kernel for the type (K-quants: float x only)."""
+    if qtype in K_QUANTS:
+        return ops.kquant_linear(x, blocks, qtype, bias)
+    return ops.quant_linear(x, blocks, qtype, bias, int8)
+
+
+def dequantize_rows(ops: ModuleType, blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None,
+                    like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Rows of the blocks' weight (all when `rows` is None) in `like`'s dtype, by cbserve's kernel."""
+    if qtype in K_QUANTS:
+        return ops.kquant_dequantize(blocks, qtype, k, rows, like)
+    return ops.quant_dequantize(blocks, qtype, k, rows, like)
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -75,9 +130,9 @@ class QuantizedLinear(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.ops is not None and (x2.shape[0] <= DEQUANTIZE_ROWS or self.int8_activations):
-            y = self.ops.quant_linear(x2, self.blocks, self.qtype, self.bias, self.int8_activations)
+            y = linear(self.ops, x2, self.blocks, self.qtype, self.bias, self.int8_activations)
         elif self.ops is not None:  # a prompt step: a float copy for this call, torch's product
-            w = self.ops.quant_dequantize(self.blocks, self.qtype, self.in_features, None, x2)
+            w = dequantize_rows(self.ops, self.blocks, self.qtype, self.in_features, None, x2)
             y = torch.nn.functional.linear(x2, w, self.bias)
         else:
             w = dequantize(self.blocks, self.qtype, self.in_features).to(x.dtype)
@@ -106,8 +161,8 @@ class QuantizedEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if self.ops is not None:
-            rows = self.ops.quant_dequantize(self.blocks, self.qtype, self.embedding_dim, flat,
-                                             torch.empty(0, dtype=self.dtype))  # fmt: skip
+            rows = dequantize_rows(self.ops, self.blocks, self.qtype, self.embedding_dim, flat,
+                                   torch.empty(0, dtype=self.dtype))  # fmt: skip
         else:
             rows = dequantize(self.blocks[flat], self.qtype, self.embedding_dim).to(self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)

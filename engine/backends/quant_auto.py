@@ -17,7 +17,7 @@ about a tenth of a second.
 
 With dense decoder layers the engine runs its native decoder stack (engine/backends/cpu_layers.py)
 and oneDNN's or cbserve's packed products; weights in blocks give up the packed products for the
-block kernel. `quantization: gguf` keeps every Q8_0/Q4_0/Q4_1 weight in its blocks (the memory
+block kernel. `quantization: gguf` keeps every Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight in its blocks (the memory
 saving), `none` dequantises them all. `python benchmarks/gguf_native.py kernels` times every shape
 both ways.
 """
@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from engine.backends.cpu_quant import NAMES
+from engine.backends.cpu_quant import NAMES, dequantize_rows, linear
 
 logger = logging.getLogger("cbserve.loader")
 
@@ -84,7 +84,7 @@ class BlockChoice:
         for kind in KINDS:
             t = self.timings.get(kind)
             if t is None and self.setting == "auto":
-                parts.append(f"{kind}: no Q8_0, Q4_0 or Q4_1 weights")
+                parts.append(f"{kind}: no Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weights")
                 continue
             what = f"{NAMES[t.qtype]} blocks" if t and self.keeps(kind) else "blocks" if self.keeps(kind) else f"dense {dtype}"
             times = ""
@@ -134,11 +134,11 @@ def _measure(part: torch.Tensor, qtype: int, shape: tuple[int, int], dtype: torc
     k = shape[1]
     like = torch.empty(0, dtype=dtype)
     with torch.no_grad():
-        packed = linear_plan(ops).pack(ops.quant_dequantize(part, qtype, k, None, like))
+        packed = linear_plan(ops).pack(dequantize_rows(ops, part, qtype, k, None, like))
         blocks_us, dense_us = [], []
         for rows in (1, BATCH):
             x = torch.randn(rows, k).to(dtype)
-            b, d = _fastest_us(lambda: ops.quant_linear(x, part, qtype, None), lambda: _packed_linear(x, packed, None))
+            b, d = _fastest_us(lambda: linear(ops, x, part, qtype, None), lambda: _packed_linear(x, packed, None))
             blocks_us.append(b)
             dense_us.append(d)
     return Timing(qtype, shape, (blocks_us[0], blocks_us[1]), (dense_us[0], dense_us[1]))
@@ -147,8 +147,8 @@ def _measure(part: torch.Tensor, qtype: int, shape: tuple[int, int], dtype: torc
 def choose(samples: dict[str, tuple[torch.Tensor, int, tuple[int, int]]], dtype: torch.dtype,
            ops: ModuleType) -> BlockChoice:  # fmt: skip
     """auto's choice: `samples` maps a kind to its largest matrix (its first PROBE_ROWS rows of blocks,
-    its GGUF type, its [out, in] shape); a kind without one (no weight of that kind in Q8_0, Q4_0 or
-    Q4_1) has nothing to choose."""
+    its GGUF type, its [out, in] shape); a kind without one (no weight of that kind in a type cbserve
+    multiplies in blocks) has nothing to choose."""
     timings = {kind: measure(b, q, shape, dtype, ops) for kind, (b, q, shape) in samples.items()}
     choice = BlockChoice("auto", {kind: t.keeps_blocks for kind, t in timings.items()}, dtype, timings)
     logger.info("cbserve: %s", choice.describe())

@@ -162,4 +162,4 @@ def test_the_rule_and_the_line_of_a_probe() -> None:
     choice = BlockChoice("auto", {"head": True, "layers": False}, torch.bfloat16, {"head": fast, "layers": tie})
     assert choice.describe() == ("quantization auto: layers dense bfloat16 (blocks 100+100 us against dense 95+110 us "
                                  "at 1+16 rows); head Q8_0 blocks (blocks 100+300 us against dense 200+300 us at 1+16 rows)")
-    assert "layers: no Q8_0, Q4_0 or Q4_1 weights" in BlockChoice("auto", {}, torch.float32).describe()
+    assert "layers: no Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weights" in BlockChoice("auto", {}, torch.float32).describe()

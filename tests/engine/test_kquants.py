@@ -1,0 +1,178 @@
+"""GGUF K-quants (Q4_K, Q6_K) kept in their super-blocks (engine/csrc/kquant_cpu.cpp,
+engine/backends/cpu_quant.py, engine/gguf_loader.py).
+
+Dequantization, in torch and in the kernel, equals gguf-py's bit for bit. The product keeps x in
+float32 against the dequantized super-blocks: within 1e-5 |x| |w_j| of x times the dequantized
+weight in float64, and a row's result is the same alone or in a batch. Both hold in the AVX2 build
+too (a child process with CBSERVE_CPU_ISA=avx2). A GGUF file whose FFN down projections are K-quants
+(the embedded model's, re-encoded by tests/engine/kquants.py) loads them in blocks, and the engine's
+greedy output equals `model.generate` on it and transformers on its dequantized weights.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from engine import generate_batch  # noqa: E402
+from engine.backends import cpu_quant  # noqa: E402
+from engine.backends.cpu_kernels import cpu_ops  # noqa: E402
+from engine.backends.cpu_quant import DEQUANTIZE_ROWS, QuantizedLinear, dequantize  # noqa: E402
+from tests.engine.kquants import kquant_copy, q4_k, q6_k  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ENCODERS = {T.Q4_K: q4_k, T.Q6_K: q6_k}
+SHAPES = [(1, 37, 256), (3, 129, 512), (7, 64, 1536), (33, 5, 768)]  # (rows of x, outputs, inputs)
+EXACT = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_ops()
+    assert ops is not None, "the C++ kernels must build here (a compiler is part of the dev setup)"
+    return ops
+
+
+def random_blocks(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-quant blocks of a random [n, k] weight and gguf-py's float32 dequantization of them."""
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = ENCODERS[qtype](w)
+    return torch.from_numpy(raw), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k)).float()
+
+
+def relative_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> float:
+    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    scale = x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)
+    return float(((y.double() - want).abs() / scale).max())
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+def test_dequantisation_is_ggufs_bit_for_bit_in_torch_and_in_the_kernel(ops, qtype) -> None:
+    blocks, w = random_blocks(qtype, 19, 1024, seed=3)
+    assert torch.equal(dequantize(blocks, int(qtype), 1024), w)
+    assert torch.equal(ops.kquant_dequantize(blocks, int(qtype), 1024, None, torch.empty(0)), w)
+    rows = torch.tensor([18, 0, 7, 7])
+    assert torch.equal(ops.kquant_dequantize(blocks, int(qtype), 1024, rows, torch.empty(0)), w[rows])
+    half = ops.kquant_dequantize(blocks, int(qtype), 1024, None, torch.empty(0, dtype=torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, w.bfloat16())
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
+    m, n, k = shape
+    blocks, w = random_blocks(qtype, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    assert relative_error(ops.kquant_linear(x, blocks, int(qtype), None), x, w, None) <= EXACT
+    assert relative_error(ops.kquant_linear(x, blocks, int(qtype), bias), x, w, bias) <= EXACT
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+def test_a_rows_product_does_not_depend_on_its_batch(ops, qtype) -> None:
+    blocks, _ = random_blocks(qtype, 70, 768)
+    x = torch.randn(13, 768, generator=torch.Generator().manual_seed(4))
+    batch = ops.kquant_linear(x, blocks, int(qtype), None)
+    for r in (0, 6, 12):
+        assert torch.equal(ops.kquant_linear(x[r:r + 1], blocks, int(qtype), None)[0], batch[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_give_outputs_of_their_dtype(ops, dtype) -> None:
+    blocks, w = random_blocks(T.Q4_K, 33, 512)
+    x = torch.randn(4, 512).to(dtype)
+    y = ops.kquant_linear(x, blocks, int(T.Q4_K), None)
+    assert y.dtype == dtype
+    assert torch.allclose(y.float(), x.float() @ w.T, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+def test_the_module_on_decode_and_prompt_steps_and_without_the_kernels(ops, qtype) -> None:
+    blocks, w = random_blocks(qtype, 48, 512)
+    with_ops = QuantizedLinear(blocks, int(qtype), 512, None, ops)
+    without = QuantizedLinear(blocks, int(qtype), 512, None, None)
+    for rows in (1, DEQUANTIZE_ROWS, DEQUANTIZE_ROWS + 5):  # the block kernel, then a dequantised copy
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert relative_error(with_ops(x), x, w, None) <= EXACT
+        assert relative_error(without(x), x, w, None) <= EXACT
+    assert torch.equal(with_ops.dequantized(), w)
+    assert "Q4_K" in repr(with_ops) or "Q6_K" in repr(with_ops)
+
+
+def test_bad_blocks_are_refused(ops) -> None:
+    blocks, _ = random_blocks(T.Q4_K, 4, 512)
+    with pytest.raises(ValueError, match="not whole Q4_K blocks of 256"):
+        cpu_quant.row_bytes(int(T.Q4_K), 576)
+    with pytest.raises(RuntimeError, match="do not hold"):
+        ops.kquant_linear(torch.randn(1, 768), blocks, int(T.Q4_K), None)
+    with pytest.raises(RuntimeError, match="is not Q4_K"):
+        ops.kquant_linear(torch.randn(1, 512), blocks, int(T.Q8_0), None)
+    with pytest.raises(ValueError, match="must be uint8"):
+        QuantizedLinear(blocks[:, :-1], int(T.Q4_K), 512)
+
+
+AVX2_CHECK = """
+import numpy as np, torch, gguf
+from engine.backends.cpu_kernels import cpu_ops
+from tests.engine.test_kquants import ENCODERS, SHAPES, EXACT, random_blocks, relative_error
+ops = cpu_ops()
+print("lanes", ops.lanes())
+for qtype in ENCODERS:
+    for m, n, k in SHAPES:
+        blocks, w = random_blocks(qtype, n, k)
+        x = torch.randn(m, k)
+        assert torch.equal(ops.kquant_dequantize(blocks, int(qtype), k, None, torch.empty(0)), w)
+        y = ops.kquant_linear(x, blocks, int(qtype), None)
+        assert relative_error(y, x, w, None) <= EXACT, (qtype, m, n, k)
+        assert torch.equal(ops.kquant_linear(x[-1:], blocks, int(qtype), None)[0], y[-1])
+print("ok")
+"""
+
+
+def test_the_avx2_build_too() -> None:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(AVX2_CHECK)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=900, env={**os.environ, "CBSERVE_CPU_ISA": "avx2"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lanes 8" in result.stdout and "ok" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory) -> Path:
+    from engine.loader import embedded_gguf
+
+    path = tmp_path_factory.mktemp("kquants") / "smollm2-kquants.gguf"
+    kquant_copy(embedded_gguf(), path)
+    return path
+
+
+def test_a_file_with_k_quants_keeps_them_in_blocks_and_generates_as_transformers(kquant_file) -> None:
+    from engine.loader import load_model
+
+    native = load_model(str(kquant_file), "float32", quantization="gguf")
+    downs = [layer.mlp.down_proj for layer in native.model.model.layers]
+    assert all(isinstance(d, QuantizedLinear) for d in downs)
+    assert [d.qtype for d in downs[:4]] == [int(T.Q4_K), int(T.Q6_K), int(T.Q4_K), int(T.Q6_K)]
+    reader = gguf.GGUFReader(kquant_file)
+    blk0 = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert torch.equal(downs[0].dequantized(), torch.from_numpy(gguf.quants.dequantize(blk0.data, blk0.tensor_type)))
+    reference = load_model(str(kquant_file), "float32", quantization="none").model  # transformers' dequantization
+    tok = native.tokenizer
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "List three facts about bees."}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
+    out = generate_batch(native.model, [prompt], max_new_tokens=10, ignore_eos=True, progress_bar=False, warmup=False)
+    for o in out.values():
+        x = torch.tensor([prompt])
+        kwargs = {"attention_mask": torch.ones_like(x), "max_new_tokens": 10, "do_sample": False, "eos_token_id": None}
+        mine = native.model.generate(x, **kwargs)[0, len(prompt):].tolist()
+        assert o.generated_tokens == mine
+        assert reference.generate(x, **kwargs)[0, len(prompt):].tolist() == mine

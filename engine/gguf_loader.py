@@ -145,6 +145,7 @@ def _choice(model: torch.nn.Module, reader, names: dict[str, str], tied: bool, d
     if quantization == "gguf":
         return BlockChoice.everywhere(dtype)
     largest: dict[str, Any] = {}  # kind -> gguf's ReaderTensor
+    dense_bytes: dict[str, int] = {}  # kind -> its weights' bytes in `dtype`, were they dequantised
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None or int(tensor.tensor_type) not in NATIVE_TYPES or not hf_name.endswith(".weight"):
@@ -153,12 +154,15 @@ def _choice(model: torch.nn.Module, reader, names: dict[str, str], tied: bool, d
         if not isinstance(owner, (torch.nn.Linear, torch.nn.Embedding)):
             continue
         kind = _kind(model, owner, tied)
-        if kind != "embedding" and (kind not in largest or tensor.n_elements > largest[kind].n_elements):
+        if kind == "embedding":
+            continue
+        dense_bytes[kind] = dense_bytes.get(kind, 0) + int(tensor.n_elements) * dtype.itemsize
+        if kind not in largest or tensor.n_elements > largest[kind].n_elements:
             largest[kind] = tensor
     samples = {kind: (torch.from_numpy(np.array(t.data[:PROBE_ROWS], dtype=np.uint8)), int(t.tensor_type),
                       (int(t.shape[1]), int(t.shape[0])))  # gguf's shape is [in, out]
                for kind, t in largest.items()}  # fmt: skip
-    return choose(samples, dtype, ops)
+    return choose(samples, dtype, ops, dense_bytes)
 
 
 def _tied(config) -> bool:

@@ -13,7 +13,8 @@ How a CUDA pod sizes its cache at start-up:
 3. `plan_kv_cache(...)` gives the cache `max_memory_percent` of the free memory, less the activation
    peak that every later step needs again, and turns the rest into whole blocks.
 
-On CPU the free memory is psutil's available memory, never more than `CPU_FRACTION_OF_TOTAL` of the
+On CPU the free memory is psutil's available memory, or less where the process's cgroup limits it (a
+pod's memory limit: `host_available_bytes`), never more than `CPU_FRACTION_OF_TOTAL` of the
 machine, and the cache is capped at the `cpu_kv_cache_space` setting (1 GiB unless set): a CPU pod shares
 its node, and a 1 GiB cache already holds far more tokens than a CPU can serve at once.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -173,6 +175,37 @@ def cpu_memory(
     return DeviceMemory("cpu", free_bytes=free, total_bytes=total_bytes, cap_bytes=cap_bytes)
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+NO_LIMIT = 1 << 60  # cgroup v1 writes a number near 2^63 where there is no limit
+
+
+def cgroup_available_bytes(root: Path = CGROUP_ROOT) -> int | None:
+    """What the process's cgroup still allows (its memory limit less its usage, page cache included,
+    so on the safe side), or None without a limit: cgroup v2's memory.max, else v1's
+    memory.limit_in_bytes. A container's own cgroup is mounted at the root."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
+def host_available_bytes(root: Path = CGROUP_ROOT) -> int:
+    """Host memory this process can still take: psutil's available memory, or the cgroup's room where
+    that is less (a Kubernetes pod sees its node's memory in psutil, and is killed at its limit)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    room = cgroup_available_bytes(root)
+    return available if room is None else min(available, room)
+
+
 def read_device_memory(device: torch.device | str, cpu_cap_bytes: int = CPU_CACHE_CAP_BYTES) -> DeviceMemory:
     """The device's memory now: torch.cuda.mem_get_info on CUDA, psutil on CPU (the cache capped at
     `cpu_cap_bytes`)."""
@@ -183,8 +216,7 @@ def read_device_memory(device: torch.device | str, cpu_cap_bytes: int = CPU_CACH
     if device.type == "cpu":
         import psutil
 
-        vm = psutil.virtual_memory()
-        return cpu_memory(vm.available, vm.total, cap_bytes=cpu_cap_bytes)
+        return cpu_memory(host_available_bytes(), psutil.virtual_memory().total, cap_bytes=cpu_cap_bytes)
     raise ValueError(f"cannot size a KV cache on device type {device.type!r} (expected 'cuda' or 'cpu')")
 
 

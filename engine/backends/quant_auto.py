@@ -15,6 +15,13 @@ fastest of up to `REPEATS` calls made in turn with the other way's: on a busy ma
 loses its core mid-call makes a multi-threaded call wait for it, and that would decide. It takes
 about a tenth of a second.
 
+Memory comes first: a kind goes dense only while the dense weights of every kind made dense fit in
+`MEMORY_SHARE` of the host memory the process can still take at load (engine/backends/memory.py's
+`host_available_bytes`: psutil's, or a pod's cgroup limit where that is less); past that the kinds
+with the most dense bytes keep their blocks whatever the probe timed, and the start-up line says
+so. A GGUF file of a model whose float weights do not fit (an 8B Q4_0 file on a 16 GiB machine)
+loads in its blocks instead of failing.
+
 With dense decoder layers the engine runs its native decoder stack (engine/backends/cpu_layers.py)
 and oneDNN's or cbserve's packed products; weights in blocks give up the packed products for the
 block kernel. `quantization: gguf` keeps every Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight in its blocks (the memory
@@ -41,6 +48,7 @@ BATCH = 16  # input rows of the probe's second size
 REPEATS = 20
 BUDGET_S = 0.05  # per row count, both ways
 MARGIN = 0.9  # blocks must be this much faster in all: a near tie (or a noisy probe) stays dense
+MEMORY_SHARE = 0.5  # of the host memory available at load, at most, for the dense weights auto makes
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,8 @@ class BlockChoice:
     blocks: dict[str, bool]
     dtype: torch.dtype = torch.float32  # of the dense weights and of everything else
     timings: dict[str, Timing] = field(default_factory=dict)
+    for_memory: tuple[str, ...] = ()  # kinds kept in blocks because their dense weights would not fit
+    memory_note: str = ""
 
     @classmethod
     def everywhere(cls, dtype: torch.dtype) -> BlockChoice:
@@ -91,13 +101,19 @@ class BlockChoice:
             if t is not None:
                 times = (f" (blocks {t.blocks_us[0]:.0f}+{t.blocks_us[1]:.0f} us against dense {t.dense_us[0]:.0f}+"
                          f"{t.dense_us[1]:.0f} us at 1+{BATCH} rows)")  # fmt: skip
+            if kind in self.for_memory:
+                times += " kept for memory"
             parts.append(f"{kind} {what}{times}")
-        return f"quantization {self.setting}: " + "; ".join(parts)
+        line = f"quantization {self.setting}: " + "; ".join(parts)
+        return line + (f" ({self.memory_note})" if self.memory_note else "")
 
     def as_dict(self) -> dict:
         """What the engine's placement (`GET /v1/models`) shows."""
-        return {"setting": self.setting, "blocks": dict(self.blocks),
-                "probe": {k: t.as_dict() for k, t in self.timings.items()}}  # fmt: skip
+        out = {"setting": self.setting, "blocks": dict(self.blocks),
+               "probe": {k: t.as_dict() for k, t in self.timings.items()}}  # fmt: skip
+        if self.for_memory:
+            out["kept_for_memory"] = list(self.for_memory)
+        return out
 
 
 def _fastest_us(a, b) -> tuple[float, float]:
@@ -144,12 +160,42 @@ def _measure(part: torch.Tensor, qtype: int, shape: tuple[int, int], dtype: torc
     return Timing(qtype, shape, (blocks_us[0], blocks_us[1]), (dense_us[0], dense_us[1]))
 
 
+def within_memory(blocks: dict[str, bool], dense_bytes: dict[str, int], budget: int) -> tuple[str, ...]:
+    """The kinds to keep in blocks, beyond those `blocks` keeps, so that the dense weights of the rest
+    fit in `budget` bytes: the largest first."""
+    dense = sorted((k for k, keep in blocks.items() if not keep), key=lambda k: -dense_bytes.get(k, 0))
+    total = sum(dense_bytes.get(k, 0) for k in dense)
+    kept = []
+    for kind in dense:
+        if total <= budget:
+            break
+        kept.append(kind)
+        total -= dense_bytes.get(kind, 0)
+    return tuple(kept)
+
+
 def choose(samples: dict[str, tuple[torch.Tensor, int, tuple[int, int]]], dtype: torch.dtype,
-           ops: ModuleType) -> BlockChoice:  # fmt: skip
+           ops: ModuleType, dense_bytes: dict[str, int] | None = None,
+           available_bytes: int | None = None) -> BlockChoice:  # fmt: skip
     """auto's choice: `samples` maps a kind to its largest matrix (its first PROBE_ROWS rows of blocks,
     its GGUF type, its [out, in] shape); a kind without one (no weight of that kind in a type cbserve
-    multiplies in blocks) has nothing to choose."""
+    multiplies in blocks) has nothing to choose. `dense_bytes`: each kind's weights in `dtype`, held
+    against MEMORY_SHARE of `available_bytes` (default: the host memory available now)."""
     timings = {kind: measure(b, q, shape, dtype, ops) for kind, (b, q, shape) in samples.items()}
     choice = BlockChoice("auto", {kind: t.keeps_blocks for kind, t in timings.items()}, dtype, timings)
+    if dense_bytes:
+        if available_bytes is None:
+            from engine.backends.memory import host_available_bytes
+
+            available_bytes = host_available_bytes()
+        budget = int(MEMORY_SHARE * available_bytes)
+        kept = within_memory(choice.blocks, dense_bytes, budget)
+        if kept:
+            for kind in kept:
+                choice.blocks[kind] = True
+            wanted = sum(dense_bytes.get(k, 0) for k, t in timings.items() if not t.keeps_blocks)
+            choice.for_memory = kept
+            choice.memory_note = (f"dense weights of {wanted / 2**30:.1f} GiB would pass {MEMORY_SHARE:.0%} of the "
+                                  f"{available_bytes / 2**30:.1f} GiB of memory available")  # fmt: skip
     logger.info("cbserve: %s", choice.describe())
     return choice

@@ -137,7 +137,7 @@ def test_a_split_choice_serves_as_generate_does(monkeypatch) -> None:
     from engine import ContinuousBatchingConfig, LLMEngine, gguf_loader
     from engine.backends.quant_auto import BlockChoice
 
-    monkeypatch.setattr(gguf_loader, "choose", lambda samples, dtype, ops: BlockChoice("auto", dict(blocks), dtype))
+    monkeypatch.setattr(gguf_loader, "choose", lambda samples, dtype, ops, dense_bytes=None: BlockChoice("auto", dict(blocks), dtype))
     loaded = load_model(None, "float32", quantization="auto")
     assert kinds_in_blocks(loaded.model) == blocks
     ids = [chat(loaded.tokenizer, p) for p in PROMPTS[:2]]
@@ -163,3 +163,33 @@ def test_the_rule_and_the_line_of_a_probe() -> None:
     assert choice.describe() == ("quantization auto: layers dense bfloat16 (blocks 100+100 us against dense 95+110 us "
                                  "at 1+16 rows); head Q8_0 blocks (blocks 100+300 us against dense 200+300 us at 1+16 rows)")
     assert "layers: no Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weights" in BlockChoice("auto", {}, torch.float32).describe()
+
+
+def test_auto_keeps_blocks_where_the_dense_weights_would_not_fit_in_memory() -> None:
+    from engine.backends.quant_auto import MEMORY_SHARE, within_memory
+
+    dense = {"layers": 12 << 30, "head": 1 << 30}
+    assert within_memory({"layers": False, "head": False}, dense, 16 << 30) == ()
+    assert within_memory({"layers": False, "head": False}, dense, 12 << 30) == ("layers",)  # the largest first
+    assert within_memory({"layers": False, "head": False}, dense, 512 << 20) == ("layers", "head")
+    assert within_memory({"layers": True, "head": False}, dense, 512 << 20) == ("head",)
+    assert 0 < MEMORY_SHARE <= 0.5
+
+
+def test_auto_on_a_small_machine_loads_the_blocks_and_says_why(monkeypatch, caplog) -> None:
+    """The probe's timing aside, a GGUF whose dense weights would pass MEMORY_SHARE of the memory
+    available keeps its blocks (here: a machine said to have 64 MiB free)."""
+    import logging
+
+    from engine.backends import memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root=memory.CGROUP_ROOT: 64 << 20)
+    with caplog.at_level(logging.INFO, logger="cbserve.loader"):
+        loaded = load_model(None, "auto", quantization="auto")
+    placement = loaded.model.cbserve_quantization
+    assert placement["blocks"] == {"layers": True, "head": True}
+    assert placement["kept_for_memory"]  # at least the kinds the probe would have made dense
+    assert set(placement["kept_for_memory"]) <= {"layers", "head"}
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    line = next(r.getMessage() for r in caplog.records if "quantization auto" in r.getMessage())
+    assert "kept for memory" in line and "of the 0.1 GiB of memory available" in line

@@ -148,3 +148,29 @@ def test_a_step_reserves_the_forward_the_sampler_and_with_graphs_their_pool():
     sampler = SAMPLER_FLOAT_COPIES * 256 * 128_256 * 4  # 256 sampled rows of a Llama-3 vocabulary: ~788 MB
     assert step_reserve_bytes(2 * GiB, 256, 128_256, graphs=False) == 2 * GiB + sampler
     assert step_reserve_bytes(2 * GiB, 256, 128_256, graphs=True) == 4 * GiB + sampler
+
+
+def test_a_cgroup_limit_bounds_the_host_memory(tmp_path):
+    from engine.backends.memory import cgroup_available_bytes, host_available_bytes
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{8 * GiB}\n")
+    (v2 / "memory.current").write_text(f"{3 * GiB}\n")
+    assert cgroup_available_bytes(v2) == 5 * GiB
+    assert host_available_bytes(v2) <= 5 * GiB
+    (v2 / "memory.current").write_text(f"{9 * GiB}\n")  # over its limit already: nothing left, not less
+    assert cgroup_available_bytes(v2) == 0
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_available_bytes(v2) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 without a limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{GiB}\n")
+    assert cgroup_available_bytes(v1) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
+    assert cgroup_available_bytes(v1) == 3 * GiB
+    assert cgroup_available_bytes(tmp_path / "none") is None
+    import psutil
+
+    assert host_available_bytes(tmp_path / "none") <= psutil.virtual_memory().total

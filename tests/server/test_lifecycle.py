@@ -15,6 +15,28 @@ from tests.server.conftest import Server
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
+def test_metrics_token_counters_equal_reported_usage(server) -> None:
+    """The file's first test: the shared server's counters still count from its start."""
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    reasons: collections.Counter[str] = collections.Counter()
+    calls = [("/v1/completions", {"prompt": "a b c", "max_tokens": 7}),
+             ("/v1/completions", {"prompt": ["x y", "z"], "max_tokens": 5, "n": 2}),  # sampled: may end on EOS
+             ("/v1/completions", {"prompt": "stop here", "max_tokens": 20, "stop": ["e"]}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})]
+    for path, body in calls:
+        r = httpx.post(server.url + path, json=body, timeout=60).json()
+        for k in usage:
+            usage[k] += r["usage"][k]
+        reasons.update(c["finish_reason"] for c in r["choices"])
+    m = server.metrics()
+    assert m["cbserve:prompt_tokens_total"] == usage["prompt_tokens"]
+    assert m["cbserve:generation_tokens_total"] == usage["completion_tokens"]
+    assert sum(reasons.values()) == 7
+    for reason, count in reasons.items():
+        assert m[f"cbserve:request_success_total{{finished_reason={reason}}}"] == count
+    assert m["cbserve:time_to_first_token_seconds_count"] == 7
+
+
 def test_disconnected_streams_are_cancelled_and_free_their_blocks(server) -> None:
     started = threading.Barrier(21)
 
@@ -69,31 +91,6 @@ def test_endpoint_pickers_read_the_live_gauges_under_vllms_names(server) -> None
         assert m["cbserve:prefill_token_cap"] >= 1 and "vllm:prefill_token_cap" not in m  # cbserve's own gauge
     m = server.wait_for(lambda m: m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0)
     assert {v: m[v] for v in pairs} == {v: m[cb] for v, cb in pairs.items()}
-
-
-def test_metrics_token_counters_equal_reported_usage(model_dir, tmp_path) -> None:
-    srv = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 256})
-    try:
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        reasons: collections.Counter[str] = collections.Counter()
-        calls = [("/v1/completions", {"prompt": "a b c", "max_tokens": 7}),
-                 ("/v1/completions", {"prompt": ["x y", "z"], "max_tokens": 5, "n": 2}),  # sampled: may end on EOS
-                 ("/v1/completions", {"prompt": "stop here", "max_tokens": 20, "stop": ["e"]}),
-                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})]
-        for path, body in calls:
-            r = httpx.post(srv.url + path, json=body, timeout=60).json()
-            for k in usage:
-                usage[k] += r["usage"][k]
-            reasons.update(c["finish_reason"] for c in r["choices"])
-        m = srv.metrics()
-        assert m["cbserve:prompt_tokens_total"] == usage["prompt_tokens"]
-        assert m["cbserve:generation_tokens_total"] == usage["completion_tokens"]
-        assert sum(reasons.values()) == 7
-        for reason, count in reasons.items():
-            assert m[f"cbserve:request_success_total{{finished_reason={reason}}}"] == count
-        assert m["cbserve:time_to_first_token_seconds_count"] == 7
-    finally:
-        assert srv.stop() == 0
 
 
 def test_overload_gets_503_with_retry_after_and_admitted_requests_complete(model_dir, tmp_path) -> None:

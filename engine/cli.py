@@ -114,7 +114,8 @@ def serve(args: argparse.Namespace) -> int:
         from engine.loader import load_model
         from engine.server.app import build_state, create_app
 
-        loaded = load_model(settings.model, dtype, settings.attn_implementation, load_device, quantization)
+        loaded = load_model(settings.model, dtype, settings.attn_implementation, load_device, quantization,
+                    settings.quantized_activations)
         manager = ContinuousBatchingManager(loaded.model, continuous_batching_config=settings.engine,
                                             tokenizer=loaded.tokenizer, tensor_parallel=launch)  # fmt: skip
         manager.on_fatal.append(startup.engine_died)  # a broken tensor-parallel group: the server exits 1
@@ -268,7 +269,8 @@ def generate(args: argparse.Namespace) -> int:
         print(f"nothing to do: all {len(items)} ids are in {out_path}")
         return 0
     launch, load_device = _tensor_parallel(args, settings, device, dtype, settings.model)
-    loaded = load_model(settings.model, dtype, settings.attn_implementation, load_device, quantization)
+    loaded = load_model(settings.model, dtype, settings.attn_implementation, load_device, quantization,
+                    settings.quantized_activations)
     if launch is not None:  # the engine kept across chunks, its ranks started once
         from engine import ContinuousBatchingManager
 

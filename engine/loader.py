@@ -180,7 +180,7 @@ def locate(path: str | None) -> tuple[Path | str, str]:
 
 
 def load_model(path: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
-               device: str = "cpu", quantization: str = "none") -> LoadedModel:  # fmt: skip
+               device: str = "cpu", quantization: str = "none", activations: str = "float") -> LoadedModel:  # fmt: skip
     """A local checkpoint folder, a GGUF file, `hf://org/name[@revision]` (from its model folder,
     downloaded there first unless complete: engine/hub.py), a hub id (`org/name`, through
     transformers' own cache), or (path None) the embedded SmolLM2 model. `quantization` "gguf" (a
@@ -190,7 +190,24 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
     weights load straight onto it, never whole into host memory first. "meta": the model's parameters
     stay unread (on the meta device) when the checkpoint is a folder of safetensors, for rank 0 of a
     tensor-parallel engine, which reads only its shard (`ModelSource.shard`); else the model loads
-    whole into host memory."""
+    whole into host memory. `activations` "int8": the weights left in blocks multiply int8-quantized
+    inputs (the quantized_activations setting, engine/backends/cpu_quant.py)."""
+    if activations not in ("float", "int8"):
+        raise ValueError(f"quantized_activations must be float or int8, not {activations!r}")
+    loaded = _load(path, dtype, attn_implementation, device, quantization)
+    if activations == "int8":
+        from engine.backends.cpu_quant import use_int8_activations
+
+        count = use_int8_activations(loaded.model)
+        if count:
+            logger.info("cbserve: %d weights in blocks multiply int8 inputs (quantized_activations int8)", count)
+        else:
+            logger.warning("cbserve: quantized_activations int8: no weight of %s is in Q8_0/Q4_0/Q4_1 blocks; "
+                           "nothing changes", loaded.name)  # fmt: skip
+    return loaded
+
+
+def _load(path: str | None, dtype: str, attn_implementation: str | None, device: str, quantization: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.gguf_loader import is_gguf

@@ -272,6 +272,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attn_implementation", "str", None, "transformers' attn_implementation the model loads with (the engine "
             "runs its own paged attention)", section="server", nullable=True, pattern=r"[A-Za-z0-9_]+",
             max_length=64, operator=True),
+    Setting("quantized_activations", "str", "float", "what the weights kept in blocks (quantization gguf, auto's "
+            "blocks, int8) multiply: float keeps each input row in float32 against the dequantised blocks (the "
+            "result is the product with the dequantised weight up to float rounding: greedy output as "
+            "model.generate gives); int8 quantizes each input row to int8 blocks of 32 and takes integer dot "
+            "products (llama.cpp's arithmetic; VNNI where the CPU has it): faster at several rows, and greedy "
+            "output departs from model.generate now and then. Q4_K and Q6_K weights take float inputs either way",
+            section="server", choices=("float", "int8"), operator=True),
     Setting("compile", "bool", False, "torch.compile both step kinds with default compile configs", section="server",
             operator=True),
     Setting("max_body_bytes", "int", 4 * 1024 * 1024, "larger request bodies get 413 before they are read",

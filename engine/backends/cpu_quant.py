@@ -147,6 +147,20 @@ class QuantizedLinear(torch.nn.Module):
                 f"bias={self.bias is not None}")
 
 
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """Every `QuantizedLinear` of `model` that has an int8 product (not K-quants) switched to it; the
+    count. The model's placement (`cbserve_quantization`, GET /v1/models) says so."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear) and m.qtype not in K_QUANTS:
+            m.int8_activations = True
+            count += 1
+    if count:
+        info = dict(getattr(model, "cbserve_quantization", None) or {})
+        model.cbserve_quantization = {**info, "activations": "int8"}
+    return count
+
+
 class QuantizedEmbedding(torch.nn.Module):
     """A token embedding in GGUF blocks: the rows looked up are dequantized to `dtype`."""
 

@@ -70,6 +70,7 @@ class ServeSettings:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
+    quantized_activations: str = "float"
     attn_implementation: str | None = None
     compile: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -193,3 +193,23 @@ def test_auto_on_a_small_machine_loads_the_blocks_and_says_why(monkeypatch, capl
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)
     line = next(r.getMessage() for r in caplog.records if "quantization auto" in r.getMessage())
     assert "kept for memory" in line and "of the 0.1 GiB of memory available" in line
+
+
+def test_int8_activations_are_a_setting_for_the_weights_in_blocks() -> None:
+    """quantized_activations int8: every QuantizedLinear takes llama.cpp's arithmetic (its kernels
+    are tests/engine/test_cpu_quant.py's), the placement says so; a model with nothing in blocks has
+    nothing to change; anything but float and int8 is refused."""
+    loaded = load_model(None, "float32", quantization="gguf", activations="int8")
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.int8_activations for m in linears)
+    assert loaded.model.cbserve_quantization["activations"] == "int8"
+    prompt = chat(loaded.tokenizer, PROMPTS[2])
+    out = generate_batch(loaded.model, [prompt], max_new_tokens=6, ignore_eos=True, progress_bar=False, warmup=False)
+    assert len(next(iter(out.values())).generated_tokens) == 6
+    from engine.backends.cpu_quant import use_int8_activations
+    from engine.testing import build_test_model
+
+    dense = build_test_model()
+    assert use_int8_activations(dense) == 0 and not hasattr(dense, "cbserve_quantization")
+    with pytest.raises(ValueError, match="quantized_activations must be float or int8"):
+        load_model(None, "float32", quantization="gguf", activations="int4")

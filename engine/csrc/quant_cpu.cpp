@@ -136,31 +136,35 @@ inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* o
 template <int64_t Q, int R>
 inline void dot_rows_float(const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
   const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(0x0f);
+  // two sums a row (the block's quarters 0, 2 and 1, 3): one would chain 4 dependent FMAs a block,
+  // and with one row of x that chain's latency, not the unpacking, would set the pace
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
+    if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
     const __m256 d = _mm256_set1_ps(half(blk));
     __m256 wf[4];
     if constexpr (Q == kQ8_0) {
       for (int i = 0; i < 4; ++i)
         wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                                   reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))), d);
-    } else {
-      const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
-      const __m128i lo = _mm_and_si128(nib, low4), hi = _mm_and_si128(_mm_srli_epi16(nib, 4), low4);
+    } else {  // bytes 0-7 and 8-15 widened to lanes (from memory): low nibbles masked, high ones shifted down
+      const uint8_t* nib = blk + (Q == kQ4_1 ? 4 : 2);
       const __m256 m = Q == kQ4_1 ? _mm256_set1_ps(half(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int i = 0; i < 4; ++i)
-        wf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nib)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nib + 8)));
+      const __m256i low = _mm256_set1_epi32(0x0f);
+      const __m256i parts[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                                _mm256_srli_epi32(b1, 4)};
+      for (int i = 0; i < 4; ++i) wf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[i]), d, m);
     }
     for (int r = 0; r < R; ++r) {
       const float* xb = x + (r0 + r) * k + b * kBlock;
-      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
+      for (int i = 0; i < 4; ++i) acc[r][i & 1] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i & 1]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 #if defined(__AVX512F__)

@@ -369,6 +369,107 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
 }
 #endif
 
+#if !defined(__AVX512F__)
+// The int8 product of the AVX2 build in tiles of 8 weight rows, one per 32-bit lane, as the
+// AVX-512 build's above but with vpmaddubsw + vpmaddwd (whether or not the CPU has AVX-VNNI): Q4's
+// nibbles times x's bytes in pairs (at most 2 * 15 * 127 each, so four such sums add up in 16 bits)
+// from -8 sum(qx) for Q4_0; Q8_0's as |q| times sign(qx, q). The integer sums are exact, so the
+// result is the one-row path's up to the order of the float sums.
+constexpr int64_t kLaneRows = 8;
+
+// 8 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
+// bytes 4g..4g+3 of row j
+inline void transpose8x16(const uint8_t* base, int64_t row_bytes, __m256i out[4]) {
+  __m256i z[4];
+  for (int a = 0; a < 4; ++a)  // z[a] = rows a and a + 4 in its two 128-bit lanes
+    z[a] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4) * row_bytes)),
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// the 8 rows' float16 at byte `at` of their block (the scale, or Q4_1's minimum) as floats
+inline __m256 halves8(const uint8_t* blk, int64_t row_bytes, int64_t at) {
+  alignas(16) uint16_t h[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&h[i], blk + i * row_bytes + at, 2);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// 8 weight rows (from w) times R rows of x (from row r0): out[r * 8 + j]
+template <int64_t Q, int R>
+inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
+  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    for (int64_t i = 0; i < kLaneRows; ++i)  // the next tile's block: its 8 rows are 8 short streams
+      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    const __m256 d = halves8(blk, row_bytes, 0);
+    __m256i wq[8];
+    if constexpr (Q == kQ8_0) {
+      transpose8x16(blk + 2, row_bytes, wq);
+      transpose8x16(blk + 18, row_bytes, wq + 4);
+    } else {
+      __m256i nib[4];
+      transpose8x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
+      for (int g = 0; g < 4; ++g) {
+        wq[g] = _mm256_and_si256(nib[g], low4);
+        wq[4 + g] = _mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4);
+      }
+    }
+    __m256 m;
+    if constexpr (Q == kQ4_1) m = halves8(blk, row_bytes, 2);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = row * blocks + b;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + row * x.k + b * kBlock);
+      __m256i sum;
+      if constexpr (Q == kQ8_0) {
+        sum = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq[g], wq[g]),
+                                                 _mm256_sign_epi8(_mm256_set1_epi32(xq[g]), wq[g]));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+        }
+      } else {
+        __m256i half16[2];
+        for (int h = 0; h < 2; ++h) {
+          half16[h] = _mm256_maddubs_epi16(wq[4 * h], _mm256_set1_epi32(xq[4 * h]));
+          for (int g = 1; g < 4; ++g)
+            half16[h] = _mm256_add_epi16(half16[h], _mm256_maddubs_epi16(wq[4 * h + g], _mm256_set1_epi32(xq[4 * h + g])));
+        }
+        sum = _mm256_add_epi32(_mm256_madd_epi16(half16[0], ones), _mm256_madd_epi16(half16[1], ones));
+        if constexpr (Q == kQ4_0) sum = _mm256_add_epi32(sum, _mm256_set1_epi32(-8 * x.sq[i]));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[i])), acc[r]);
+      if constexpr (Q == kQ4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLaneRows, acc[r]);
+}
+
+template <int64_t Q>
+void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return tile_int8_lanes<Q, 1>(w, row_bytes, x, r0, out);
+    case 2: return tile_int8_lanes<Q, 2>(w, row_bytes, x, r0, out);
+    case 3: return tile_int8_lanes<Q, 3>(w, row_bytes, x, r0, out);
+    default: return tile_int8_lanes<Q, 4>(w, row_bytes, x, r0, out);
+  }
+}
+constexpr int64_t kLaneX = 4;  // rows of x per pass over a tile
+#define CB_INT8_LANES 1
+#elif CB_VNNI
+#define CB_INT8_LANES 1
+#else
+#define CB_INT8_LANES 0
+#endif
+
 // x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx)
 void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sq) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -389,6 +490,12 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int3
 }
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
+#if defined(__AVX512F__)
+constexpr bool defined_avx512 = true;
+#else
+constexpr bool defined_avx512 = false;
+#endif
+
 template <int64_t Q, bool VNNI, typename T>
 void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
              int64_t m, int64_t n) {
@@ -416,8 +523,9 @@ void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row
     return;
   }
 #endif
-#if defined(__AVX512F__) && CB_VNNI
-  if (!xf && VNNI) {  // tiles of 16 weight rows; the last rows (n not a multiple of 16) one by one below
+#if CB_INT8_LANES
+  // AVX-512: with VNNI on; AVX2: always. Tiles of kLaneRows weight rows; the last rows one by one below
+  if (!xf && (VNNI || !defined_avx512)) {
     const int64_t tiles = n / kLaneRows;
     at::parallel_for(0, tiles, std::max<int64_t>(1, grain / kLaneRows), [&](int64_t t0, int64_t t1) {
       float out[kLaneX * kLaneRows];

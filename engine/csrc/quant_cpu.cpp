@@ -182,9 +182,13 @@ inline void dequantize_block16(const uint8_t* blk, __m512& lo, __m512& hi) {
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))), d);
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))), d);
   } else {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 m = Q == kQ4_1 ? _mm512_set1_ps(half(blk + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    const __m512 table = _mm512_fmadd_ps(iota, d, m);
+    __m512 table;  // Q4_0: (q - 8) d, one exact product, the same value as the reference's q d - 8 d
+    if constexpr (Q == kQ4_1) {
+      table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d,
+                              _mm512_set1_ps(half(blk + 2)));
+    } else {
+      table = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
+    }
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2))));
     lo = _mm512_permutexvar_ps(q, table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);

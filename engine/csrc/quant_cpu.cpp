@@ -18,9 +18,12 @@
 // float scale dx per block (keeping the block's sum s = dx * sum(qx)), then takes integer dot
 // products block by block and scales them:
 //   Q8_0: d * dx * sum(q * qx)         Q4_0: d * (dx * sum(q * qx) - 8 s)        Q4_1: d * dx * sum(q * qx) + m s
-// The integer dot of 32 bytes is vpmaddubsw + vpmaddwd on AVX2, and vpdpbusd where the build has
-// VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI): both multiply unsigned by signed bytes, so Q4's
-// nibbles go in as they are and Q8_0's signed quants as |q| against sign(qx, q).
+// Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (AVX2: vpmaddubsw + vpmaddwd),
+// one per 32-bit lane, transposed in registers block by block, and each row of x multiplies a whole
+// tile with its 4-byte groups broadcast; the rows left over (and the AVX-512 build with VNNI off) go
+// one weight row at a time, 32 bytes a block, vpmaddubsw + vpmaddwd or vpdpbusd (AVX-VNNI). Both
+// multiply unsigned by signed bytes, so Q4's nibbles go in as they are and Q8_0's signed quants as
+// |q| against sign(qx, q), or in the VNNI tiles as q + 128 from -128 sum(qx).
 // `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
 // it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
 // difference in x (another attention kernel) can move a rounding step: greedy output then departs

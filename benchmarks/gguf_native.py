@@ -2,7 +2,8 @@
 
     python benchmarks/gguf_native.py agreement [--prompts 64] [--tokens 32] [--model file.gguf]
     python benchmarks/gguf_native.py memory [--model file.gguf]
-    python benchmarks/gguf_native.py kernels [--rows 1,16,128] [--repeats 20]
+    python benchmarks/gguf_native.py kernels [--shapes smollm2|1b|8b] [--rows 1,16,128] [--repeats 20]
+        [--types Q8_0,Q4_0,Q4_1] [--threads 1,2] [--no-dense]
     python benchmarks/gguf_native.py probe [--model file.gguf] [--dtype bfloat16]
 
 `agreement`: greedy output of cbserve's engine on the native model (Q4_1/Q8_0 blocks) against transformers' `generate` on the dequantised float32 weights, over a fixed set
@@ -10,12 +11,15 @@ of chat prompts: how many of the outputs are identical, and the mean length of t
 The engine's own output is also checked against `generate` on the native model (must be identical).
 `memory`: resident memory (RSS) after loading each way and after one short generate (a mapped
 safetensors checkpoint is resident only once read), each in a fresh process.
-`kernels`: time of one product per linear shape of SmolLM2-135M for the quantized kernel (float
-activations, and int8 activations), the weight dequantised for the call plus torch's product (what
-steps of more than cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's
-float32 product (and its bfloat16 one where the CPU multiplies bfloat16 natively: the dense path
-`quantization auto` weighs the blocks against on such a host), at each row count, all in one
-process, one shape after another.
+`kernels`: time of one product per linear shape (SmolLM2-135M's, or Llama-3.2-1B's / Llama-3-8B's
+with `--shapes 1b|8b`) for the quantized kernel (float activations, bfloat16 activations, and int8
+activations), the weight dequantised for the call plus torch's product (what steps of more than
+cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's float32 product
+(and its bfloat16 one where the CPU multiplies bfloat16 natively: the dense path `quantization auto`
+weighs the blocks against on such a host; `--no-dense` leaves the dense paths out), at each row
+count and thread count, all in one process, one shape after another. Each line gives the fastest
+and the median of `--repeats` calls, and from the fastest the weight bytes read per second (GB/s,
+the quantity a decode step is bound by) and GFLOP/s (2 x rows x out x in).
 `probe`: `quantization auto`'s load-time probe (engine/backends/quant_auto.py, one thread) on the
 model's LM head and largest layer matrix, then the same timing on all of torch's threads, and each
 way's choice: whether the one-thread probe decides as the cores the engine uses would.
@@ -102,51 +106,94 @@ def memory(model_path: str | None) -> dict:
     return out
 
 
-def kernels(rows: list[int], repeats: int) -> list[dict]:
+SHAPES = {  # (out, in) of each linear kind
+    "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate/up": (1536, 576), "down": (576, 1536), "head": (49152, 576)},
+    "1b": {"q/o": (2048, 2048), "k/v": (512, 2048), "gate/up": (8192, 2048), "down": (2048, 8192),
+           "head": (49152, 2048)},
+    "8b": {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
+           "head": (49152, 4096)},
+}
+
+
+def random_blocks(qtype: int, n: int, k: int, rng) -> "torch.Tensor":
+    """Random GGUF blocks of [n, k] weights (random quants, scales in [0.5, 1) / 64): the kernels'
+    time does not depend on the values, and large shapes would take long through gguf's quantizer."""
     import numpy as np
     import torch
-    from gguf import GGMLQuantizationType as T
-    from gguf import quants
+
+    from engine.backends.cpu_quant import BLOCK, BLOCK_BYTES, Q4_1
+
+    raw = rng.integers(0, 256, size=(n, k // BLOCK, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    scales = ((rng.random((n, k // BLOCK, 2 if qtype == Q4_1 else 1)) * 0.5 + 0.5) / 64).astype(np.float16)
+    raw[..., : 2 * scales.shape[-1]] = scales.view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def _timed(fn, repeats: int) -> tuple[float, float]:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[0], times[len(times) // 2]
+
+
+def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[str] | None = None,
+            threads: list[int] | None = None, dense: bool = True) -> list[dict]:  # fmt: skip
+    import numpy as np
+    import torch
 
     from engine.backends.cpu_isa import onednn_native
     from engine.backends.cpu_kernels import cpu_ops
     from engine.backends.cpu_linear import packing_available
+    from engine.backends.cpu_quant import NAMES
 
     ops = cpu_ops()
+    codes = {name: code for code, name in NAMES.items()}
+    types = types or ["Q8_0", "Q4_0", "Q4_1"]
     results = []
-    shapes = {"qkv": (960, 576), "o": (576, 576), "gate/up": (1536, 576), "down": (576, 1536), "head": (49152, 576)}
-    for name, (n, k) in shapes.items():
-        w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
-        wf = torch.from_numpy(w)
-        panels = ops.pack_linear_weight(wf)
-        onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
-        bf16 = onednn_native(torch.bfloat16) and onednn is not None  # the dense path of a bfloat16 model here
-        onednn_bf16 = torch.ops.mkldnn._reorder_linear_weight(wf.bfloat16(), 64) if bf16 else None
-        blocks = {t.name: torch.from_numpy(quants.quantize(w, t)) for t in (T.Q8_0, T.Q4_0, T.Q4_1)}
+    rng = np.random.default_rng(0)
+    for name, (n, k) in SHAPES[shapes].items():
+        blocks = {q: random_blocks(codes[q], n, k, rng) for q in types}
+        panels = onednn = onednn_bf16 = None
+        if dense:
+            wf = ops.quant_dequantize(blocks[types[0]], codes[types[0]], k, None, torch.empty(0))
+            panels = ops.pack_linear_weight(wf)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
+            bf16 = onednn_native(torch.bfloat16) and onednn is not None  # the dense path of a bfloat16 model here
+            onednn_bf16 = torch.ops.mkldnn._reorder_linear_weight(wf.bfloat16(), 64) if bf16 else None
+            del wf
         for m in rows:
             x = torch.randn(m, k)
+            xb = x.bfloat16()
             paths = {}
             for q, b in blocks.items():
-                paths[f"{q} float x"] = lambda b=b, q=q: ops.quant_linear(x, b, int(T[q]), None)
-                paths[f"{q} int8 x"] = lambda b=b, q=q: ops.quant_linear(x, b, int(T[q]), None, int8=True)
-                paths[f"{q} dequantise + torch"] = lambda b=b, q=q: torch.nn.functional.linear(
-                    x, ops.quant_dequantize(b, int(T[q]), k, None, x))
-            paths["f32 panels"] = lambda: ops.packed_linear(x, panels, None, n)
+                c = codes[q]
+                weight_bytes = b.numel()
+                paths[f"{q} float x"] = (weight_bytes, lambda b=b, c=c: ops.quant_linear(x, b, c, None))
+                paths[f"{q} bf16 x"] = (weight_bytes, lambda b=b, c=c: ops.quant_linear(xb, b, c, None))
+                paths[f"{q} int8 x"] = (weight_bytes, lambda b=b, c=c: ops.quant_linear(x, b, c, None, int8=True))
+                if dense:
+                    paths[f"{q} dequantise + torch"] = (weight_bytes, lambda b=b, c=c: torch.nn.functional.linear(
+                        x, ops.quant_dequantize(b, c, k, None, x)))
+            if panels is not None:
+                paths["f32 panels"] = (4 * n * k, lambda: ops.packed_linear(x, panels, None, n))
             if onednn is not None:
-                paths["f32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+                paths["f32 oneDNN"] = (4 * n * k, lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))
             if onednn_bf16 is not None:
-                xb = x.bfloat16()
-                paths["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, onednn_bf16, None, "none", [], "")
-            for path, fn in paths.items():
-                fn()
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t)
-                us = sorted(times)[len(times) // 2] * 1e6
-                results.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "median_us": round(us, 1)})
-                print(json.dumps(results[-1]), flush=True)
+                paths["bf16 oneDNN"] = (2 * n * k, lambda: torch.ops.mkldnn._linear_pointwise(
+                    xb, onednn_bf16, None, "none", [], ""))  # fmt: skip
+            for t in threads or [torch.get_num_threads()]:
+                torch.set_num_threads(t)
+                for path, (weight_bytes, fn) in paths.items():
+                    best, median = _timed(fn, repeats)
+                    results.append({"shape": name, "n": n, "k": k, "rows": m, "threads": t, "path": path,
+                                    "best_us": round(best * 1e6, 1), "median_us": round(median * 1e6, 1),
+                                    "GB/s": round(weight_bytes / best / 1e9, 2),
+                                    "GFLOP/s": round(2 * m * n * k / best / 1e9, 1)})  # fmt: skip
+                    print(json.dumps(results[-1]), flush=True)
     return results
 
 
@@ -190,6 +237,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2", help="kernels: whose linear shapes")
+    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1", help="kernels: the GGUF types timed")
+    p.add_argument("--threads", default=None, help="kernels: torch thread counts to time each path on (1,2)")
+    p.add_argument("--no-dense", action="store_true", help="kernels: leave out the dense (float) paths")
     args = p.parse_args()
     from engine.backends.cpu_isa import capabilities
 
@@ -201,7 +252,9 @@ def main() -> None:
     elif args.what == "probe":
         probe(args.model, args.dtype)
     else:
-        kernels([int(r) for r in args.rows.split(",")], args.repeats)
+        threads = [int(t) for t in args.threads.split(",")] if args.threads else None
+        kernels([int(r) for r in args.rows.split(",")], args.repeats, args.shapes, args.types.split(","), threads,
+                not args.no_dense)  # fmt: skip
 
 
 if __name__ == "__main__":

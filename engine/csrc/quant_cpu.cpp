@@ -18,9 +18,12 @@
 // float scale dx per block (keeping the block's sum s = dx * sum(qx)), then takes integer dot
 // products block by block and scales them:
 //   Q8_0: d * dx * sum(q * qx)         Q4_0: d * (dx * sum(q * qx) - 8 s)        Q4_1: d * dx * sum(q * qx) + m s
-// The integer dot of 32 bytes is vpmaddubsw + vpmaddwd on AVX2, and vpdpbusd where the build has
-// VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI): both multiply unsigned by signed bytes, so Q4's
-// nibbles go in as they are and Q8_0's signed quants as |q| against sign(qx, q).
+// Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (AVX2: vpmaddubsw + vpmaddwd),
+// one per 32-bit lane, transposed in registers block by block, and each row of x multiplies a whole
+// tile with its 4-byte groups broadcast; the rows left over (and the AVX-512 build with VNNI off) go
+// one weight row at a time, 32 bytes a block, vpmaddubsw + vpmaddwd or vpdpbusd (AVX-VNNI). Both
+// multiply unsigned by signed bytes, so Q4's nibbles go in as they are and Q8_0's signed quants as
+// |q| against sign(qx, q), or in the VNNI tiles as q + 128 from -128 sum(qx).
 // `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
 // it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
 // difference in x (another attention kernel) can move a rounding step: greedy output then departs
@@ -93,6 +96,7 @@ struct QuantizedX {  // rows of x as int8 blocks
   const int8_t* q;   // [m, k]
   const float* d;    // [m, k / 32] scales
   const float* s;    // [m, k / 32] dx * sum(qx)
+  const int32_t* sq; // [m, k / 32] sum(qx)
   int64_t k;
 };
 
@@ -135,37 +139,45 @@ inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* o
 template <int64_t Q, int R>
 inline void dot_rows_float(const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
   const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(0x0f);
+  // two sums a row (the block's quarters 0, 2 and 1, 3): one would chain 4 dependent FMAs a block,
+  // and with one row of x that chain's latency, not the unpacking, would set the pace
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
+    if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
     const __m256 d = _mm256_set1_ps(half(blk));
     __m256 wf[4];
     if constexpr (Q == kQ8_0) {
       for (int i = 0; i < 4; ++i)
         wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                                   reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))), d);
-    } else {
-      const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
-      const __m128i lo = _mm_and_si128(nib, low4), hi = _mm_and_si128(_mm_srli_epi16(nib, 4), low4);
+    } else {  // bytes 0-7 and 8-15 widened to lanes (from memory): low nibbles masked, high ones shifted down
+      const uint8_t* nib = blk + (Q == kQ4_1 ? 4 : 2);
       const __m256 m = Q == kQ4_1 ? _mm256_set1_ps(half(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int i = 0; i < 4; ++i)
-        wf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nib)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nib + 8)));
+      const __m256i low = _mm256_set1_epi32(0x0f);
+      const __m256i parts[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                                _mm256_srli_epi32(b1, 4)};
+      for (int i = 0; i < 4; ++i) wf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[i]), d, m);
     }
     for (int r = 0; r < R; ++r) {
       const float* xb = x + (r0 + r) * k + b * kBlock;
-      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
+      for (int i = 0; i < 4; ++i) acc[r][i & 1] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i & 1]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 #if defined(__AVX512F__)
 constexpr int64_t kTileN = 4;  // weight rows per tile of the 512-bit float product
 
-// one weight block as two 16-float vectors (elements 0-15, 16-31): the same values as the reference's
+// one weight block as two 16-float vectors (elements 0-15, 16-31): the same values as the reference's.
+// Q4: the 16 values a nibble can stand for, q * d + m, made once (exactly the reference's: q * d has
+// at most 15 significant bits), then looked up with vpermps, which reads the low 4 bits of each
+// 32-bit lane: the block's bytes widened to lanes are the low nibbles' indexes, shifted right by 4
+// the high ones'. 7 vector instructions a block instead of 11 (widen, convert, fma, twice).
 template <int64_t Q>
 inline void dequantize_block16(const uint8_t* blk, __m512& lo, __m512& hi) {
   const __m512 d = _mm512_set1_ps(half(blk));
@@ -173,11 +185,16 @@ inline void dequantize_block16(const uint8_t* blk, __m512& lo, __m512& hi) {
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))), d);
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))), d);
   } else {
-    const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m512 m = Q == kQ4_1 ? _mm512_set1_ps(half(blk + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(nib, low4))), d, m);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(nib, 4), low4))), d, m);
+    __m512 table;  // Q4_0: (q - 8) d, one exact product, the same value as the reference's q d - 8 d
+    if constexpr (Q == kQ4_1) {
+      table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d,
+                              _mm512_set1_ps(half(blk + 2)));
+    } else {
+      table = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2))));
+    lo = _mm512_permutexvar_ps(q, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   }
 }
 
@@ -199,7 +216,11 @@ inline void tile_float16(const uint8_t* w, int64_t row_bytes, const float* wf, c
         lo[j] = _mm512_loadu_ps(wf + j * k + b * kBlock);
         hi[j] = _mm512_loadu_ps(wf + j * k + b * kBlock + 16);
       } else {
-        dequantize_block16<Q>(w + j * row_bytes + b * bb, lo[j], hi[j]);
+        const uint8_t* blk = w + j * row_bytes + b * bb;
+        // the next tile's block (NJ rows further): a tile's rows are short streams (1-2 KiB) that
+        // the hardware prefetcher barely starts on before they end
+        _mm_prefetch(reinterpret_cast<const char*>(blk + NJ * row_bytes), _MM_HINT_T0);
+        dequantize_block16<Q>(blk, lo[j], hi[j]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -268,8 +289,196 @@ void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r
   }
 }
 
+#if defined(__AVX512F__) && CB_VNNI
+// The int8 product on AVX512-VNNI, in tiles of 16 weight rows, one per 32-bit lane (llama.cpp's
+// repacked layout, made per block in registers instead of at load): a block of the 16 rows is
+// transposed so that register g holds, in lane j, row j's quants 4g..4g+3 (8 registers a block),
+// and each row of x multiplies all 16 rows at once with 8 vpdpbusd of its own 4 bytes broadcast:
+// one int32 block sum per lane, then one conversion and one FMA by the 16 rows' scales times the x
+// block's. vpdpbusd multiplies unsigned weights by signed x: Q4's nibbles q go in as they are and
+// the block sum starts at -8 sum(qx) (Q4_0), Q8_0's quants as q + 128 (q xor 0x80) from -128
+// sum(qx). The integer sums are exact, so the result is the same as the 256-bit path's up to the
+// order of the float sums.
+constexpr int64_t kLaneRows = 16;  // weight rows per tile
+constexpr int64_t kLaneX = 8;      // rows of x per pass over a tile
+
+// 16 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
+// bytes 4g..4g+3 of row j
+inline void transpose16x16(const uint8_t* base, int64_t row_bytes, __m512i out[4]) {
+  __m512i z[4];
+  for (int a = 0; a < 4; ++a) {  // z[a] = rows a, a+4, a+8, a+12 in its four 128-bit lanes
+    z[a] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
+    for (int l = 1; l < 4; ++l)
+      z[a] = _mm512_inserti32x4(z[a], _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4 * l) * row_bytes)), l);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]
+template <int64_t Q, int R>
+inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
+  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    for (int64_t i = 0; i < kLaneRows; ++i)  // the next tile's block: its 16 rows are 16 short streams
+      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    const __m512i head = _mm512_i32gather_epi32(rows, blk, 1);  // each row's scale (and Q4_1's minimum)
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    __m512i wq[8];
+    if constexpr (Q == kQ8_0) {
+      transpose16x16(blk + 2, row_bytes, wq);
+      transpose16x16(blk + 18, row_bytes, wq + 4);
+      for (int g = 0; g < 8; ++g) wq[g] = _mm512_xor_si512(wq[g], bias);
+    } else {
+      __m512i nib[4];
+      transpose16x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
+      for (int g = 0; g < 4; ++g) {
+        wq[g] = _mm512_and_si512(nib[g], low4);
+        wq[4 + g] = _mm512_and_si512(_mm512_srli_epi16(nib[g], 4), low4);
+      }
+    }
+    __m512 m;
+    if constexpr (Q == kQ4_1) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = row * blocks + b;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + row * x.k + b * kBlock);
+      __m512i sum = _mm512_set1_epi32(Q == kQ8_0 ? -128 * x.sq[i] : Q == kQ4_0 ? -8 * x.sq[i] : 0);
+      for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, wq[g], _mm512_set1_epi32(xq[g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[i])), acc[r]);
+      if constexpr (Q == kQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
+}
+
+template <int64_t Q>
+void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return tile_int8_lanes<Q, 1>(w, row_bytes, x, r0, out);
+    case 2: return tile_int8_lanes<Q, 2>(w, row_bytes, x, r0, out);
+    case 3: return tile_int8_lanes<Q, 3>(w, row_bytes, x, r0, out);
+    case 4: return tile_int8_lanes<Q, 4>(w, row_bytes, x, r0, out);
+    case 5: return tile_int8_lanes<Q, 5>(w, row_bytes, x, r0, out);
+    case 6: return tile_int8_lanes<Q, 6>(w, row_bytes, x, r0, out);
+    case 7: return tile_int8_lanes<Q, 7>(w, row_bytes, x, r0, out);
+    default: return tile_int8_lanes<Q, 8>(w, row_bytes, x, r0, out);
+  }
+}
+#endif
+
+#if !defined(__AVX512F__)
+// The int8 product of the AVX2 build in tiles of 8 weight rows, one per 32-bit lane, as the
+// AVX-512 build's above but with vpmaddubsw + vpmaddwd (whether or not the CPU has AVX-VNNI): Q4's
+// nibbles times x's bytes in pairs (at most 2 * 15 * 127 each, so four such sums add up in 16 bits)
+// from -8 sum(qx) for Q4_0; Q8_0's as |q| times sign(qx, q). The integer sums are exact, so the
+// result is the one-row path's up to the order of the float sums.
+constexpr int64_t kLaneRows = 8;
+
+// 8 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
+// bytes 4g..4g+3 of row j
+inline void transpose8x16(const uint8_t* base, int64_t row_bytes, __m256i out[4]) {
+  __m256i z[4];
+  for (int a = 0; a < 4; ++a)  // z[a] = rows a and a + 4 in its two 128-bit lanes
+    z[a] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4) * row_bytes)),
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// the 8 rows' float16 at byte `at` of their block (the scale, or Q4_1's minimum) as floats
+inline __m256 halves8(const uint8_t* blk, int64_t row_bytes, int64_t at) {
+  alignas(16) uint16_t h[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&h[i], blk + i * row_bytes + at, 2);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// 8 weight rows (from w) times R rows of x (from row r0): out[r * 8 + j]
+template <int64_t Q, int R>
+inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
+  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    for (int64_t i = 0; i < kLaneRows; ++i)  // the next tile's block: its 8 rows are 8 short streams
+      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    const __m256 d = halves8(blk, row_bytes, 0);
+    __m256i wq[8];
+    if constexpr (Q == kQ8_0) {
+      transpose8x16(blk + 2, row_bytes, wq);
+      transpose8x16(blk + 18, row_bytes, wq + 4);
+    } else {
+      __m256i nib[4];
+      transpose8x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
+      for (int g = 0; g < 4; ++g) {
+        wq[g] = _mm256_and_si256(nib[g], low4);
+        wq[4 + g] = _mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4);
+      }
+    }
+    __m256 m;
+    if constexpr (Q == kQ4_1) m = halves8(blk, row_bytes, 2);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = row * blocks + b;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + row * x.k + b * kBlock);
+      __m256i sum;
+      if constexpr (Q == kQ8_0) {
+        sum = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq[g], wq[g]),
+                                                 _mm256_sign_epi8(_mm256_set1_epi32(xq[g]), wq[g]));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+        }
+      } else {
+        __m256i half16[2];
+        for (int h = 0; h < 2; ++h) {
+          half16[h] = _mm256_maddubs_epi16(wq[4 * h], _mm256_set1_epi32(xq[4 * h]));
+          for (int g = 1; g < 4; ++g)
+            half16[h] = _mm256_add_epi16(half16[h], _mm256_maddubs_epi16(wq[4 * h + g], _mm256_set1_epi32(xq[4 * h + g])));
+        }
+        sum = _mm256_add_epi32(_mm256_madd_epi16(half16[0], ones), _mm256_madd_epi16(half16[1], ones));
+        if constexpr (Q == kQ4_0) sum = _mm256_add_epi32(sum, _mm256_set1_epi32(-8 * x.sq[i]));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[i])), acc[r]);
+      if constexpr (Q == kQ4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLaneRows, acc[r]);
+}
+
+template <int64_t Q>
+void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
+  switch (rows) {
+    case 1: return tile_int8_lanes<Q, 1>(w, row_bytes, x, r0, out);
+    case 2: return tile_int8_lanes<Q, 2>(w, row_bytes, x, r0, out);
+    case 3: return tile_int8_lanes<Q, 3>(w, row_bytes, x, r0, out);
+    default: return tile_int8_lanes<Q, 4>(w, row_bytes, x, r0, out);
+  }
+}
+constexpr int64_t kLaneX = 4;  // rows of x per pass over a tile
+#define CB_INT8_LANES 1
+#elif CB_VNNI
+#define CB_INT8_LANES 1
+#else
+#define CB_INT8_LANES 0
+#endif
+
 // x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx)
-void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sq) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
@@ -283,10 +492,17 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
     }
     d[b] = dx;
     s[b] = dx * static_cast<float>(sum);
+    sq[b] = sum;
   }
 }
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
+#if defined(__AVX512F__)
+constexpr bool defined_avx512 = true;
+#else
+constexpr bool defined_avx512 = false;
+#endif
+
 template <int64_t Q, bool VNNI, typename T>
 void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
              int64_t m, int64_t n) {
@@ -311,6 +527,40 @@ void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row
         }
       }
     });
+    return;
+  }
+#endif
+#if CB_INT8_LANES
+  // AVX-512: with VNNI on; AVX2: always. Tiles of kLaneRows weight rows; the last rows one by one below
+  if (!xf && (VNNI || !defined_avx512)) {
+    const int64_t tiles = n / kLaneRows;
+    at::parallel_for(0, tiles, std::max<int64_t>(1, grain / kLaneRows), [&](int64_t t0, int64_t t1) {
+      float out[kLaneX * kLaneRows];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j0 = t * kLaneRows;
+        for (int64_t r0 = 0; r0 < m; r0 += kLaneX) {
+          const int64_t rows = std::min(kLaneX, m - r0);
+          tile_int8_lanes_any<Q>(rows, w + j0 * row_bytes, row_bytes, x, r0, out);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < kLaneRows; ++j)
+              y[(r0 + r) * n + j0 + j] =
+                  static_cast<T>(out[r * kLaneRows + j] + (bias ? static_cast<float>(bias[j0 + j]) : 0.0f));
+        }
+      }
+    });
+    if (tiles * kLaneRows == n) return;
+    w += tiles * kLaneRows * row_bytes, y += tiles * kLaneRows, bias = bias ? bias + tiles * kLaneRows : nullptr;
+    const int64_t n_all = n;
+    n -= tiles * kLaneRows;
+    for (int64_t j = 0; j < n; ++j) {
+      float out[kRows];
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, m - r0);
+        dot_rows_any<Q, VNNI>(rows, w + j * row_bytes, x, r0, out);
+        for (int64_t r = 0; r < rows; ++r)
+          y[(r0 + r) * n_all + j] = static_cast<T>(out[r] + (bias ? static_cast<float>(bias[j]) : 0.0f));
+      }
+    }
     return;
   }
 #endif
@@ -377,15 +627,17 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional
   auto xf = x.to(at::kFloat).contiguous();
   auto xq = at::empty({int8 ? m : 0, k}, x.options().dtype(at::kChar));
   auto xd = at::empty({int8 ? m : 0, 2, blocks}, x.options().dtype(at::kFloat));
+  auto xs = at::empty({int8 ? m : 0, blocks}, x.options().dtype(at::kInt));
   at::parallel_for(0, int8 ? m : 0, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* d = xd.data_ptr<float>() + r * 2 * blocks;
-      quantize_row(xf.data_ptr<float>() + r * k, k, xq.data_ptr<int8_t>() + r * k, d, d + blocks);
+      quantize_row(xf.data_ptr<float>() + r * k, k, xq.data_ptr<int8_t>() + r * k, d, d + blocks,
+                   xs.data_ptr<int32_t>() + r * blocks);
     }
   });
   // scales and sums laid out [m][blocks] each: split the [m, 2, blocks] tensor
   auto scales = xd.select(1, 0).contiguous(), sums = xd.select(1, 1).contiguous();
-  const QuantizedX qx{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), k};
+  const QuantizedX qx{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), xs.data_ptr<int32_t>(), k};
   const float* xfp = int8 ? nullptr : xf.data_ptr<float>();
   auto y = at::empty({m, n}, x.options());
   at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();

@@ -32,7 +32,10 @@ from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear, dequa
 
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
-SHAPES = [(1, 37, 64), (3, 129, 576), (7, 64, 1536), (33, 5, 96)]  # (rows of x, outputs, inputs)
+# (rows of x, outputs, inputs): outputs not a multiple of the 4- and 16-row tiles (the int8 product's
+# 16-row tiles leave 1-15 rows to its one-row path), rows of x not a multiple of 4 or 8, inputs of
+# 2 to 64 blocks, odd and even
+SHAPES = [(1, 37, 64), (3, 129, 576), (7, 64, 1536), (33, 5, 96), (17, 35, 160), (16, 48, 2048)]
 EXACT, QUANTIZED = 1e-5, 5e-3
 
 
@@ -87,27 +90,35 @@ def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_rows_float_product_does_not_depend_on_its_batch(ops, qtype) -> None:
-    """Each row of a batch (the 512-bit build's tiles and weight buffer above 4 rows) gets the bits it
-    gets alone: the engine's batched decode equals `model.generate`'s one row at a time."""
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+def test_a_rows_product_does_not_depend_on_its_batch(ops, qtype, int8) -> None:
+    """Each row of a batch (the 512-bit build's tiles and weight buffer above 4 rows, the int8
+    product's groups of 8 rows) gets the bits it gets alone: the engine's batched decode equals
+    `model.generate`'s one row at a time."""
     blocks, _ = random_blocks(qtype, 71, 576)
     x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
-    batch = ops.quant_linear(x, blocks, int(qtype), None)
-    for rows in ([0], [5, 6, 7], list(range(3, 9))):
-        assert torch.equal(ops.quant_linear(x[rows], blocks, int(qtype), None), batch[rows]), rows
+    batch = ops.quant_linear(x, blocks, int(qtype), None, int8)
+    for rows in ([0], [5, 6, 7], list(range(3, 9)), list(range(2, 12))):
+        assert torch.equal(ops.quant_linear(x[rows], blocks, int(qtype), None, int8), batch[rows]), rows
 
 
-def test_vnni_and_maddubs_agree_to_the_last_bit(ops) -> None:
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_vnni_and_maddubs_agree(ops, qtype) -> None:
+    """The AVX-512 build's VNNI product (16 weight rows a tile, one per lane) and its vpmaddubsw one
+    (a row at a time) take the same exact integer block sums; only the order of the float sums of
+    the scaled blocks differs."""
     if not ops.quant_vnni_available():
         pytest.skip("this build has no VNNI (the AVX2 child test covers this build's only path)")
-    blocks, _ = random_blocks(T.Q4_1, 96, 576)
-    x = torch.randn(5, 576)
+    blocks, w = random_blocks(qtype, 96, 576)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
     ops.set_quant_vnni(False)
     try:
-        slow = ops.quant_linear(x, blocks, int(T.Q4_1), None, int8=True)
+        slow = ops.quant_linear(x, blocks, int(qtype), None, int8=True)
     finally:
         ops.set_quant_vnni(True)
-    assert torch.equal(slow, ops.quant_linear(x, blocks, int(T.Q4_1), None, int8=True))  # exact integer sums both ways
+    fast = ops.quant_linear(x, blocks, int(qtype), None, int8=True)
+    scale = x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)
+    assert float(((fast.double() - slow.double()).abs() / scale).max()) <= EXACT
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -174,6 +185,12 @@ AVX2_CHECK = """
             assert errors(ops.quant_linear(x, blocks, int(qtype), None), x, w, None)[1] <= EXACT
             exact, plain = errors(ops.quant_linear(x, blocks, int(qtype), None, int8=True), x, w, None)
             assert exact <= EXACT and plain <= QUANTIZED, (qtype, m, n, k, exact, plain)
+        blocks, _ = random_blocks(qtype, 71, 576)
+        x = torch.randn(19, 576)
+        for int8 in (False, True):  # a row alone gets the bits it gets in a batch
+            batch = ops.quant_linear(x, blocks, int(qtype), None, int8)
+            for rows in ([0], [5, 6, 7], list(range(3, 9))):
+                assert torch.equal(ops.quant_linear(x[rows], blocks, int(qtype), None, int8), batch[rows])
     print("ok")
 """
 

@@ -65,7 +65,8 @@ RSS_BUDGET = 1.2  # peak RSS at most this times the file plus the KV cache
 LLAMA_CPP_KV_BYTES = 2  # llama-server's default cache type, F16
 BLOCK_SIZE = 16  # cbserve's CPU default, said explicitly so the context matches
 QUANTS = ("q8_0", "q4_0")
-SYSTEMS = ("cbserve", "llama.cpp")
+SYSTEMS = ("cbserve", "cbserve-int8", "llama.cpp")  # cbserve-int8: --quantized-activations int8, llama.cpp's arithmetic
+DEFAULT_SYSTEMS = ("cbserve", "llama.cpp")
 GIB = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -441,15 +442,17 @@ def high_water_mark(pid: int) -> int:
     return int(found.group(1)) * 1024 if found else 0
 
 
-def cbserve_target(gguf: Path, users: int, ctx_per_slot: int, quantization: str = "gguf"):
+def cbserve_target(gguf: Path, users: int, ctx_per_slot: int, quantization: str = "gguf", activations: str = "float"):
     from loadtest.target import Target, cbserve_command, free_port
 
     port = free_port()
     per_request = math.ceil(ctx_per_slot / BLOCK_SIZE)
     command = cbserve_command(port, str(gguf)) + [
         "--block-size", str(BLOCK_SIZE), "--num-blocks", str(users * per_request),
-        "--max-blocks-per-request", str(per_request), "--quantization", quantization]  # fmt: skip
-    return Target("cbserve", f"http://127.0.0.1:{port}", command=command)
+        "--max-blocks-per-request", str(per_request), "--quantization", quantization,
+        "--quantized-activations", activations]  # fmt: skip
+    name = "cbserve" if activations == "float" else f"cbserve-{activations}"
+    return Target(name, f"http://127.0.0.1:{port}", command=command)
 
 
 def llama_cpp_target(gguf: Path, users: int, ctx_per_slot: int, extra: list[str] | None = None):
@@ -549,12 +552,14 @@ def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[
         if "error" not in r:
             by_key.setdefault((r["quant"], r["users"]), {})[r["system"]] = r
     for (quant, users), pair in by_key.items():
-        if "cbserve" in pair and "llama.cpp" in pair:
-            c, l = pair["cbserve"], pair["llama.cpp"]
-            lines.append(f"- {quant}, {users} user{'s' if users > 1 else ''}: "
-                         f"{c['output_tok_s'] / l['output_tok_s']:.2f}x tok/s, "
-                         f"TTFT p50 {c['ttft_p50_ms']:.0f} vs {l['ttft_p50_ms']:.0f} ms, ITL p99 "
-                         f"{c['itl_p99_ms']:.1f} vs {l['itl_p99_ms']:.1f} ms: {verdict(c, l)}")  # fmt: skip
+        for name in ("cbserve", "cbserve-int8"):
+            if name not in pair or "llama.cpp" not in pair:
+                continue
+            c, l = pair[name], pair["llama.cpp"]
+            lines.append(f"- {quant}, {users} user{'s' if users > 1 else ''}, {name}: "
+                             f"{c['output_tok_s'] / l['output_tok_s']:.2f}x tok/s, "
+                             f"TTFT p50 {c['ttft_p50_ms']:.0f} vs {l['ttft_p50_ms']:.0f} ms, ITL p99 "
+                             f"{c['itl_p99_ms']:.1f} vs {l['itl_p99_ms']:.1f} ms: {verdict(c, l)}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -563,7 +568,8 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
     p.add_argument("--quants", default=",".join(QUANTS))
     p.add_argument("--users", default="1,16", help="concurrent users, comma-separated (llama.cpp: as many slots)")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"a subset of {','.join(SYSTEMS)} (cbserve-int8: --quantized-activations int8)")
     p.add_argument("--ctx-per-slot", type=int, default=1024, help="tokens of context per user, both servers")
     p.add_argument("--limits", help="machine_limits.py --json output (default: measure the bandwidth here)")
     p.add_argument("--prepare-only", action="store_true", help="make the checkpoint and files, serve nothing")
@@ -650,8 +656,10 @@ def serve_and_measure(system: str, path: Path, shape: Shape, users: int, ctx_per
     restarted with --no-repack, which `llama_extra` then keeps for the later runs and `notes` records."""
     from loadtest.target import UsageError
 
-    if system == "cbserve":
-        return measure_system(cbserve_target(path, users, ctx_per_slot, args.cbserve_quantization), None, users, args, where)
+    if system.startswith("cbserve"):
+        activations = "int8" if system == "cbserve-int8" else "float"
+        target = cbserve_target(path, users, ctx_per_slot, args.cbserve_quantization, activations)
+        return measure_system(target, None, users, args, where)
     kv = llama_cpp_kv_bytes(shape, users, ctx_per_slot)
     target = llama_cpp_target(path, users, ctx_per_slot, llama_extra)
     try:

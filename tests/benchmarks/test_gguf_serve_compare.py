@@ -145,7 +145,7 @@ def test_the_table_has_a_row_per_run_and_a_verdict_per_pair(gsc) -> None:
                         ["a note"])  # fmt: skip
     assert text.count("| q8_0 | 1 |") == 2 and "- a note" in text
     assert "1.20x" in text  # TPOT 120 ms against a 100 ms bound
-    assert "0.80x tok/s" in text and "not met (tok/s)" in text
+    assert "0.80x tok/s" in text and "not met (tok/s)" in text and "1 user, cbserve:" in text
     failed = {"quant": "q4_0", "users": 16, "system": "cbserve", "error": "the server exited with status 1"}
     text = gsc.markdown(gsc.SHAPES["1b"], [*rows, failed], 10.0, "test CPU", {}, "a load")
     line = next(x for x in text.splitlines() if x.startswith("| q4_0 | 16 | cbserve |"))
@@ -176,7 +176,11 @@ def test_cbserve_serves_the_files_blocks_unless_told_auto(gsc, tmp_path) -> None
     assert command[command.index("--quantization") + 1] == "gguf"
     assert command[command.index("--model") + 1] == str(gguf)
     assert int(command[command.index("--num-blocks") + 1]) == 16 * math.ceil(1024 / gsc.BLOCK_SIZE)
+    assert command[command.index("--quantized-activations") + 1] == "float"
     auto = gsc.cbserve_target(gguf, users=1, ctx_per_slot=1024, quantization="auto").command
     assert auto[auto.index("--quantization") + 1] == "auto"
+    int8 = gsc.cbserve_target(gguf, users=1, ctx_per_slot=1024, activations="int8")
+    assert int8.name == "cbserve-int8" and int8.command[int8.command.index("--quantized-activations") + 1] == "int8"
     opts, _ = gsc.own_flags(["--shape", "1b"])
-    assert opts.cbserve_quantization == "gguf"
+    assert opts.cbserve_quantization == "gguf" and opts.systems == ["cbserve", "llama.cpp"]
+    assert gsc.own_flags(["--shape", "1b", "--systems", "cbserve-int8,llama.cpp"])[0].systems == ["cbserve-int8", "llama.cpp"]

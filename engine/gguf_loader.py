@@ -6,8 +6,9 @@ tensor processor): a Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weight of a linear layer or 
 embedding stays in its blocks, in a `QuantizedLinear` / `QuantizedEmbedding` that replaces the
 module; every other tensor (norms, a float weight, other K-quants) is dequantized to the model's
 dtype as transformers does.
-No float copy of the quantized weights is ever made, so a model whose float32 weights would not fit
-in memory loads in about the file's size.
+No float copy of the quantized weights is ever made, and the blocks stay in the file's read-only
+mapping (only rows the loader moves are copied), so a model loads in about the file's size and its
+pages count once.
 
 Llama's q and k rows were permuted by llama.cpp's converter; transformers' Llama tensor processor
 undoes that on the dequantized weight. The permutation moves whole rows, so it is applied to the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,18 @@ def _choice(model: torch.nn.Module, reader, names: dict[str, str], tied: bool, d
     return choose(samples, dtype, ops, dense_bytes)
 
 
+def _mapped_blocks(data: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor on the blocks' bytes. A view of the file's read-only mapping where the tensor is
+    already in place (no copy: its pages count once, as the file's, and the kernels only read them);
+    a copy where the loader moved rows (Llama's q/k) or the bytes are not contiguous."""
+    arr = np.ascontiguousarray(data, dtype=np.uint8)
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    with warnings.catch_warnings():  # torch warns that it cannot write to the mapping: it never does
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
 def _tied(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False))
 
@@ -201,7 +215,7 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
         data = processor.process(weights=data, name=tensor.name).weights  # q/k: rows un-permuted
         dense = None
         if native:
-            blocks = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).copy())
+            blocks = _mapped_blocks(data)
             k = owner.embedding_dim if isinstance(owner, torch.nn.Embedding) else owner.in_features
             if not choice.keeps(_kind(model, owner, tied)):  # auto: dense, by the kernel in one pass
                 dense, native = dequantize_rows(ops, blocks, qtype, k, None, torch.empty(0, dtype=dtype)), False

@@ -42,7 +42,8 @@ def resolve_quantization(setting: str, dtype_setting: str, path: str | None, dev
     `quantization` and `dtype` settings. auto: a GGUF file (or the embedded model) on the CPU, one
     rank, `dtype` auto, stays "auto" (quant_auto's probe chooses per kind of weight; the dense rest in
     the resolved dtype); anything else dequantises. gguf: the blocks whatever the dtype (the other
-    tensors in it; float32 when `dtype` is auto), refused where they cannot run.
+    tensors, the activations and a prompt step's dequantised copies in the resolved dtype: bfloat16 on
+    a CPU with bfloat16 dot products, as under auto), refused where they cannot run.
     int8: any checkpoint (a GGUF file dequantised first), its linear layers made int8 at load time
     (engine/int8_weights.py), the rest in the resolved dtype; the CPU and one rank only."""
     from engine.gguf_loader import is_gguf
@@ -60,7 +61,7 @@ def resolve_quantization(setting: str, dtype_setting: str, path: str | None, dev
         if device != "cpu" or tensor_parallel_size != 1:
             raise ValueError("quantization gguf runs on the CPU with one rank (--device cpu, "
                              "--tensor-parallel-size 1); quantization none dequantises")
-        return "gguf", ("float32" if dtype_setting == "auto" else None)
+        return "gguf", None
     if setting == "int8":
         if device != "cpu" or tensor_parallel_size != 1:
             raise ValueError("quantization int8 runs on the CPU with one rank (--device cpu, "

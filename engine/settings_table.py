@@ -264,7 +264,7 @@ SETTINGS: tuple[Setting, ...] = (
             "on the CPU bfloat16 where it has bfloat16 dot products (avx512_bf16, amx_bf16), else float32", section="server", choices=("auto", "float32", "bfloat16", "float16"),
             operator=True),
     Setting("quantization", "str", "auto", "the weights' format in memory: gguf keeps a GGUF file's Q8_0, Q4_0, "
-            "Q4_1, Q4_K and Q6_K weights in their blocks (CPU, one rank; the rest in float32 unless dtype says otherwise); none "
+            "Q4_1, Q4_K and Q6_K weights in their blocks (CPU, one rank; the rest in the dtype); none "
             "dequantises; int8 makes any checkpoint's linear layers int8 with per-channel scales at load time (CPU, one "
             "rank); auto, for a GGUF file (the embedded model included) on the CPU when dtype is auto: "
             "blocks for the kinds of weights (decoder layers, LM head) where a probe at load times the block "

@@ -82,6 +82,7 @@ def test_native_output_reads_as_the_dequantised_models(native) -> None:
         ("auto", "auto", None, "cpu", 2, ("none", None)),  # tensor parallel: dequantised
         ("auto", "auto", "some/folder", "cpu", 1, ("none", None)),
         ("gguf", "bfloat16", None, "cpu", 1, ("gguf", None)),  # blocks, the rest in bfloat16
+        ("gguf", "auto", None, "cpu", 1, ("gguf", None)),  # blocks, the rest in dtype auto's choice
         ("none", "auto", None, "cpu", 1, ("none", None)),
     ],
 )

@@ -13,12 +13,6 @@ process with CBSERVE_CPU_ISA=avx2).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -29,8 +23,8 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from engine.backends import cpu_quant  # noqa: E402
 from engine.backends.cpu_kernels import cpu_ops  # noqa: E402
 from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear, dequantize  # noqa: E402
+from tests.engine.forced_isa import run_with_isa  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
 # (rows of x, outputs, inputs): outputs not a multiple of the 4- and 16-row tiles (the int8 product's
 # 16-row tiles leave 1-15 rows to its one-row path), rows of x not a multiple of 4 or 8, inputs of
@@ -196,7 +190,5 @@ AVX2_CHECK = """
 
 
 def test_the_avx2_build_too() -> None:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(AVX2_CHECK)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=900, env={**os.environ, "CBSERVE_CPU_ISA": "avx2"})  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "lanes 8 vnni False" in result.stdout and "ok" in result.stdout
+    out = run_with_isa(AVX2_CHECK)
+    assert "lanes 8 vnni False" in out and "ok" in out

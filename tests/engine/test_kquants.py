@@ -11,10 +11,6 @@ greedy output equals `model.generate` on it and transformers on its dequantized 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +24,9 @@ from engine import generate_batch  # noqa: E402
 from engine.backends import cpu_quant  # noqa: E402
 from engine.backends.cpu_kernels import cpu_ops  # noqa: E402
 from engine.backends.cpu_quant import DEQUANTIZE_ROWS, QuantizedLinear, dequantize  # noqa: E402
+from tests.engine.forced_isa import run_with_isa  # noqa: E402
 from tests.engine.kquants import kquant_copy, q4_k, q6_k  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 ENCODERS = {T.Q4_K: q4_k, T.Q6_K: q6_k}
 SHAPES = [(1, 37, 256), (3, 129, 512), (7, 64, 1536), (33, 5, 768)]  # (rows of x, outputs, inputs)
 EXACT = 1e-5
@@ -140,10 +136,8 @@ print("ok")
 
 
 def test_the_avx2_build_too() -> None:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(AVX2_CHECK)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=900, env={**os.environ, "CBSERVE_CPU_ISA": "avx2"})  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "lanes 8" in result.stdout and "ok" in result.stdout
+    out = run_with_isa(AVX2_CHECK)
+    assert "lanes 8" in out and "ok" in out
 
 
 @pytest.fixture(scope="module")

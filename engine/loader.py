@@ -19,6 +19,8 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,10 +118,28 @@ def _convert_embedded(target: Path) -> None:
     fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
-    partial = target.with_name(target.name + ".partial")
-    fresh.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # a crash mid-save never leaves a half-written cache behind
+
+    def save(folder: Path) -> None:
+        fresh.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    save_into_place(target, save)
+
+
+def save_into_place(target: Path, save: Callable[[Path], None]) -> None:
+    """`save` writes a checkpoint into a folder of this process's own, which is then renamed to
+    `target` whole: a crash mid-save never leaves a half-written cache behind, and two processes
+    converting at once (test workers, a server beside a CLI run) keep whichever finished first."""
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
+    try:
+        save(partial)
+        try:
+            partial.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not another process's finished copy: a real failure
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already when the rename took it
 
 
 def drop_stale_quantization(folder: Path) -> bool:

@@ -214,3 +214,27 @@ def test_int8_activations_are_a_setting_for_the_weights_in_blocks() -> None:
     assert use_int8_activations(dense) == 0 and not hasattr(dense, "cbserve_quantization")
     with pytest.raises(ValueError, match="quantized_activations must be float or int8"):
         load_model(None, "float32", quantization="gguf", activations="int4")
+
+
+def test_a_conversion_lands_whole_and_a_second_one_keeps_the_first(tmp_path) -> None:
+    """The embedded model's conversion writes into a folder of its own and renames it into place;
+    a second process finishing after the first (two test workers on a fresh cache) keeps the first
+    copy and leaves no partial folder; a failed save leaves nothing."""
+    from engine.loader import save_into_place
+
+    target = tmp_path / "model"
+
+    def writer(text: str):
+        return lambda folder: (folder / "config.json").write_text(text)
+
+    save_into_place(target, writer("first"))
+    save_into_place(target, writer("second"))
+    assert (target / "config.json").read_text() == "first"
+
+    def broken(folder):
+        (folder / "weights").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_into_place(tmp_path / "other", broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -37,3 +37,13 @@ def reference(arch: str, prompt: tuple[int, ...], max_new_tokens: int = MAX_NEW)
 @pytest.fixture(params=ARCHITECTURES)
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """cbserve's C++ CPU kernels for this host's ISA (built once, cached)."""
+    from engine.backends.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    assert ops is not None, "the C++ kernels must build here (a compiler is part of the dev setup)"
+    return ops

@@ -21,7 +21,6 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from engine.backends import cpu_quant  # noqa: E402
-from engine.backends.cpu_kernels import cpu_ops  # noqa: E402
 from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear, dequantize  # noqa: E402
 from tests.engine.forced_isa import run_with_isa  # noqa: E402
 
@@ -31,13 +30,6 @@ TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
 # 2 to 64 blocks, odd and even
 SHAPES = [(1, 37, 64), (3, 129, 576), (7, 64, 1536), (33, 5, 96), (17, 35, 160), (16, 48, 2048)]
 EXACT, QUANTIZED = 1e-5, 5e-3
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu_ops()
-    assert ops is not None, "the C++ kernels must build here (a compiler is part of the dev setup)"
-    return ops
 
 
 def random_blocks(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

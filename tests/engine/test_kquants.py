@@ -22,7 +22,6 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from engine import generate_batch  # noqa: E402
 from engine.backends import cpu_quant  # noqa: E402
-from engine.backends.cpu_kernels import cpu_ops  # noqa: E402
 from engine.backends.cpu_quant import DEQUANTIZE_ROWS, QuantizedLinear, dequantize  # noqa: E402
 from tests.engine.forced_isa import run_with_isa  # noqa: E402
 from tests.engine.kquants import kquant_copy, q4_k, q6_k  # noqa: E402
@@ -30,13 +29,6 @@ from tests.engine.kquants import kquant_copy, q4_k, q6_k  # noqa: E402
 ENCODERS = {T.Q4_K: q4_k, T.Q6_K: q6_k}
 SHAPES = [(1, 37, 256), (3, 129, 512), (7, 64, 1536), (33, 5, 768)]  # (rows of x, outputs, inputs)
 EXACT = 1e-5
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu_ops()
-    assert ops is not None, "the C++ kernels must build here (a compiler is part of the dev setup)"
-    return ops
 
 
 def random_blocks(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

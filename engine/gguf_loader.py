@@ -11,9 +11,11 @@ mapping (only rows the loader moves are copied), so a model loads in about the f
 pages count once.
 
 Llama's q and k rows were permuted by llama.cpp's converter; transformers' Llama tensor processor
-undoes that on the dequantized weight. The permutation moves whole rows, so it is applied to the
-rows of blocks the same way (tests check the rows equal transformers' dequantized weights bit for
-bit). Architectures whose tensor processor does more than move rows are loaded dequantized.
+undoes that on the dequantized weight. The permutation moves whole rows, so the blocks stay in the
+file's order and the `QuantizedLinear` moves its outputs instead (`out_order`: a gather of a few
+thousand values a row, where moving the rows would copy q and k, 0.7 GiB of an 8B Q8_0 file; tests
+check the rows equal transformers' dequantized weights bit for bit). Architectures whose tensor
+processor does more than move rows are loaded dequantized.
 
 With tied embeddings the LM head is a `QuantizedLinear` on the embedding's very bytes.
 """
@@ -179,6 +181,13 @@ def _mapped_blocks(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
+def _row_order(processor, name: str, rows: int) -> torch.Tensor | None:
+    """Where the tensor processor moves the weight's rows (Llama's q/k): output i is the file's row
+    order[i]; None where it moves none."""
+    moved = processor.process(weights=np.arange(rows, dtype=np.int64).reshape(rows, 1), name=name).weights.reshape(-1)
+    return None if np.array_equal(moved, np.arange(rows)) else torch.from_numpy(np.ascontiguousarray(moved))
+
+
 def _tied(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False))
 
@@ -211,20 +220,23 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
         owner = model.get_submodule(owner_name)
         qtype = int(tensor.tensor_type)
         native = qtype in NATIVE_TYPES and attr == "weight" and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
-        data = tensor.data if native else dequantize(tensor.data, tensor.tensor_type)
-        data = processor.process(weights=data, name=tensor.name).weights  # q/k: rows un-permuted
-        dense = None
-        if native:
-            blocks = _mapped_blocks(data)
+        dense, order = None, None
+        if native:  # the blocks stay where the file has them; q/k's un-permutation is an order of outputs
+            blocks = _mapped_blocks(tensor.data)
+            order = _row_order(processor, tensor.name, blocks.shape[0])
             k = owner.embedding_dim if isinstance(owner, torch.nn.Embedding) else owner.in_features
             if not choice.keeps(_kind(model, owner, tied)):  # auto: dense, by the kernel in one pass
-                dense, native = dequantize_rows(ops, blocks, qtype, k, None, torch.empty(0, dtype=dtype)), False
+                dense, native = dequantize_rows(ops, blocks, qtype, k, order, torch.empty(0, dtype=dtype)), False
+            elif order is not None and isinstance(owner, torch.nn.Embedding):  # never so: only q/k move rows
+                blocks, order = blocks.index_select(0, order), None
+        else:
+            data = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
         if native:
             if isinstance(owner, torch.nn.Embedding):
                 module = QuantizedEmbedding(blocks, qtype, owner.embedding_dim, dtype, ops)
             else:
                 bias = owner.bias if owner.bias is not None and owner.bias.device.type != "meta" else None
-                module = QuantizedLinear(blocks, qtype, owner.in_features, bias, ops)
+                module = QuantizedLinear(blocks, qtype, owner.in_features, bias, ops, out_order=order)
             model.set_submodule(owner_name, module)
         else:
             param = getattr(owner, attr)

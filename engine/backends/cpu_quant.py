@@ -116,12 +116,16 @@ class QuantizedLinear(torch.nn.Module):
     """y = x W^T + b with W in GGUF blocks (uint8 [out_features, row bytes])."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None,
-                 ops: ModuleType | None = None) -> None:  # fmt: skip
+                 ops: ModuleType | None = None, out_order: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
             raise ValueError(f"{NAMES.get(qtype, qtype)} blocks for {in_features} inputs must be uint8 "
                              f"[rows, {row_bytes(qtype, in_features)}], got {blocks.dtype} {list(blocks.shape)}")
+        if out_order is not None and (out_order.dtype != torch.int64 or out_order.shape != (blocks.shape[0],)):
+            raise ValueError(f"out_order must be int64 [{blocks.shape[0]}], got {out_order.dtype} {list(out_order.shape)}")
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        # output i is the blocks' row out_order[i] (the rows stay where the file has them: no copy)
+        self.register_buffer("out_order", out_order, persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.qtype, self.in_features, self.out_features, self.ops = qtype, in_features, blocks.shape[0], ops
         self.int8_activations = False
@@ -129,18 +133,24 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        order = self.out_order
         if self.ops is not None and (x2.shape[0] <= DEQUANTIZE_ROWS or self.int8_activations):
-            y = linear(self.ops, x2, self.blocks, self.qtype, self.bias, self.int8_activations)
-        elif self.ops is not None:  # a prompt step: a float copy for this call, torch's product
-            w = dequantize_rows(self.ops, self.blocks, self.qtype, self.in_features, None, x2)
+            if order is None:
+                y = linear(self.ops, x2, self.blocks, self.qtype, self.bias, self.int8_activations)
+            else:  # the rows in the file's order, then moved (a gather of out_features values a row)
+                y = linear(self.ops, x2, self.blocks, self.qtype, None, self.int8_activations).index_select(1, order)
+                if self.bias is not None:
+                    y = y + self.bias
+        elif self.ops is not None:  # a prompt step: a float copy for this call (rows in order), torch's product
+            w = dequantize_rows(self.ops, self.blocks, self.qtype, self.in_features, order, x2)
             y = torch.nn.functional.linear(x2, w, self.bias)
         else:
-            w = dequantize(self.blocks, self.qtype, self.in_features).to(x.dtype)
-            y = torch.nn.functional.linear(x2, w, self.bias)
+            y = torch.nn.functional.linear(x2, self.dequantized(x.dtype), self.bias)
         return y.view(*shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.blocks, self.qtype, self.in_features).to(dtype)
+        blocks = self.blocks if self.out_order is None else self.blocks.index_select(0, self.out_order)
+        return dequantize(blocks, self.qtype, self.in_features).to(dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {NAMES[self.qtype]}, "

@@ -147,6 +147,29 @@ def test_modules_with_and_without_the_kernels(ops) -> None:
     assert torch.equal(QuantizedEmbedding(blocks, int(T.Q4_0), 64, torch.float32)(ids), w[ids])
 
 
+def test_an_order_of_outputs_moves_the_rows_on_every_path(ops) -> None:
+    """Llama's q/k from a GGUF file: the blocks stay in the file's row order and the module's outputs
+    are moved, so each path equals the weight with its rows moved (a bias in the model's order)."""
+    blocks, w = random_blocks(T.Q8_0, 48, 64, seed=5)
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(48)
+    moved = w[order]
+    plain = QuantizedLinear(blocks.index_select(0, order), int(T.Q8_0), 64, bias, ops)  # rows copied: the reference
+    ordered = QuantizedLinear(blocks, int(T.Q8_0), 64, bias, ops, out_order=order)
+    assert torch.equal(ordered.dequantized(), moved)
+    for rows in (1, 5, cpu_quant.DEQUANTIZE_ROWS + 3):  # decode steps (the kernel) and a prompt step (dequantised)
+        x = torch.randn(rows, 64)
+        assert torch.equal(ordered(x), plain(x)), rows
+        assert errors(ordered(x) - bias, x, moved, None)[1] <= EXACT
+    ordered.int8_activations = plain.int8_activations = True
+    x = torch.randn(3, 64)
+    assert torch.equal(ordered(x), plain(x))
+    no_kernels = QuantizedLinear(blocks, int(T.Q8_0), 64, bias, None, out_order=order)
+    torch.testing.assert_close(no_kernels(x), x @ moved.T + bias)
+    with pytest.raises(ValueError, match="out_order must be int64"):
+        QuantizedLinear(blocks, int(T.Q8_0), 64, out_order=order[:-1])
+
+
 def test_bad_blocks_are_refused(ops) -> None:
     blocks, _ = random_blocks(T.Q8_0, 4, 64)
     with pytest.raises(ValueError, match="must be uint8"):

@@ -1,8 +1,8 @@
 """The embedded SmolLM2 GGUF loaded in its blocks (quantization gguf), by kind as the probe chose
 (auto), and the setting's rules.
 
-The blocks the loader keeps are the file's, with Llama's q/k rows un-permuted as transformers does
-on its dequantised weights: dequantised, they equal transformers' float32 weights bit for bit. The
+The blocks the loader keeps are the file's, with Llama's q/k outputs un-permuted as transformers un-permutes
+the rows of its dequantised weights: dequantised, they equal transformers' float32 weights bit for bit. The
 engine's greedy output on the native model equals `model.generate` on it; against transformers on
 the dequantised weights it differs by the order of float sums only (benchmarks/gguf_native.py
 agreement states it over 64 prompts).
@@ -44,6 +44,8 @@ def test_blocks_are_the_dequantised_weights_bit_for_bit(native) -> None:
     assert model.lm_head.blocks is model.get_input_embeddings().blocks  # tied: one copy of the bytes
     for name, m in linears:
         assert torch.equal(m.dequantized(), reference[f"{name}.weight"]), name
+        # q/k keep the file's rows and move their outputs instead
+        assert (m.out_order is not None) == name.endswith(("q_proj", "k_proj")), name
     emb = model.get_input_embeddings()
     assert torch.equal(emb(torch.arange(emb.num_embeddings)), reference["model.embed_tokens.weight"])
     for name, p in model.named_parameters():  # the norms: float32 as in the file

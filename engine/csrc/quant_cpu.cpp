@@ -300,7 +300,7 @@ void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r
 // sum(qx). The integer sums are exact, so the result is the same as the 256-bit path's up to the
 // order of the float sums.
 constexpr int64_t kLaneRows = 16;  // weight rows per tile
-constexpr int64_t kLaneX = 8;      // rows of x per pass over a tile
+constexpr int64_t kLaneX = 16;     // rows of x per pass over a tile (a decode step of 16 users: one pass)
 
 // 16 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
 // bytes 4g..4g+3 of row j
@@ -371,7 +371,15 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
     case 5: return tile_int8_lanes<Q, 5>(w, row_bytes, x, r0, out);
     case 6: return tile_int8_lanes<Q, 6>(w, row_bytes, x, r0, out);
     case 7: return tile_int8_lanes<Q, 7>(w, row_bytes, x, r0, out);
-    default: return tile_int8_lanes<Q, 8>(w, row_bytes, x, r0, out);
+    case 8: return tile_int8_lanes<Q, 8>(w, row_bytes, x, r0, out);
+    case 9: return tile_int8_lanes<Q, 9>(w, row_bytes, x, r0, out);
+    case 10: return tile_int8_lanes<Q, 10>(w, row_bytes, x, r0, out);
+    case 11: return tile_int8_lanes<Q, 11>(w, row_bytes, x, r0, out);
+    case 12: return tile_int8_lanes<Q, 12>(w, row_bytes, x, r0, out);
+    case 13: return tile_int8_lanes<Q, 13>(w, row_bytes, x, r0, out);
+    case 14: return tile_int8_lanes<Q, 14>(w, row_bytes, x, r0, out);
+    case 15: return tile_int8_lanes<Q, 15>(w, row_bytes, x, r0, out);
+    default: return tile_int8_lanes<Q, 16>(w, row_bytes, x, r0, out);
   }
 }
 #endif

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -140,7 +141,8 @@ LOAD_DEFAULTS = {
     "tiny": ["--duration", "10s", "--rounds", "1", "--input-len", "16:64", "--output-len", "32"],
     # 1B: at 16 users a 60 s run of 64-256 words in and 128 out saw no llama-server request finish here
     "1b": ["--duration", "150s", "--rounds", "1", "--input-len", "16:64", "--output-len", "64"],
-    "8b": ["--duration", "180s", "--rounds", "1", "--input-len", "16:64", "--output-len", "64",
+    # 8B: at 16 users a decode step takes 1.5-2.6 s here, so 64 tokens out in 180 s saw no request finish
+    "8b": ["--duration", "300s", "--rounds", "1", "--input-len", "16:64", "--output-len", "32",
            "--ready-timeout", "900"],
 }
 
@@ -443,7 +445,8 @@ def high_water_mark(pid: int) -> int:
     return int(found.group(1)) * 1024 if found else 0
 
 
-def cbserve_target(gguf: Path, users: int, ctx_per_slot: int, quantization: str = "gguf", activations: str = "float"):
+def cbserve_target(gguf: Path, users: int, ctx_per_slot: int, quantization: str = "gguf", activations: str = "float",
+                   extra: list[str] | None = None):  # fmt: skip
     from loadtest.target import Target, cbserve_command, free_port
 
     port = free_port()
@@ -451,7 +454,7 @@ def cbserve_target(gguf: Path, users: int, ctx_per_slot: int, quantization: str 
     command = cbserve_command(port, str(gguf)) + [
         "--block-size", str(BLOCK_SIZE), "--num-blocks", str(users * per_request),
         "--max-blocks-per-request", str(per_request), "--quantization", quantization,
-        "--quantized-activations", activations]  # fmt: skip
+        "--quantized-activations", activations, *(extra or [])]  # fmt: skip
     name = "cbserve" if activations == "float" else f"cbserve-{activations}"
     return Target(name, f"http://127.0.0.1:{port}", command=command)
 
@@ -577,6 +580,8 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--cbserve-quantization", default="gguf", choices=("gguf", "auto"),
                    help="cbserve's --quantization: gguf keeps every weight in the file's blocks (default: the "
                         "memory budget is the file's); auto lets its load-time probe dequantise a kind")  # fmt: skip
+    p.add_argument("--cbserve-args", default="", help="more `cbserve serve` flags, one string (e.g. "
+                   "'--max-decode-stall 1.5'); the report's load line names them")  # fmt: skip
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 conversion the Q4_0 file is made from")
     opts, rest = p.parse_known_args(argv)
     opts.quants = [q for q in opts.quants.split(",") if q]
@@ -609,7 +614,7 @@ def main(argv: list[str]) -> int:
     except UsageError as exc:
         print(f"gguf_serve_compare: error: {exc}", file=sys.stderr)
         return exc.status
-    args.cbserve_quantization = opts.cbserve_quantization
+    args.cbserve_quantization, args.cbserve_args = opts.cbserve_quantization, opts.cbserve_args
     files = prepare(shape, opts.quants, opts.keep_f16)
     if opts.prepare_only:
         return 0
@@ -620,7 +625,7 @@ def main(argv: list[str]) -> int:
     tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
     load = (f"completions, {args.input_len} words in, {args.output_len} tokens out, {args.duration_s:.0f} s x "
             f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone; "
-            f"cbserve --quantization {opts.cbserve_quantization}")
+            f"cbserve --quantization {opts.cbserve_quantization}" + (f" {opts.cbserve_args}" if opts.cbserve_args else ""))
     rows: list[dict] = []
     text = ""
     llama_extra: list[str] = []
@@ -659,7 +664,8 @@ def serve_and_measure(system: str, path: Path, shape: Shape, users: int, ctx_per
 
     if system.startswith("cbserve"):
         activations = "int8" if system == "cbserve-int8" else "float"
-        target = cbserve_target(path, users, ctx_per_slot, args.cbserve_quantization, activations)
+        target = cbserve_target(path, users, ctx_per_slot, args.cbserve_quantization, activations,
+                                shlex.split(args.cbserve_args))  # fmt: skip
         return measure_system(target, None, users, args, where)
     kv = llama_cpp_kv_bytes(shape, users, ctx_per_slot)
     target = llama_cpp_target(path, users, ctx_per_slot, llama_extra)

@@ -7,8 +7,7 @@ embedding stays in its blocks, in a `QuantizedLinear` / `QuantizedEmbedding` tha
 module; every other tensor (norms, a float weight, other K-quants) is dequantized to the model's
 dtype as transformers does.
 No float copy of the quantized weights is ever made, and the blocks stay in the file's read-only
-mapping (only rows the loader moves are copied), so a model loads in about the file's size and its
-pages count once.
+mapping (no row is copied), so a model loads in about the file's size and its pages count once.
 
 Llama's q and k rows were permuted by llama.cpp's converter; transformers' Llama tensor processor
 undoes that on the dequantized weight. The permutation moves whole rows, so the blocks stay in the

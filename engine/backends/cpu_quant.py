@@ -13,7 +13,9 @@ quantized to int8 blocks of 32 and integer dot products (VNNI where the build ha
 its rounding of the input makes greedy output depart from `model.generate` now and then (K-quants
 have no such path: they multiply float x whatever the flag). A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
-gets a `QuantizedLinear` LM head on the same bytes.
+gets a `QuantizedLinear` LM head on the same bytes. A `QuantizedLinear` with an `out_order` keeps
+its rows in the file's order and moves its outputs (Llama's q/k, whose rows llama.cpp's converter
+permuted): the file's bytes stay where they are, unwritten.
 
 The modules replace the model's own (engine/gguf_loader.py), so `model.generate` and the engine run
 the same products. Without cbserve's kernels they dequantize in torch on every call (correct, slow:

@@ -1,9 +1,9 @@
 """The embedded SmolLM2 GGUF loaded in its blocks (quantization gguf), by kind as the probe chose
 (auto), and the setting's rules.
 
-The blocks the loader keeps are the file's, with Llama's q/k outputs un-permuted as transformers un-permutes
-the rows of its dequantised weights: dequantised, they equal transformers' float32 weights bit for bit. The
-engine's greedy output on the native model equals `model.generate` on it; against transformers on
+The blocks the loader keeps are the file's; Llama's q/k modules move their outputs as transformers
+moves the rows of its dequantised weights, so dequantised, the weights equal transformers' float32
+weights bit for bit. The engine's greedy output on the native model equals `model.generate` on it; against transformers on
 the dequantised weights it differs by the order of float sums only (benchmarks/gguf_native.py
 agreement states it over 64 prompts).
 """

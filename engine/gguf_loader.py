@@ -226,8 +226,8 @@ def _load_native(path: Path, reader, dtype: torch.dtype, attn_implementation: st
             k = owner.embedding_dim if isinstance(owner, torch.nn.Embedding) else owner.in_features
             if not choice.keeps(_kind(model, owner, tied)):  # auto: dense, by the kernel in one pass
                 dense, native = dequantize_rows(ops, blocks, qtype, k, order, torch.empty(0, dtype=dtype)), False
-            elif order is not None and isinstance(owner, torch.nn.Embedding):  # never so: only q/k move rows
-                blocks, order = blocks.index_select(0, order), None
+            elif order is not None and isinstance(owner, torch.nn.Embedding):  # looked up by row: copy them moved
+                blocks, order = blocks.index_select(0, order), None  # (no tensor processor moves an embedding's today)
         else:
             data = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
         if native:

@@ -319,13 +319,17 @@ inline void transpose16x16(const uint8_t* base, int64_t row_bytes, __m512i out[4
   out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-// 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]
+// 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]. The rows of x go in
+// groups of up to 8 whose sums are built side by side, g by g: each sum's next vpdpbusd is 8
+// instructions behind its last, not right behind it, and the group's x words and sums stay in
+// registers.
 template <int64_t Q, int R>
 inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
   const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
   const __m512i low4 = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  constexpr int G = R < 8 ? R : 8;  // rows of x a group
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -349,13 +353,31 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
     }
     __m512 m;
     if constexpr (Q == kQ4_1) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = row * blocks + b;
-      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + row * x.k + b * kBlock);
-      __m512i sum = _mm512_set1_epi32(Q == kQ8_0 ? -128 * x.sq[i] : Q == kQ4_0 ? -8 * x.sq[i] : 0);
-      for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, wq[g], _mm512_set1_epi32(xq[g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[i])), acc[r]);
-      if constexpr (Q == kQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[i]), acc[r]);
+#pragma GCC unroll 2
+    for (int r1 = 0; r1 < R; r1 += G) {
+      __m512i sum[G];
+#pragma GCC unroll 8
+      for (int r = 0; r < G; ++r) {
+        if (r1 + r >= R) break;
+        const int64_t i = (r0 + r1 + r) * blocks + b;
+        sum[r] = _mm512_set1_epi32(Q == kQ8_0 ? -128 * x.sq[i] : Q == kQ4_0 ? -8 * x.sq[i] : 0);
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 8
+        for (int r = 0; r < G; ++r) {
+          if (r1 + r >= R) break;
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r1 + r) * x.k + b * kBlock);
+          sum[r] = _mm512_dpbusd_epi32(sum[r], wq[g], _mm512_set1_epi32(xq[g]));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < G; ++r) {
+        if (r1 + r >= R) break;
+        const int64_t i = (r0 + r1 + r) * blocks + b;
+        acc[r1 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.d[i])), acc[r1 + r]);
+        if constexpr (Q == kQ4_1) acc[r1 + r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[i]), acc[r1 + r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
@@ -485,22 +507,36 @@ constexpr int64_t kLaneX = 4;  // rows of x per pass over a tile
 #define CB_INT8_LANES 0
 #endif
 
-// x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx)
+// x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx) (to nearest even, as nearbyint in the
+// default rounding mode), 8 floats at a time: the same products and roundings as one at a time
 void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sq) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      q[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += v;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float dx = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+    __m256i qi[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // |q| <= 127: packs exactly
+      sum = _mm256_add_epi32(sum, qi[i]);
+    }
+    // int32 -> int16 -> int8 packs interleave the 128-bit lanes; the permute puts the bytes back in order
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
     d[b] = dx;
-    s[b] = dx * static_cast<float>(sum);
-    sq[b] = sum;
+    s[b] = dx * static_cast<float>(total);
+    sq[b] = total;
   }
 }
 
@@ -636,7 +672,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional
   auto xq = at::empty({int8 ? m : 0, k}, x.options().dtype(at::kChar));
   auto xd = at::empty({int8 ? m : 0, 2, blocks}, x.options().dtype(at::kFloat));
   auto xs = at::empty({int8 ? m : 0, blocks}, x.options().dtype(at::kInt));
-  at::parallel_for(0, int8 ? m : 0, 16, [&](int64_t r0, int64_t r1) {
+  // rows split over the threads in chunks of at least 32k inputs (fewer: one thread, no wake-up)
+  at::parallel_for(0, int8 ? m : 0, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* d = xd.data_ptr<float>() + r * 2 * blocks;
       quantize_row(xf.data_ptr<float>() + r * k, k, xq.data_ptr<int8_t>() + r * k, d, d + blocks,

@@ -75,6 +75,18 @@ def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
         assert exact <= EXACT and plain <= QUANTIZED, (vnni, exact, plain)
 
 
+@pytest.mark.parametrize("n", [16, 1], ids=["16-row-tile", "one-row"])
+def test_int8_inputs_round_half_to_even(ops, n) -> None:
+    """x's quantization rounds as llama.cpp's (nearbyint: ties to even), 8 lanes at a time: with
+    max|x| = 127 the scale is 1 and x * (127 / 127) lands on the ties exactly; a Q8_0 weight of all
+    ones (scale 1.0) sums the rounded values, every step exact."""
+    ties = [2.5, -3.5, 0.5, -0.5, 1.5, -1.5, 126.5, -2.5, 3.49, 4.51]
+    x = torch.tensor([[127.0, *ties, *([0.25] * 21)], [-127.0, *[-t for t in ties], *([-0.75] * 21)]])
+    blocks = torch.tensor([0x00, 0x3C] + [1] * 32, dtype=torch.uint8).repeat(n, 1)  # d = float16 1.0, q = 1
+    expected = torch.round(x).sum(1, keepdim=True).expand(2, n)  # torch.round: ties to even
+    assert torch.equal(ops.quant_linear(x, blocks, int(T.Q8_0), None, int8=True), expected)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
 def test_a_rows_product_does_not_depend_on_its_batch(ops, qtype, int8) -> None:
@@ -184,6 +196,7 @@ AVX2_CHECK = """
     import torch
     from engine.backends.cpu_kernels import cpu_ops
     from tests.engine.test_cpu_quant import SHAPES, TYPES, errors, random_blocks, EXACT, QUANTIZED
+    from tests.engine.test_cpu_quant import test_int8_inputs_round_half_to_even
     ops = cpu_ops()
     torch.manual_seed(0)  # the inputs: the same every run (unseeded, one draw in several hundred went past EXACT)
     print("lanes", ops.lanes(), "vnni", ops.quant_vnni_available())
@@ -200,6 +213,8 @@ AVX2_CHECK = """
             batch = ops.quant_linear(x, blocks, int(qtype), None, int8)
             for rows in ([0], [5, 6, 7], list(range(3, 9))):
                 assert torch.equal(ops.quant_linear(x[rows], blocks, int(qtype), None, int8), batch[rows])
+    for n in (16, 1):
+        test_int8_inputs_round_half_to_even(ops, n)
     print("ok")
 """
 

@@ -3,7 +3,7 @@
     python benchmarks/gguf_native.py agreement [--prompts 64] [--tokens 32] [--model file.gguf]
     python benchmarks/gguf_native.py memory [--model file.gguf]
     python benchmarks/gguf_native.py kernels [--shapes smollm2|1b|8b] [--rows 1,16,128] [--repeats 20]
-        [--types Q8_0,Q4_0,Q4_1] [--threads 1,2] [--no-dense]
+        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q6_K] [--threads 1,2] [--no-dense]
     python benchmarks/gguf_native.py probe [--model file.gguf] [--dtype bfloat16]
 
 `agreement`: greedy output of cbserve's engine on the native model (Q4_1/Q8_0 blocks) against transformers' `generate` on the dequantised float32 weights, over a fixed set
@@ -13,7 +13,9 @@ The engine's own output is also checked against `generate` on the native model (
 safetensors checkpoint is resident only once read), each in a fresh process.
 `kernels`: time of one product per linear shape (SmolLM2-135M's, or Llama-3.2-1B's / Llama-3-8B's
 with `--shapes 1b|8b`) for the quantized kernel (float activations, bfloat16 activations, and int8
-activations), the weight dequantised for the call plus torch's product (what steps of more than
+activations; K-quants, `--types Q4_K,Q6_K`, have no int8 product and need inputs in whole
+super-blocks of 256, so SmolLM2's shapes leave them out), the weight dequantised for the call plus
+torch's product (what steps of more than
 cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's float32 product
 (and its bfloat16 one where the CPU multiplies bfloat16 natively: the dense path `quantization auto`
 weighs the blocks against on such a host; `--no-dense` leaves the dense paths out), at each row
@@ -116,16 +118,22 @@ SHAPES = {  # (out, in) of each linear kind
 
 
 def random_blocks(qtype: int, n: int, k: int, rng) -> "torch.Tensor":
-    """Random GGUF blocks of [n, k] weights (random quants, scales in [0.5, 1) / 64): the kernels'
-    time does not depend on the values, and large shapes would take long through gguf's quantizer."""
+    """Random GGUF blocks of [n, k] weights (random quants, scales in [0.5, 1) / 64; K-quants:
+    super-blocks of 256 with their float16 d, and Q4_K's dmin, set so): the kernels' time does not
+    depend on the values, and large shapes would take long through gguf's quantizer."""
     import numpy as np
     import torch
 
-    from engine.backends.cpu_quant import BLOCK, BLOCK_BYTES, Q4_1
+    from engine.backends.cpu_quant import BLOCK, BLOCK_BYTES, K_QUANTS, Q4_1, Q4_K, Q6_K, SUPER
 
-    raw = rng.integers(0, 256, size=(n, k // BLOCK, BLOCK_BYTES[qtype]), dtype=np.uint8)
-    scales = ((rng.random((n, k // BLOCK, 2 if qtype == Q4_1 else 1)) * 0.5 + 0.5) / 64).astype(np.float16)
-    raw[..., : 2 * scales.shape[-1]] = scales.view(np.uint8)
+    per = SUPER if qtype in K_QUANTS else BLOCK
+    raw = rng.integers(0, 256, size=(n, k // per, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    halves = 2 if qtype in (Q4_1, Q4_K) else 1  # Q4_1's minimum, Q4_K's dmin
+    scales = ((rng.random((n, k // per, halves)) * 0.5 + 0.5) / 64).astype(np.float16).view(np.uint8)
+    if qtype == Q6_K:  # its float16 d is the super-block's last two bytes
+        raw[..., -2:] = scales
+    else:
+        raw[..., : 2 * halves] = scales
     return torch.from_numpy(raw.reshape(n, -1))
 
 
@@ -148,7 +156,7 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
     from engine.backends.cpu_isa import onednn_native
     from engine.backends.cpu_kernels import cpu_ops
     from engine.backends.cpu_linear import packing_available
-    from engine.backends.cpu_quant import NAMES
+    from engine.backends.cpu_quant import K_QUANTS, NAMES, SUPER, dequantize_rows, linear
 
     ops = cpu_ops()
     codes = {name: code for code, name in NAMES.items()}
@@ -156,10 +164,17 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
     results = []
     rng = np.random.default_rng(0)
     for name, (n, k) in SHAPES[shapes].items():
-        blocks = {q: random_blocks(codes[q], n, k, rng) for q in types}
+        # K-quants' super-blocks need inputs in 256s (SmolLM2's 576 are not)
+        fits = [q for q in types if codes[q] not in K_QUANTS or k % SUPER == 0]
+        if len(fits) < len(types):
+            print(f"{name}: {k} inputs are not whole K-quant super-blocks of {SUPER}: "
+                  f"{', '.join(q for q in types if q not in fits)} left out", flush=True)
+        if not fits:
+            continue
+        blocks = {q: random_blocks(codes[q], n, k, rng) for q in fits}
         panels = onednn = onednn_bf16 = None
         if dense:
-            wf = ops.quant_dequantize(blocks[types[0]], codes[types[0]], k, None, torch.empty(0))
+            wf = dequantize_rows(ops, blocks[fits[0]], codes[fits[0]], k, None, torch.empty(0))
             panels = ops.pack_linear_weight(wf)
             onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
             bf16 = onednn_native(torch.bfloat16) and onednn is not None  # the dense path of a bfloat16 model here
@@ -172,12 +187,13 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
             for q, b in blocks.items():
                 c = codes[q]
                 weight_bytes = b.numel()
-                paths[f"{q} float x"] = (weight_bytes, lambda b=b, c=c: ops.quant_linear(x, b, c, None))
-                paths[f"{q} bf16 x"] = (weight_bytes, lambda b=b, c=c: ops.quant_linear(xb, b, c, None))
-                paths[f"{q} int8 x"] = (weight_bytes, lambda b=b, c=c: ops.quant_linear(x, b, c, None, int8=True))
+                paths[f"{q} float x"] = (weight_bytes, lambda b=b, c=c: linear(ops, x, b, c, None))
+                paths[f"{q} bf16 x"] = (weight_bytes, lambda b=b, c=c: linear(ops, xb, b, c, None))
+                if c not in K_QUANTS:  # K-quants multiply float inputs whatever quantized_activations says
+                    paths[f"{q} int8 x"] = (weight_bytes, lambda b=b, c=c: linear(ops, x, b, c, None, int8=True))
                 if dense:
                     paths[f"{q} dequantise + torch"] = (weight_bytes, lambda b=b, c=c: torch.nn.functional.linear(
-                        x, ops.quant_dequantize(b, c, k, None, x)))
+                        x, dequantize_rows(ops, b, c, k, None, x)))
             if panels is not None:
                 paths["f32 panels"] = (4 * n * k, lambda: ops.packed_linear(x, panels, None, n))
             if onednn is not None:
@@ -238,7 +254,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2", help="kernels: whose linear shapes")
-    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1", help="kernels: the GGUF types timed")
+    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1", help="kernels: the GGUF types timed (also Q4_K, Q6_K)")
     p.add_argument("--threads", default=None, help="kernels: torch thread counts to time each path on (1,2)")
     p.add_argument("--no-dense", action="store_true", help="kernels: leave out the dense (float) paths")
     args = p.parse_args()

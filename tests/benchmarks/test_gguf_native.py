@@ -1,0 +1,56 @@
+"""benchmarks/gguf_native.py's `kernels`: every GGUF type it is asked for is timed on the path the
+engine takes for it (K-quants: float inputs only), and its random blocks are ones the kernels read
+as the reference does (finite values, whatever the random bytes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the script runs: its folder on sys.path
+    import gguf_native
+
+    return gguf_native
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from engine.backends.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    assert ops is not None, "the C++ kernels must build here (a compiler is part of the dev setup)"
+    return ops
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_random_blocks_hold_finite_weights_the_kernels_multiply_as_the_reference(native, ops, name) -> None:
+    from engine.backends.cpu_quant import NAMES, dequantize, linear
+
+    code = {v: k for k, v in NAMES.items()}[name]
+    blocks = native.random_blocks(code, 8, 512, np.random.default_rng(0))
+    w = dequantize(blocks, code, 512)
+    assert torch.isfinite(w).all() and w.abs().max() > 0
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(linear(ops, x, blocks, code, None), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_times_k_quants_with_float_inputs_and_leaves_out_shapes_they_do_not_fit(native, monkeypatch,
+                                                                                       capsys) -> None:  # fmt: skip
+    monkeypatch.setitem(native.SHAPES, "test", {"fits": (32, 512), "odd": (32, 96)})
+    rows = native.kernels([1, 2], 1, "test", ["Q4_0", "Q4_K", "Q6_K"], [1], dense=False)
+    paths = {(r["shape"], r["rows"], r["path"]) for r in rows}
+    for m in (1, 2):
+        assert {p for s, r, p in paths if s == "fits" and r == m} == {
+            "Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x", "Q4_K float x", "Q4_K bf16 x", "Q6_K float x", "Q6_K bf16 x"}
+        assert {p for s, r, p in paths if s == "odd" and r == m} == {"Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x"}
+    assert "odd: 96 inputs are not whole K-quant super-blocks of 256: Q4_K, Q6_K left out" in capsys.readouterr().out
+    assert all(r["best_us"] > 0 for r in rows)

@@ -9,6 +9,7 @@ synchronous and single-threaded; `ContinuousBatchingManager` runs it on a thread
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -35,6 +36,7 @@ from engine.tp_worker import start_tensor_parallel
 logger = logging.getLogger("cbserve.engine")
 
 DEFAULT_MAX_NEW_TOKENS = 256
+STEP_LOG_ENV = "CBSERVE_STEP_LOG"  # a file: one JSON line a step appended (engine/scheduler.py observe_step)
 SAMPLING_KEYS = {
     "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "min_new_tokens", "logprobs", "do_sample",
@@ -155,6 +157,8 @@ class LLMEngine:
             max_decode_stall=config.max_decode_stall,
         )
         self.requests = self.scheduler.requests  # every unfinished request, by id
+        if os.environ.get(STEP_LOG_ENV):  # a trace of every step: what it carried, its time, the cost model's guess
+            self.scheduler.step_log = open(os.environ[STEP_LOG_ENV], "a", buffering=1, encoding="utf-8")
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
         self._params = list(model.parameters())
         self._weights_seen = self._weights_version()
@@ -432,5 +436,8 @@ class LLMEngine:
         self.fail_all("the engine was closed")
         self.executor.cache.k.clear()
         self.executor.cache.v.clear()
+        if self.scheduler.step_log is not None:
+            self.scheduler.step_log.close()
+            self.scheduler.step_log = None
         if self.tp:
             self.tp.close()

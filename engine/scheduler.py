@@ -17,8 +17,10 @@ whole budget goes to prompts.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
+from typing import TextIO
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -71,6 +73,7 @@ class Scheduler:
         # 0: off; else a step with decodes is predicted to take at most this many times their step alone
         self.max_decode_stall = max_decode_stall
         self.step_cost = StepCostModel()
+        self.step_log: TextIO | None = None  # one JSON line a step (LLMEngine opens it: CBSERVE_STEP_LOG)
         self.min_prefill_chunk = block_manager.block_size
         self.unfitted_prefill_cap = max(self.min_prefill_chunk, max_batch_tokens // 8)
         self.prefill_cap = max_batch_tokens  # the prompt tokens the last step with decodes could take
@@ -111,9 +114,17 @@ class Scheduler:
         return self.prefill_cap
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        """The step `batch` took `seconds` (wall time, schedule to outputs): one sample of the cost model."""
+        """The step `batch` took `seconds` (wall time, schedule to outputs): one sample of the cost model,
+        and one line of `step_log` when it is open."""
         decode_rows = sum(1 for _, n in batch.items if n == 1)
-        self.step_cost.observe(decode_rows, batch.num_tokens - decode_rows, seconds)
+        prefill = batch.num_tokens - decode_rows
+        if self.step_log is not None:
+            predicted = self.step_cost.predict(decode_rows, prefill)
+            self.step_log.write(json.dumps({
+                "t": round(time.time(), 4), "decode_rows": decode_rows, "prefill_tokens": prefill,
+                "seconds": round(seconds, 5), "predicted": None if predicted is None else round(predicted, 5),
+                "prefill_cap": self.prefill_cap, "waiting": len(self.waiting)}) + "\n")  # fmt: skip
+        self.step_cost.observe(decode_rows, prefill, seconds)
 
     def schedule(self) -> ScheduledBatch:
         budget = [self.max_batch_tokens, self.prefill_budget()]  # all tokens; prompt tokens

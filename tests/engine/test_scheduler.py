@@ -1,5 +1,6 @@
 """The scheduler's prompt-token cap next to running decodes (max_decode_stall) and the step-cost model it
-uses, on the real BlockManager and Requests; no model runs (the engine's tokens are stood in by 0s)."""
+uses, on the real BlockManager and Requests; no model runs (the engine's tokens are stood in by 0s) but in
+the last test, the step log through a real LLMEngine."""
 
 from __future__ import annotations
 
@@ -160,3 +161,44 @@ def test_the_cost_model_keeps_prompt_steps_through_a_long_run_of_decodes() -> No
         model.observe(1 + i % 16, 0, 0.01 + 0.002 * (1 + i % 16))
     a, b, c, _ = model.coefficients()
     assert c == pytest.approx(0.001, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+
+
+def test_the_step_log_has_a_line_a_step_with_what_it_carried(tmp_path) -> None:
+    """observe_step writes one JSON line a step to an open step_log (CBSERVE_STEP_LOG in LLMEngine):
+    its decode rows, prompt tokens and seconds, the cost model's prediction once it is fitted."""
+    import json
+
+    s = scheduler(stall=1.5)
+    path = tmp_path / "steps.jsonl"
+    with open(path, "w", encoding="utf-8") as s.step_log:
+        with_decodes(s, decodes=4)  # one step, not observed: no line
+        carried = [(sum(1 for _, n in b.items if n == 1), prompt_tokens(b))
+                   for b in (run_step(s, 0.1 + 0.01 * i) for i in range(3 * MIN_SAMPLES))]  # fmt: skip
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(x["decode_rows"], x["prefill_tokens"]) for x in lines] == carried
+    assert [x["seconds"] for x in lines] == [round(0.1 + 0.01 * i, 5) for i in range(3 * MIN_SAMPLES)]
+    assert lines[0]["predicted"] is None and all(x["waiting"] == 0 and x["prefill_cap"] > 0 for x in lines)
+
+
+def test_cbserve_step_log_traces_an_engines_steps(tmp_path, monkeypatch) -> None:
+    """With CBSERVE_STEP_LOG set, an LLMEngine appends a line a step: the prompt tokens and decode rows
+    add up to what the requests took; close() closes the file."""
+    import json
+
+    from engine import ContinuousBatchingConfig, LLMEngine
+    from tests.engine.conftest import model_for
+
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("CBSERVE_STEP_LOG", str(path))
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64))
+    prompts = [[5 + i + j for j in range(40)] for i in range(3)]
+    for p in prompts:
+        engine.add_request(engine.make_request(p, max_new_tokens=6, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    engine.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == steps and engine.scheduler.step_log is None
+    assert sum(x["prefill_tokens"] for x in lines) + sum(x["decode_rows"] for x in lines) == 3 * (40 + 5)

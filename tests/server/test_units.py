@@ -124,7 +124,7 @@ def test_process_variables_are_not_settings(tmp_path) -> None:
     """CBSERVE_CPU_ISA, CBSERVE_CPU_KERNELS and the like set up the process (the CPU probe, the
     kernels): `cbserve serve` and `cbserve generate` start with them set instead of refusing them."""
     env = {"CBSERVE_CPU_ISA": "avx2", "CBSERVE_CPU_KERNELS": "0", "CBSERVE_CPU_MALLOC_TUNING": "0",
-           "CBSERVE_CPU_NATIVE_LAYERS": "0", "CBSERVE_CACHE_DIR": str(tmp_path),
+           "CBSERVE_CPU_NATIVE_LAYERS": "0", "CBSERVE_CACHE_DIR": str(tmp_path), "CBSERVE_STEP_LOG": str(tmp_path / "s"),
            "CBSERVE_MAX_QUEUE_SIZE": "5"}  # fmt: skip
     assert load_settings({}, environ=env).engine.max_queue_size == 5
 

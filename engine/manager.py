@@ -258,8 +258,10 @@ class ContinuousBatchingManager:
         return req.request_id
 
     def _waiting_sequences(self) -> int:
-        """Sequences not started yet: each waiting request with its n - 1 siblings still to fork."""
-        waiting = self.engine.scheduler.waiting
+        """Sequences not started yet: each waiting request with its n - 1 siblings still to fork. The
+        engine thread moves the scheduler's waiting deque meanwhile: it is copied in one C call (the GIL
+        held throughout), not iterated step by step, which raised "deque mutated during iteration"."""
+        waiting = tuple(self.engine.scheduler.waiting)
         return len(self._inbox) + len(waiting) + sum(r.num_children for r in self._inbox) + sum(
             r.num_children for r in waiting)
 

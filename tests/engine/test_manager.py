@@ -179,3 +179,34 @@ def test_generate_batch_keeps_a_persistent_engine_and_takes_transformers_keyword
     assert tuple(out["req_0"].generated_tokens) == reference("llama", tuple(prompts[0]))[:4]
     with pytest.raises(TypeError, match="unexpected keyword argument.*temprature"):
         generate_batch(model, prompts, temprature=0.7, progress_bar=False)
+
+
+def test_the_queue_bound_counts_waiting_requests_while_the_engine_thread_moves_them() -> None:
+    """add_request's max_queue_size check reads the scheduler's waiting deque from the caller's thread
+    while the engine thread pops and pushes it: counting it never fails ("deque mutated during
+    iteration" was a 503 under load). The race, forced: a thread mutating the deque, thread switches
+    every microsecond."""
+    import sys
+
+    from engine.request import Request, SamplingParams
+
+    manager = ContinuousBatchingManager(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=64,
+                                                                                       max_queue_size=10_000))  # fmt: skip
+    waiting = manager.engine.scheduler.waiting
+    waiting.extend(Request(f"w{i}", [1, 2, 3], 4, SamplingParams(), frozenset()) for i in range(50))
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            waiting.appendleft(waiting.pop())
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        assert all(49 <= manager._waiting_sequences() <= 50 for _ in range(20_000))  # 49: between pop and push
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)

@@ -106,6 +106,17 @@ def _array_ids(ids: torch.Tensor | np.ndarray) -> list:
     return ids.tolist()
 
 
+def _open_step_log():
+    """The file CBSERVE_STEP_LOG names, open for appending a line a step, or None when it is unset."""
+    path = os.environ.get(STEP_LOG_ENV)
+    if not path:
+        return None
+    try:
+        return open(path, "a", buffering=1, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{STEP_LOG_ENV}={path}: cannot append to it ({exc.strerror})") from None
+
+
 class LLMEngine:
     def __init__(
         self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None,
@@ -114,6 +125,7 @@ class LLMEngine:
         """`tensor_parallel`: how the other ranks start when config.tensor_parallel_size > 1 (default:
         spawned on this host, each sent the model; engine/tp_worker.py)."""
         self.config = config = config or ContinuousBatchingConfig()
+        step_log = _open_step_log()  # before any rank or cache exists: a bad path stops nothing half-built
         self.tokenizer = tokenizer  # needed only for text (stop strings, detokenize) and structured output
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings and outputs of requests
         self._grammars: GrammarCompiler | None = None
@@ -157,8 +169,7 @@ class LLMEngine:
             max_decode_stall=config.max_decode_stall,
         )
         self.requests = self.scheduler.requests  # every unfinished request, by id
-        if os.environ.get(STEP_LOG_ENV):  # a trace of every step: what it carried, its time, the cost model's guess
-            self.scheduler.step_log = open(os.environ[STEP_LOG_ENV], "a", buffering=1, encoding="utf-8")
+        self.scheduler.step_log = step_log
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
         self._params = list(model.parameters())
         self._weights_seen = self._weights_version()

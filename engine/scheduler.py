@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from typing import TextIO
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from engine.block_manager import BlockManager
 from engine.request import ParamError, Request, RequestStatus

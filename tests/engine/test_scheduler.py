@@ -202,3 +202,12 @@ def test_cbserve_step_log_traces_an_engines_steps(tmp_path, monkeypatch) -> None
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == steps and engine.scheduler.step_log is None
     assert sum(x["prefill_tokens"] for x in lines) + sum(x["decode_rows"] for x in lines) == 3 * (40 + 5)
+
+
+def test_a_step_log_that_cannot_be_opened_names_the_variable(tmp_path, monkeypatch) -> None:
+    from engine import ContinuousBatchingConfig, LLMEngine
+    from tests.engine.conftest import model_for
+
+    monkeypatch.setenv("CBSERVE_STEP_LOG", str(tmp_path / "no-such-folder" / "steps.jsonl"))
+    with pytest.raises(ValueError, match=r"CBSERVE_STEP_LOG=.*no-such-folder.*cannot append to it \(No such file"):
+        LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=16))

@@ -5,6 +5,7 @@
     python benchmarks/gguf_native.py kernels [--shapes smollm2|1b|8b] [--rows 1,16,128] [--repeats 20]
         [--types Q8_0,Q4_0,Q4_1,Q4_K,Q6_K] [--threads 1,2] [--no-dense]
     python benchmarks/gguf_native.py probe [--model file.gguf] [--dtype bfloat16]
+    python benchmarks/gguf_native.py step [--model file.gguf] [--rows 16] [--repeats 20] [--activations int8]
 
 `agreement`: greedy output of cbserve's engine on the native model (Q4_1/Q8_0 blocks) against transformers' `generate` on the dequantised float32 weights, over a fixed set
 of chat prompts: how many of the outputs are identical, and the mean length of the common prefix.
@@ -22,6 +23,9 @@ weighs the blocks against on such a host; `--no-dense` leaves the dense paths ou
 count and thread count, all in one process, one shape after another. Each line gives the fastest
 and the median of `--repeats` calls, and from the fastest the weight bytes read per second (GB/s,
 the quantity a decode step is bound by) and GFLOP/s (2 x rows x out x in).
+`step`: a decode at `--rows` users in this process (`--quantization gguf`, the given inputs): every
+`QuantizedLinear` of the model once on that many random rows, then the engine's decode step with
+that many requests, each the best and median of `--repeats` (the first of `--rows` is taken).
 `probe`: `quantization auto`'s load-time probe (engine/backends/quant_auto.py, one thread) on the
 model's LM head and largest layer matrix, then the same timing on all of torch's threads, and each
 way's choice: whether the one-thread probe decides as the cores the engine uses would.
@@ -244,9 +248,51 @@ def probe(model_path: str | None, dtype_name: str) -> list[dict]:
     return out
 
 
+def step(model_path: str | None, rows: int, repeats: int, activations: str = "int8", context: int = 40) -> dict:
+    """A model's decode at `rows` users, in this process: every `QuantizedLinear` of the model once on
+    `rows` random rows (best and median of `repeats` passes), then the engine's decode step with `rows`
+    requests of `context` prompt tokens (best and median of `repeats` steps, after the prompts and a
+    few warm steps)."""
+    import random
+
+    import torch
+
+    from engine import ContinuousBatchingConfig, LLMEngine
+    from engine.backends.cpu_quant import QuantizedLinear
+    from engine.loader import load_model
+
+    loaded = load_model(model_path, "float32", None, "cpu", "gguf", activations)
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    inputs = [torch.randn(rows, m.in_features) for m in linears]
+
+    def all_linears() -> None:
+        for m, x in zip(linears, inputs):
+            m(x)
+
+    linear_best, linear_median = _timed(all_linears, repeats)
+    engine = LLMEngine(loaded.model, ContinuousBatchingConfig(block_size=16, num_blocks=max(64, rows * 16)),
+                       tokenizer=loaded.tokenizer)  # fmt: skip
+    rng = random.Random(0)
+    for _ in range(rows):
+        ids = [rng.randrange(100, engine.vocab_size) for _ in range(context)]
+        engine.add_request(engine.make_request(ids, max_new_tokens=repeats + 64, ignore_eos=True))
+    while any(r.num_computed < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    step_best, step_median = _timed(engine.step, repeats)
+    engine.close()
+    out = {"model": str(model_path or "embedded"), "activations": activations, "rows": rows, "linears": len(linears),
+           "linears_best_ms": round(linear_best * 1e3, 2), "linears_median_ms": round(linear_median * 1e3, 2),
+           "step_best_ms": round(step_best * 1e3, 2), "step_median_ms": round(step_median * 1e3, 2),
+           "threads": torch.get_num_threads()}  # fmt: skip
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("agreement", "memory", "kernels", "probe"))
+    p.add_argument("what", choices=("agreement", "memory", "kernels", "probe", "step"))
     p.add_argument("--dtype", default="bfloat16", help="probe: the dense dtype (bfloat16, float32, float16)")
     p.add_argument("--model", default=None, help="a GGUF file; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--prompts", type=int, default=64)
@@ -257,6 +303,7 @@ def main() -> None:
     p.add_argument("--types", default="Q8_0,Q4_0,Q4_1", help="kernels: the GGUF types timed (also Q4_K, Q6_K)")
     p.add_argument("--threads", default=None, help="kernels: torch thread counts to time each path on (1,2)")
     p.add_argument("--no-dense", action="store_true", help="kernels: leave out the dense (float) paths")
+    p.add_argument("--activations", default="int8", choices=("int8", "float"), help="step: the blocks' inputs")
     args = p.parse_args()
     from engine.backends.cpu_isa import capabilities
 
@@ -267,6 +314,8 @@ def main() -> None:
         print(json.dumps(memory(args.model)))
     elif args.what == "probe":
         probe(args.model, args.dtype)
+    elif args.what == "step":
+        step(args.model, int(args.rows.split(",")[0]), args.repeats, args.activations)
     else:
         threads = [int(t) for t in args.threads.split(",")] if args.threads else None
         kernels([int(r) for r in args.rows.split(",")], args.repeats, args.shapes, args.types.split(","), threads,

@@ -54,3 +54,9 @@ def test_kernels_times_k_quants_with_float_inputs_and_leaves_out_shapes_they_do_
         assert {p for s, r, p in paths if s == "odd" and r == m} == {"Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x"}
     assert "odd: 96 inputs are not whole K-quant super-blocks of 256: Q4_K, Q6_K left out" in capsys.readouterr().out
     assert all(r["best_us"] > 0 for r in rows)
+
+
+def test_step_times_the_linears_and_a_decode_step_of_the_embedded_model(native) -> None:
+    out = native.step(None, rows=2, repeats=2, activations="int8")
+    assert out["rows"] == 2 and out["linears"] > 0 and out["activations"] == "int8"
+    assert 0 < out["linears_best_ms"] <= out["linears_median_ms"] and 0 < out["step_best_ms"] <= out["step_median_ms"]

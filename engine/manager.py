@@ -206,11 +206,32 @@ class ContinuousBatchingManager:
             self.engine.reset_prefix_cache()
 
     def warmup(self) -> None:
-        """Run one small step so the first real request does not pay for lazy initialisation."""
+        """Run one small step so the first real request does not pay for lazy initialisation.
+
+        The steps run on a thread of their own that ends with them: OpenMP keeps a pool of workers
+        for every thread that opened a parallel region, for as long as that thread lives, and with
+        more pooled workers than cores libgomp's idle workers stop spinning and sleep after each
+        kernel (docs/engine.md, One OpenMP team). A caller's long-lived thread (a server's executor)
+        would otherwise keep a second team beside the engine thread's."""
         if self.warmed_up:
             return
         if self.is_running():
             raise RuntimeError("warmup() must be called before start()")
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._warmup_steps()
+            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name="cbserve-warmup")
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    def _warmup_steps(self) -> None:
         self.engine.warmup()
         req = self.engine.make_request([0] * min(8, self.engine.block_size), max_new_tokens=2, ignore_eos=True)
         req.otel_context = None  # not traced nor counted (engine/telemetry.py)

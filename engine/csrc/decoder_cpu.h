@@ -2,7 +2,7 @@
 // packed weights and norms, held once, and the step's forward over them.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

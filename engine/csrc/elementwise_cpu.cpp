@@ -3,7 +3,9 @@
 // torch ops (float32 copies, pow, mean, rsqrt, products, a concatenation, casts), with the same
 // roundings in the same places: the rotary pass is bit for bit torch's, the others differ only in
 // the order of a sum (RMSNorm's squares) or in exp's last bit (SiLU).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include "vec.h"

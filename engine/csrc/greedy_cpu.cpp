@@ -1,7 +1,8 @@
 // Greedy token choice on the CPU: the index of each row's largest logit, read in the model's own
 // dtype (no float32 copy of a [rows, vocab] tensor first). Ties and NaNs resolve as torch.argmax
 // does: the first largest index, a NaN counting as larger than any number.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include "vec.h"

@@ -18,7 +18,8 @@
 // dequantized weight up to the order of the float sums, and a row's result takes the same steps
 // whatever the batch. Work is split over output rows. Prompt steps (many rows of x) dequantize the
 // whole weight instead and run torch's product (engine/backends/cpu_quant.py decides).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include "vec.h"

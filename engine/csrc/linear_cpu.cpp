@@ -8,7 +8,8 @@
 // runs kc = 256 steps of k on it at a time, so the panel's chunk (16 KiB in float32) stays in L1
 // for the next block of rows. The panels hold the weight's own dtype (float32, bfloat16 or float16,
 // widened on load), so a bfloat16 model reads half the bytes a float32 one does; sums are float32.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include "vec.h"

@@ -19,7 +19,9 @@
 // KV head, one matrix product of all their queries with the shared keys, a softmax per row that keeps
 // its max and sum, and one product with the shared values. Each item then covers only its
 // sequence's own keys and merges the two parts by their maxima and sums (log-sum-exp).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include "vec.h"

@@ -28,7 +28,8 @@
 // it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
 // difference in x (another attention kernel) can move a rounding step: greedy output then departs
 // from `model.generate` now and then, so it is not the default.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -4,7 +4,7 @@
 // dispatch. Shared by the CPU kernels in this folder; none of them assumes a lane count.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>

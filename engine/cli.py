@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.openmp import set_spin_default
+
+    set_spin_default()  # before torch loads libgomp (engine/openmp.py)
     args = build_parser().parse_args(argv)
     from engine.hub import DownloadError
     from engine.server.settings import SettingsError

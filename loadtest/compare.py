@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-from loadtest import html_report, plots
+from loadtest import html_report
 from loadtest.arrivals import pool_tallies
 from loadtest.cpu_trace import CpuTrace
 from loadtest.loads import Load, describe, load_args, open_loop_rate
@@ -164,6 +164,8 @@ def _pool_all(results: dict[str, list[RunResult]], busy_cpu: dict[str, float | N
 
 def _write_load(out: Path, targets: list[Target], args: argparse.Namespace, measured: tuple) -> tuple[str, dict]:
     """One load's plots, compare.json and report.html in `out`; returns its table and its report."""
+    from loadtest import plots  # matplotlib loads when there is something to draw
+
     results, idle_cpu, busy_cpu, windows = measured
     by_name = _pool_all(results, busy_cpu, windows, args.slos)
     text = compare_table(by_name, idle_cpu, busy_cpu)

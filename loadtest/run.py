@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import html_report, plots
+from loadtest import html_report
 from loadtest.metrics_scrape import ServerSampler, scrape, window
 from loadtest.report import load_rows, summarize
 from loadtest.target import Target, UsageError
@@ -69,6 +69,8 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
     if code not in (0, 1):  # 1: some requests failed, which the report shows
         raise UsageError(f"locust exited with status {code}; see {out / 'locust.log'}", 1)
     rows = load_rows(out / "requests.jsonl")
+    from loadtest import plots  # matplotlib loads when a run has something to draw, not for a flag error
+
     extra = json.loads((out / "locust_extra.json").read_text()) if (out / "locust_extra.json").exists() else {}
     t0, t1 = plots.span(rows)
     if rows:  # the measured window: first request sent to last answer received
@@ -102,6 +104,8 @@ PLOTS = ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", 
 
 
 def write_plots(runs: dict[str, RunResult], slos: dict[str, float], out: Path) -> None:
+    from loadtest import plots
+
     rows = {name: r.rows for name, r in runs.items()}
     plots.throughput_over_time(rows, out / PLOTS[0])
     plots.server_over_time({name: (r.samples, r.t0) for name, r in runs.items()}, out / PLOTS[1])
@@ -125,6 +129,8 @@ def sweep(target: Target, out: Path, args: argparse.Namespace) -> list[dict]:
         best = max(best, summary["output_throughput"])
         users *= 2
     (out / "sweep.json").write_text(json.dumps(points, indent=2))
+    from loadtest import plots
+
     plots.sweep_curve(points, out / "sweep.png")
     html_report.write_sweep(out, points)
     return points

@@ -123,6 +123,14 @@ def test_bad_flags_and_unreachable_servers_are_one_clear_line(args, message, sta
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_flag_error_answers_before_the_plotting_library_loads() -> None:
+    """matplotlib (0.6 s to import) loads when a run has something to draw, not for a bad flag."""
+    code = ("import sys\nfrom loadtest.cli import main\n"
+            "status = main(['--duration', 'soon'])\nprint(status, 'matplotlib' in sys.modules)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+
+
 STANDIN = Path(__file__).with_name("openai_standin.py")
 
 

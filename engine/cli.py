@@ -339,15 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     from engine.hub import DownloadError
     from engine.server.settings import SettingsError
 
-    from engine.tp_group import GroupBroken
-
     commands = {"serve": serve, "generate": generate, "download": download, "worker": worker}
     try:
         return commands[args.command](args)
     except (SettingsError, ValueError, FileNotFoundError) as exc:
         print(f"cbserve: error: {exc}", file=sys.stderr)
         return 2
-    except (DownloadError, GroupBroken) as exc:
+    except DownloadError as exc:
+        print(f"cbserve: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        # a tensor-parallel group only breaks where one was started: `download` does not load torch for this
+        tp_group = sys.modules.get("engine.tp_group")
+        if tp_group is None or not isinstance(exc, tp_group.GroupBroken):
+            raise
         print(f"cbserve: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -157,3 +157,11 @@ def test_the_download_command_refuses_a_bad_uri(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "engine.cli", "download", "hf://noslash", "--to", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("cbserve: error: 'hf://noslash' is not hf://org/name")
+
+
+def test_a_bad_uri_is_refused_before_torch_or_transformers_load() -> None:
+    """The command answers without the 4-5 s of importing the model stack."""
+    code = ("import sys\nfrom engine.cli import main\nstatus = main(['download', 'hf://noslash'])\n"
+            "print(status, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split("\n")[0] == "2 []", r.stdout + r.stderr

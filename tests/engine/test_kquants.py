@@ -70,9 +70,11 @@ def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
 def test_a_rows_product_does_not_depend_on_its_batch(ops, qtype) -> None:
     blocks, _ = random_blocks(qtype, 70, 768)
     x = torch.randn(13, 768, generator=torch.Generator().manual_seed(4))
-    batch = ops.kquant_linear(x, blocks, int(qtype), None)
+    batch = ops.kquant_linear(x, blocks, int(qtype), None)  # 13 rows: super-blocks dequantized into a buffer
     for r in (0, 6, 12):
         assert torch.equal(ops.kquant_linear(x[r:r + 1], blocks, int(qtype), None)[0], batch[r])
+    for rows in (2, 3, 4, 5):  # up to 4: dequantized in registers
+        assert torch.equal(ops.kquant_linear(x[3:3 + rows], blocks, int(qtype), None), batch[3:3 + rows])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -123,6 +125,7 @@ for qtype in ENCODERS:
         y = ops.kquant_linear(x, blocks, int(qtype), None)
         assert relative_error(y, x, w, None) <= EXACT, (qtype, m, n, k)
         assert torch.equal(ops.kquant_linear(x[-1:], blocks, int(qtype), None)[0], y[-1])
+        assert torch.equal(ops.kquant_linear(x[-3:], blocks, int(qtype), None), y[-3:])
 print("ok")
 """
 

@@ -15,8 +15,9 @@
 // The product keeps x in float32 against the dequantized weights (the reference's values: the same
 // float operations in the same order), so the result is x times the dequantized weight up to the
 // order of the float sums. For up to four rows of x (decode steps) the weights are dequantized in
-// registers, a vector at a time, straight into the FMAs; for more, each super-block of a weight row
-// is dequantized once into 256 floats on the stack and multiplied into every row of x. Both keep
+// registers, a vector at a time, straight into the FMAs; for more, the super-blocks of four weight
+// rows at a time are dequantized into 256 floats each on the stack and multiplied into every row of
+// x (each slice of x read once for the four). Both keep
 // the same sums in the same order, so a row's result takes the same steps whatever the batch.
 // Work is split over output rows. Prompt steps (many rows of x) dequantize the whole weight instead
 // and run torch's product (engine/backends/cpu_quant.py decides).
@@ -178,6 +179,22 @@ inline void dot_super(const float* w, const float* x, vfloat acc[4]) {
   }
 }
 
+constexpr int kTileRows = 4;
+
+// dot_super for kTileRows weight rows at once against one slice of x: acc[4 u + a] is weight row u's
+// accumulator a, with the same sums in the same order as dot_super's
+inline void dot_tile(const float (*tile)[kSuper], const float* x, vfloat* acc) {
+  vfloat a[4 * kTileRows];
+  for (int e = 0; e < 4 * kTileRows; ++e) a[e] = acc[e];
+  for (int64_t i = 0; i < kSuper; i += 4 * kLanes) {
+    for (int c = 0; c < 4; ++c) {
+      const vfloat xv = load(x + i + c * kLanes);
+      for (int u = 0; u < kTileRows; ++u) a[4 * u + c] += load(tile[u] + i + c * kLanes) * xv;
+    }
+  }
+  for (int e = 0; e < 4 * kTileRows; ++e) acc[e] = a[e];
+}
+
 // Weight rows [j0, j1) against R rows of x (R <= 4): each super-block's weights are dequantized in
 // registers and multiplied into R x 4 accumulators that stay in registers, the same sums in the same
 // order as dot_super's on a dequantized buffer
@@ -250,9 +267,27 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optiona
       }
       return;
     }
+    int64_t j = j0;
+    {  // tiles of kTileRows weight rows: each slice of x is read once for the tile's rows
+      alignas(64) float tile[kTileRows][kSuper];
+      std::vector<vfloat> acc(4 * kTileRows * m);  // [row of x][weight row of the tile][4]
+      for (; j + kTileRows <= j1; j += kTileRows) {
+        for (auto& a : acc) a = vfloat{};
+        for (int64_t s = 0; s < supers; ++s) {
+          for (int u = 0; u < kTileRows; ++u) dequantize_super(qtype, wp + (j + u) * row_bytes + s * sb, tile[u]);
+          for (int64_t r = 0; r < m; ++r) dot_tile(tile, xp + r * k + s * kSuper, &acc[4 * kTileRows * r]);
+        }
+        for (int64_t r = 0; r < m; ++r) {
+          for (int u = 0; u < kTileRows; ++u) {
+            const vfloat* a = &acc[4 * (kTileRows * r + u)];
+            yp[r * n + j + u] = hsum((a[0] + a[1]) + (a[2] + a[3])) + (bp ? bp[j + u] : 0.0f);
+          }
+        }
+      }
+    }
     alignas(64) float buf[kSuper];
     std::vector<vfloat> acc(4 * m);
-    for (int64_t j = j0; j < j1; ++j) {
+    for (; j < j1; ++j) {  // the last j1 - j0 mod kTileRows weight rows, one at a time
       for (auto& a : acc) a = vfloat{};
       const uint8_t* row = wp + j * row_bytes;
       for (int64_t s = 0; s < supers; ++s) {

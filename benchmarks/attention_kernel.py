@@ -24,7 +24,6 @@ cannot be loaded into one process (their symbols clash), so `--compare` alternat
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -37,15 +36,9 @@ HEADS, KV_HEADS, DIM, BLOCK = 8, 4, 64, 16
 
 
 def load_build(tag: str | None):
-    from engine.backends.cpu_kernels import build_directory, cpu_ops
+    from engine.backends.cpu_kernels import cpu_ops, ops_of_build
 
-    if tag is None:
-        return cpu_ops()
-    path = build_directory().parent / tag / "cbserve_cpu_ops.so"
-    spec = importlib.util.spec_from_file_location("cbserve_cpu_ops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return cpu_ops() if tag is None else ops_of_build(tag)
 
 
 def step(dtype, q_lens, k_lens, shared_prefix=0, cache_scale=1, cold=False, seed=0):

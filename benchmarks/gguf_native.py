@@ -3,7 +3,7 @@
     python benchmarks/gguf_native.py agreement [--prompts 64] [--tokens 32] [--model file.gguf]
     python benchmarks/gguf_native.py memory [--model file.gguf]
     python benchmarks/gguf_native.py kernels [--shapes smollm2|1b|8b] [--rows 1,16,128] [--repeats 20]
-        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q6_K] [--threads 1,2] [--no-dense]
+        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q6_K] [--threads 1,2] [--no-dense] [--build avx512-5e344599a33f]
     python benchmarks/gguf_native.py probe [--model file.gguf] [--dtype bfloat16]
     python benchmarks/gguf_native.py step [--model file.gguf] [--rows 16] [--repeats 20] [--activations int8]
 
@@ -153,16 +153,16 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
 
 
 def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[str] | None = None,
-            threads: list[int] | None = None, dense: bool = True) -> list[dict]:  # fmt: skip
+            threads: list[int] | None = None, dense: bool = True, build: str | None = None) -> list[dict]:  # fmt: skip
     import numpy as np
     import torch
 
     from engine.backends.cpu_isa import onednn_native
-    from engine.backends.cpu_kernels import cpu_ops
+    from engine.backends.cpu_kernels import cpu_ops, ops_of_build
     from engine.backends.cpu_linear import packing_available
     from engine.backends.cpu_quant import K_QUANTS, NAMES, SUPER, dequantize_rows, linear
 
-    ops = cpu_ops()
+    ops = cpu_ops() if build is None else ops_of_build(build)
     codes = {name: code for code, name in NAMES.items()}
     types = types or ["Q8_0", "Q4_0", "Q4_1"]
     results = []
@@ -303,6 +303,8 @@ def main() -> None:
     p.add_argument("--types", default="Q8_0,Q4_0,Q4_1", help="kernels: the GGUF types timed (also Q4_K, Q6_K)")
     p.add_argument("--threads", default=None, help="kernels: torch thread counts to time each path on (1,2)")
     p.add_argument("--no-dense", action="store_true", help="kernels: leave out the dense (float) paths")
+    p.add_argument("--build", default=None, help="kernels: an earlier kernel build of the cache, by its folder's name "
+                   "(default: this tree's); one build a process")  # fmt: skip
     p.add_argument("--activations", default="int8", choices=("int8", "float"), help="step: the blocks' inputs")
     args = p.parse_args()
     from engine.backends.cpu_isa import capabilities
@@ -319,7 +321,7 @@ def main() -> None:
     else:
         threads = [int(t) for t in args.threads.split(",")] if args.threads else None
         kernels([int(r) for r in args.rows.split(",")], args.repeats, args.shapes, args.types.split(","), threads,
-                not args.no_dense)  # fmt: skip
+                not args.no_dense, args.build)  # fmt: skip
 
 
 if __name__ == "__main__":

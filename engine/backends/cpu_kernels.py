@@ -87,6 +87,16 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
+def ops_of_build(tag: str) -> ModuleType:
+    """The kernels of an earlier build in the cache, by its folder's name (`avx512-5e344599a33f`), for
+    benchmarks that time two builds; one build per process, since their symbols clash."""
+    path = cache_dir() / "kernels" / tag / f"{NAME}.so"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel build {tag!r} in {path.parent.parent} (`python -m engine.backends.cpu_kernels` "
+                                "builds this tree's and prints its name)")  # fmt: skip
+    return _import(path)
+
+
 def publish_once(final: Path, build: Callable[[Path], object], marker: str) -> object | None:
     """Make `final` by `build(folder)` unless a finished one (holding `marker`) exists: one process
     at a time (a lock file beside it), into a private folder renamed into place when whole. Returns

@@ -56,6 +56,16 @@ def test_kernels_times_k_quants_with_float_inputs_and_leaves_out_shapes_they_do_
     assert all(r["best_us"] > 0 for r in rows)
 
 
+def test_kernels_can_time_a_build_of_the_cache_by_name_and_an_unknown_one_is_a_clear_error(native, monkeypatch) -> None:
+    from engine.backends.cpu_kernels import build_directory
+
+    monkeypatch.setitem(native.SHAPES, "test_build", {"fits": (32, 512)})
+    rows = native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build=build_directory().name)
+    assert [r["path"] for r in rows] == ["Q4_K float x", "Q4_K bf16 x"] and all(r["best_us"] > 0 for r in rows)
+    with pytest.raises(FileNotFoundError, match="no kernel build 'avx512-000000000000'"):
+        native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build="avx512-000000000000")
+
+
 def test_step_times_the_linears_and_a_decode_step_of_the_embedded_model(native) -> None:
     out = native.step(None, rows=2, repeats=2, activations="int8")
     assert out["rows"] == 2 and out["linears"] > 0 and out["activations"] == "int8"

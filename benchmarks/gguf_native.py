@@ -14,8 +14,8 @@ The engine's own output is also checked against `generate` on the native model (
 safetensors checkpoint is resident only once read), each in a fresh process.
 `kernels`: time of one product per linear shape (SmolLM2-135M's, or Llama-3.2-1B's / Llama-3-8B's
 with `--shapes 1b|8b`) for the quantized kernel (float activations, bfloat16 activations, and int8
-activations; K-quants, `--types Q4_K,Q6_K`, have no int8 product and need inputs in whole
-super-blocks of 256, so SmolLM2's shapes leave them out), the weight dequantised for the call plus
+activations; K-quants, `--types Q4_K,Q6_K`, need inputs in whole super-blocks of 256, so
+SmolLM2's shapes leave them out), the weight dequantised for the call plus
 torch's product (what steps of more than
 cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's float32 product
 (and its bfloat16 one where the CPU multiplies bfloat16 natively: the dense path `quantization auto`
@@ -163,6 +163,8 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
     from engine.backends.cpu_quant import K_QUANTS, NAMES, SUPER, dequantize_rows, linear
 
     ops = cpu_ops() if build is None else ops_of_build(build)
+    # an earlier build (--build) may predate the K-quants' int8 product: then its int8 lines are left out
+    kquant_int8 = "int8" in (ops.kquant_linear.__doc__ or "")
     codes = {name: code for code, name in NAMES.items()}
     types = types or ["Q8_0", "Q4_0", "Q4_1"]
     results = []
@@ -193,7 +195,7 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
                 weight_bytes = b.numel()
                 paths[f"{q} float x"] = (weight_bytes, lambda b=b, c=c: linear(ops, x, b, c, None))
                 paths[f"{q} bf16 x"] = (weight_bytes, lambda b=b, c=c: linear(ops, xb, b, c, None))
-                if c not in K_QUANTS:  # K-quants multiply float inputs whatever quantized_activations says
+                if c not in K_QUANTS or kquant_int8:
                     paths[f"{q} int8 x"] = (weight_bytes, lambda b=b, c=c: linear(ops, x, b, c, None, int8=True))
                 if dense:
                     paths[f"{q} dequantise + torch"] = (weight_bytes, lambda b=b, c=c: torch.nn.functional.linear(

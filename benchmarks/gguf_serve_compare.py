@@ -1,7 +1,7 @@
 """GGUF where quantization matters: cbserve and llama.cpp's `llama-server` on the same Q8_0 and Q4_0
 files of a Llama-3.2-1B- or Llama-3-8B-shaped model with random weights, at 1 and 16 users.
 
-    python benchmarks/gguf_serve_compare.py --shape 1b|8b|tiny [--quants q8_0,q4_0] [--users 1,16]
+    python benchmarks/gguf_serve_compare.py --shape 1b|8b|tiny [--quants q8_0,q4_0,q4_k_m] [--users 1,16]
         [--systems cbserve,llama.cpp] [--ctx-per-slot 1024] [--limits limits.json] [--prepare-only]
         [--keep-f16] [python -m loadtest compare flags: --duration, --rounds, --input-len, ...]
 
@@ -13,7 +13,8 @@ a shard at a time (the 8B never exists whole in memory). Then llama.cpp's own to
 `llama-quantize --pure ... Q4_0` turns into the Q4_0 file when that binary is built
 (`python benchmarks/llama_cpp_peer.py --build-quantize`), else gguf-py's reference quantizer
 (`gguf.quants.quantize`, llama.cpp's own Python package, vendored with its sources) does, every
-2-D weight in Q4_0 as `--pure` would. Each file's `.tool` note says which tool made it. All of it
+2-D weight in Q4_0 as `--pure` would. `--quants q4_k_m` adds llama-quantize's Q4_K_M mix of the
+F16 file (Q4_K and Q6_K; only that binary makes it). Each file's `.tool` note says which tool made it. All of it
 is cached in ~/.cache/cbserve/gguf-peer/SHAPE/ (the F16 file is deleted unless --keep-f16).
 
 Each file is served in turn, alone on the machine, by `cbserve serve --model FILE --quantization
@@ -65,7 +66,8 @@ SHARD_BYTES = 2 << 30
 RSS_BUDGET = 1.2  # peak RSS at most this times the file plus the KV cache
 LLAMA_CPP_KV_BYTES = 2  # llama-server's default cache type, F16
 BLOCK_SIZE = 16  # cbserve's CPU default, said explicitly so the context matches
-QUANTS = ("q8_0", "q4_0")
+QUANTS = ("q8_0", "q4_0", "q4_k_m")  # q4_k_m only by llama-quantize (gguf-py cannot make K-quants)
+DEFAULT_QUANTS = ("q8_0", "q4_0")
 SYSTEMS = ("cbserve", "cbserve-int8", "llama.cpp")  # cbserve-int8: --quantized-activations int8, llama.cpp's arithmetic
 DEFAULT_SYSTEMS = ("cbserve", "llama.cpp")
 GIB = 1 << 30
@@ -156,7 +158,7 @@ def checkpoint_dir(shape: Shape) -> Path:
 
 
 def gguf_file(shape: Shape, quant: str) -> Path:
-    """The file of one quantization: <cache>/<model>-<quant>.gguf (quant: q8_0, q4_0, f16)."""
+    """The file of one quantization: <cache>/<model>-<quant>.gguf (quant: q8_0, q4_0, q4_k_m, f16)."""
     if quant not in (*QUANTS, "f16"):
         raise ValueError(f"quant must be one of {', '.join((*QUANTS, 'f16'))}, got {quant!r}")
     return cache_dir(shape) / f"{shape.model}-{quant}.gguf"
@@ -247,7 +249,7 @@ def prepare(shape: Shape, quants: list[str], keep_f16: bool = False) -> dict[str
     if not (folder / "config.json").is_file():
         _timed(f"write the {shape.name} checkpoint ({shape.params() / 1e9:.2f} B parameters, bfloat16) to {folder}",
                lambda: write_checkpoint(shape, folder))  # fmt: skip
-    files = {}
+    files, f16, used_f16 = {}, gguf_file(shape, "f16"), False
     for quant in quants:
         target = gguf_file(shape, quant)
         files[quant] = target
@@ -259,14 +261,20 @@ def prepare(shape: Shape, quants: list[str], keep_f16: bool = False) -> dict[str
             _timed(f"convert to {target.name}", lambda: llama_cpp_peer.convert(folder, target, "q8_0"))
             _note(target, "convert_hf_to_gguf.py --outtype q8_0")
             continue
-        f16 = gguf_file(shape, "f16")
+        if quant == "q4_k_m" and llama_cpp_peer.quantize_binary() is None:
+            raise SystemExit("q4_k_m files are made by llama-quantize, which is not built: "
+                             "python benchmarks/llama_cpp_peer.py --build-quantize")  # fmt: skip
         if not f16.is_file():
             _timed(f"convert to {f16.name}", lambda: llama_cpp_peer.convert(folder, f16, "f16"))
             _note(f16, "convert_hf_to_gguf.py --outtype f16")
-        _timed(f"quantize {f16.name} to {target.name}", lambda: quantize_q4_0(f16, target))
-        if not keep_f16:
-            f16.unlink()
-            tool_note(f16).unlink(missing_ok=True)
+        used_f16 = True
+        if quant == "q4_k_m":
+            _timed(f"quantize {f16.name} to {target.name}", lambda: quantize_q4_k_m(f16, target))
+        else:
+            _timed(f"quantize {f16.name} to {target.name}", lambda: quantize_q4_0(f16, target))
+    if used_f16 and not keep_f16:  # after every file made from it
+        f16.unlink()
+        tool_note(f16).unlink(missing_ok=True)
     return files
 
 
@@ -286,6 +294,16 @@ def quantize_q4_0(source: Path, target: Path) -> None:
                 f"weight Q4_0 (from {source.name}: convert_hf_to_gguf.py --outtype f16)")
     partial.rename(target)
     _note(target, tool)
+
+
+def quantize_q4_k_m(source: Path, target: Path) -> None:
+    """llama-quantize's Q4_K_M mix (Q4_K, with Q6_K where its rules choose, e.g. some V and FFN-down
+    weights and the output), not --pure: the file llama.cpp users download."""
+    partial = target.with_name(target.name + ".partial")
+    subprocess.run([str(llama_cpp_peer.quantize_binary()), str(source), str(partial), "Q4_K_M",
+                    str(os.cpu_count() or 1)], check=True)  # fmt: skip
+    partial.rename(target)
+    _note(target, f"llama-quantize {source.name} Q4_K_M (from {source.name}: convert_hf_to_gguf.py --outtype f16)")
 
 
 def q4_0_eligible(name: str, np_shape: tuple[int, ...]) -> bool:
@@ -570,7 +588,9 @@ def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[
 def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    p.add_argument("--quants", default=",".join(QUANTS))
+    p.add_argument("--quants", default=",".join(DEFAULT_QUANTS),
+                   help=f"a subset of {','.join(QUANTS)} (q4_k_m needs llama-quantize: llama_cpp_peer.py "
+                        "--build-quantize)")  # fmt: skip
     p.add_argument("--users", default="1,16", help="concurrent users, comma-separated (llama.cpp: as many slots)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"a subset of {','.join(SYSTEMS)} (cbserve-int8: --quantized-activations int8)")

@@ -223,7 +223,7 @@ def load_model(path: str | None = None, dtype: str = "auto", attn_implementation
         if count:
             logger.info("cbserve: %d weights in blocks multiply int8 inputs (quantized_activations int8)", count)
         else:
-            logger.warning("cbserve: quantized_activations int8: no weight of %s is in Q8_0/Q4_0/Q4_1 blocks; "
+            logger.warning("cbserve: quantized_activations int8: no weight of %s is in GGUF blocks; "
                            "nothing changes", loaded.name)  # fmt: skip
     return loaded
 

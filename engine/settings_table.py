@@ -277,7 +277,7 @@ SETTINGS: tuple[Setting, ...] = (
             "result is the product with the dequantised weight up to float rounding: greedy output as "
             "model.generate gives); int8 quantizes each input row to int8 blocks of 32 and takes integer dot "
             "products (llama.cpp's arithmetic; VNNI where the CPU has it): faster at several rows, and greedy "
-            "output departs from model.generate now and then. Q4_K and Q6_K weights take float inputs either way",
+            "output departs from model.generate now and then",
             section="server", choices=("float", "int8"), operator=True),
     Setting("compile", "bool", False, "torch.compile both step kinds with default compile configs", section="server",
             operator=True),

@@ -4,14 +4,13 @@ A `QuantizedLinear` holds a weight as the GGUF file has it: each output row a ru
 weights (Q8_0: a float16 scale and 32 int8; Q4_0: a float16 scale and 32 nibbles; Q4_1: a float16
 scale, a float16 minimum and 32 nibbles), 8.5, 4.5 and 5 bits a weight, or in K-quant super-blocks
 of 256 (Q4_K, 4.5 bits; Q6_K, 6.56 bits; engine/csrc/kquant_cpu.cpp has their layouts, and
-`kquant_linear` their product, x in float32, as below). Its product is
+`kquant_linear` their product, the same two ways as below). Its product is
 engine/csrc/quant_cpu.cpp's `quant_linear`: each block dequantized in registers and multiplied into
 the float32 input rows, so the result is the input times the dequantized weight up to the order of
 the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight for the call
 instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
-its rounding of the input makes greedy output depart from `model.generate` now and then (K-quants
-have no such path: they multiply float x whatever the flag). A `QuantizedEmbedding` holds the
+its rounding of the input makes greedy output depart from `model.generate` now and then. A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes. A `QuantizedLinear` with an `out_order` keeps
 its rows in the file's order and moves its outputs (Llama's q/k, whose rows llama.cpp's converter
@@ -100,9 +99,9 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 def linear(ops: ModuleType, x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
            int8: bool = False) -> torch.Tensor:  # fmt: skip
-    """x [M, K] times the blocks' weight, by cbserve's kernel for the type (K-quants: float x only)."""
+    """x [M, K] times the blocks' weight, by cbserve's kernel for the type."""
     if qtype in K_QUANTS:
-        return ops.kquant_linear(x, blocks, qtype, bias)
+        return ops.kquant_linear(x, blocks, qtype, bias, int8)
     return ops.quant_linear(x, blocks, qtype, bias, int8)
 
 
@@ -160,11 +159,11 @@ class QuantizedLinear(torch.nn.Module):
 
 
 def use_int8_activations(model: torch.nn.Module) -> int:
-    """Every `QuantizedLinear` of `model` that has an int8 product (not K-quants) switched to it; the
-    count. The model's placement (`cbserve_quantization`, GET /v1/models) says so."""
+    """Every `QuantizedLinear` of `model` switched to its int8 product; the count. The model's
+    placement (`cbserve_quantization`, GET /v1/models) says so."""
     count = 0
     for m in model.modules():
-        if isinstance(m, QuantizedLinear) and m.qtype not in K_QUANTS:
+        if isinstance(m, QuantizedLinear):
             m.int8_activations = True
             count += 1
     if count:

@@ -16,7 +16,7 @@ int64_t linear_panel_width();
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
 at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
 bool quant_vnni_available();
-at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias);
+at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
 at::Tensor kquant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
 bool set_quant_vnni(bool on);
 
@@ -41,8 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias"), py::arg("int8") = false, NoGil());
   m.def("quant_dequantize", &quant_dequantize, "Rows of a GGUF-quantized weight as floats of like's dtype (CPU)",
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("rows"), py::arg("like"), NoGil());
-  m.def("kquant_linear", &kquant_linear, "x W^T + b on GGUF K-quant super-blocks (Q4_K, Q6_K), x in float32 (CPU)",
-        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias"), NoGil());
+  m.def("kquant_linear", &kquant_linear, "x W^T + b on GGUF K-quant super-blocks (Q4_K, Q6_K); int8: x quantized to int8 blocks (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias"), py::arg("int8") = false, NoGil());
   m.def("kquant_dequantize", &kquant_dequantize, "Rows of a K-quant weight as floats of like's dtype (CPU)",
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("rows"), py::arg("like"), NoGil());
   m.def("quant_vnni_available", &quant_vnni_available, "Whether this build has VNNI byte dot products");

@@ -21,13 +21,28 @@
 // the same sums in the same order, so a row's result takes the same steps whatever the batch.
 // Work is split over output rows. Prompt steps (many rows of x) dequantize the whole weight instead
 // and run torch's product (engine/backends/cpu_quant.py decides).
+//
+// The other product (`int8`, llama.cpp's way, as quant_cpu.cpp's for Q8_0/Q4_0/Q4_1) quantizes each
+// row of x to int8 blocks of 32 (int8_lanes.h) and takes exact integer dot products of the unsigned
+// quants with them, a block (Q4_K: one sub-block; Q6_K: two groups of 16) at a time, then scales:
+//   Q4_K, sub-block j:  d sc_j dx sum(q qx) - dmin m_j dx sum(qx)
+//   Q6_K, group g of 16: d sc_g dx (sum(q qx) - 32 sum(qx))        (q = the 6-bit value, 0..63)
+// Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (vpmaddubsw + vpmaddwd: the AVX2
+// build, and the AVX-512 one with VNNI off), one per 32-bit lane, the super-block's bytes transposed
+// in registers and its scales unpacked for all the tile's rows at once from gathered words; each row
+// of x multiplies the whole tile with its 4-byte groups broadcast. The last rows of a weight that
+// are not a whole tile go through the same code on a copy padded to a tile, so a row's result is the
+// same wherever it is. Its results differ from the float product by x's rounding to 8 bits.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
+#include "int8_lanes.h"
 #include "vec.h"
 
 #include <immintrin.h>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <cstring>
@@ -233,6 +248,253 @@ void few_rows(int64_t m, const uint8_t* wp, int64_t row_bytes, const float* xp, 
   }
 }
 
+// ---- int8 inputs: tiles of weight rows in lanes ----
+
+// 8 weight rows a tile, 256-bit, vpmaddubsw + vpmaddwd (q <= 63 and |qx| <= 127: a pair's sum fits
+// in 16 bits)
+struct Lanes8 {
+  using vi = __m256i;
+  using vf = __m256;
+  static constexpr int64_t n = 8;
+  static constexpr int group = 4;  // rows of x whose sums are built side by side (16 ymm registers)
+  static vi offsets(int64_t row_bytes) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int32_t>(row_bytes)));
+  }
+  static vi gather(vi offs, const uint8_t* p) { return _mm256_i32gather_epi32(reinterpret_cast<const int*>(p), offs, 1); }
+  static void transpose(const uint8_t* base, int64_t row_bytes, vi out[4]) { transpose8x16(base, row_bytes, out); }
+  static vf halves(vi words) {  // the float16 in each lane's low 16 bits
+    const vi low = _mm256_and_si256(words, _mm256_set1_epi32(0xffff));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+  }
+  static vi dp(vi acc, vi w, int32_t x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
+  }
+  static vi set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static vi and_(vi a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+  static vi or_(vi a, vi b) { return _mm256_or_si256(a, b); }
+  static vi bytes(vi a, uint8_t m) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(m))); }
+  static vi srl16(vi a, int c) { return _mm256_srli_epi16(a, c); }
+  static vi sll16(vi a, int c) { return _mm256_slli_epi16(a, c); }
+  static vi srl32(vi a, int c) { return _mm256_srli_epi32(a, c); }
+  static vi sll32(vi a, int c) { return _mm256_slli_epi32(a, c); }
+  static vi sra32(vi a, int c) { return _mm256_srai_epi32(a, c); }
+  static vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+  static vf set1f(float v) { return _mm256_set1_ps(v); }
+  static vf zerof() { return _mm256_setzero_ps(); }
+  static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+  static vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+  static vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define CB_KQUANT_VNNI 1
+// 16 weight rows a tile, 512-bit, vpdpbusd
+struct Lanes16 {
+  using vi = __m512i;
+  using vf = __m512;
+  static constexpr int64_t n = 16;
+  static constexpr int group = 8;
+  static vi offsets(int64_t row_bytes) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  }
+  static vi gather(vi offs, const uint8_t* p) { return _mm512_i32gather_epi32(offs, p, 1); }
+  static void transpose(const uint8_t* base, int64_t row_bytes, vi out[4]) { transpose16x16(base, row_bytes, out); }
+  static vf halves(vi words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
+  static vi dp(vi acc, vi w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
+  static vi set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static vi and_(vi a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+  static vi or_(vi a, vi b) { return _mm512_or_si512(a, b); }
+  static vi bytes(vi a, uint8_t m) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(m))); }
+  static vi srl16(vi a, int c) { return _mm512_srli_epi16(a, c); }
+  static vi sll16(vi a, int c) { return _mm512_slli_epi16(a, c); }
+  static vi srl32(vi a, int c) { return _mm512_srli_epi32(a, c); }
+  static vi sll32(vi a, int c) { return _mm512_slli_epi32(a, c); }
+  static vi sra32(vi a, int c) { return _mm512_srai_epi32(a, c); }
+  static vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+  static vf set1f(float v) { return _mm512_set1_ps(v); }
+  static vf zerof() { return _mm512_setzero_ps(); }
+  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+  static vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+  static vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+};
+#else
+#define CB_KQUANT_VNNI 0
+#endif
+
+// x's int8 rows, and for Q6_K the sums of each half block of 16 (sq16 [m, k / 16])
+struct KX {
+  QuantizedX x;
+  const int32_t* sq16;
+};
+
+// One block of 32 weights of the tile (their unsigned quants wq[8], register g holding values 4g..4g+3
+// of each lane's row) against the G rows of x from r: sums[r] gets the integer dot products, from
+// `start` (per row), values 0-15 into sums[r][0] and, when `halves`, 16-31 into sums[r][1]
+template <class L, int G, bool Halves>
+inline void block_sums(const typename L::vi wq[8], const KX& kx, int64_t r, int64_t block, int n_rows,
+                       typename L::vi (*sums)[2]) {
+#pragma GCC unroll 8
+  for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 8
+    for (int i = 0; i < G; ++i) {
+      if (i >= n_rows) break;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(kx.x.q + (r + i) * kx.x.k + block * kQuantBlock);
+      const int h = Halves && g >= 4 ? 1 : 0;
+      sums[i][h] = L::dp(sums[i][h], wq[g], xq[g]);
+    }
+  }
+}
+
+// A tile of L::n weight rows of Q4_K (from w, row_bytes apart) times R rows of x from r0:
+// out[r * L::n + lane]
+template <class L>
+void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, int64_t rows, float* out) {
+  using vi = typename L::vi;
+  using vf = typename L::vf;
+  constexpr int G = L::group;
+  const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
+  const vi offs = L::offsets(row_bytes);
+  vf acc[16];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
+  for (int64_t sup = 0; sup < supers; ++sup) {
+    const uint8_t* b = w + sup * 144;
+    for (int64_t i = 0; i < L::n; ++i)  // the next tile's super-block: 144 bytes of each of its rows
+      for (int c = 0; c < 144; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + (L::n + i) * row_bytes + c), _MM_HINT_T0);
+    const vi head = L::gather(offs, b), s0 = L::gather(offs, b + 4), s1 = L::gather(offs, b + 8),
+             s2 = L::gather(offs, b + 12);
+    const vf d = L::halves(head), dmin = L::halves(L::srl32(head, 16));
+    for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
+      vi nib[8];
+      L::transpose(b + 16 + 32 * pair, row_bytes, nib);
+      L::transpose(b + 32 + 32 * pair, row_bytes, nib + 4);
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * pair + h;
+        vi wq[8];
+        for (int g = 0; g < 8; ++g) wq[g] = L::bytes(h ? L::srl16(nib[g], 4) : nib[g], 0x0f);
+        vi sc, mn;  // the 6-bit scale and minimum of sub-block j, per lane (scale_min's unpacking)
+        if (j < 4) {
+          sc = L::and_(L::srl32(s0, 8 * j), 63);
+          mn = L::and_(L::srl32(s1, 8 * j), 63);
+        } else {
+          const int t = 8 * (j - 4);
+          sc = L::or_(L::and_(L::srl32(s2, t), 0x0f), L::sll32(L::and_(L::srl32(s0, t + 6), 3), 4));
+          mn = L::or_(L::and_(L::srl32(s2, t + 4), 0x0f), L::sll32(L::and_(L::srl32(s1, t + 6), 3), 4));
+        }
+        const vf dsc = L::mul(d, L::cvt(sc)), dm = L::mul(dmin, L::cvt(mn));
+        const int64_t block = sup * 8 + j;
+        for (int64_t r = r0; r < r0 + rows; r += G) {
+          vi sums[G][2];
+          for (int i = 0; i < G; ++i) sums[i][0] = L::set1(0);
+          block_sums<L, G, false>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);
+          for (int i = 0; i < G && r + i < r0 + rows; ++i) {
+            const int64_t at = (r + i) * blocks + block;
+            vf& a = acc[r + i - r0];
+            a = L::fmadd(L::cvt(sums[i][0]), L::mul(dsc, L::set1f(kx.x.d[at])), a);
+            a = L::fnmadd(dm, L::set1f(kx.x.s[at]), a);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) L::store(out + r * L::n, acc[r]);
+}
+
+// The same for Q6_K: in each half of 128 weights, quarter c (x block 4 half + c) takes the low
+// (c < 2) or high nibbles of ql[l] (c even) or ql[l + 32] (c odd), with bits 2c, 2c + 1 of qh[l] on
+// top, and scales 8 half + 2c (values 0-15) and 8 half + 2c + 1 (16-31)
+template <class L>
+void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, int64_t rows, float* out) {
+  using vi = typename L::vi;
+  using vf = typename L::vf;
+  constexpr int G = L::group;
+  const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
+  const vi offs = L::offsets(row_bytes);
+  vf acc[16];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
+  for (int64_t sup = 0; sup < supers; ++sup) {
+    const uint8_t* b = w + sup * 210;
+    for (int64_t i = 0; i < L::n; ++i)
+      for (int c = 0; c < 210; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + (L::n + i) * row_bytes + c), _MM_HINT_T0);
+    const vf d = L::halves(L::srl32(L::gather(offs, b + 206), 16));  // bytes 208-209 (206: no read past the end)
+    vi sw[4];  // the sixteen int8 scales, four a word
+    for (int q = 0; q < 4; ++q) sw[q] = L::gather(offs, b + 192 + 4 * q);
+    for (int half = 0; half < 2; ++half) {
+      vi l0[8], l1[8], hb[8];
+      L::transpose(b + 64 * half, row_bytes, l0);
+      L::transpose(b + 64 * half + 16, row_bytes, l0 + 4);
+      L::transpose(b + 64 * half + 32, row_bytes, l1);
+      L::transpose(b + 64 * half + 48, row_bytes, l1 + 4);
+      L::transpose(b + 128 + 32 * half, row_bytes, hb);
+      L::transpose(b + 128 + 32 * half + 16, row_bytes, hb + 4);
+      for (int c = 0; c < 4; ++c) {
+        vi wq[8];
+        const vi* low = c & 1 ? l1 : l0;
+        for (int g = 0; g < 8; ++g)
+          wq[g] = L::or_(L::bytes(L::srl16(low[g], 4 * (c >> 1)), 0x0f), L::sll16(L::bytes(L::srl16(hb[g], 2 * c), 3), 4));
+        vf ds[2];
+        for (int e = 0; e < 2; ++e) {
+          const int idx = 8 * half + 2 * c + e;  // a signed byte: shifted to the top, then down arithmetically
+          ds[e] = L::mul(d, L::cvt(L::sra32(L::sll32(sw[idx / 4], 24 - 8 * (idx % 4)), 24)));
+        }
+        const int64_t block = sup * 8 + 4 * half + c;
+        for (int64_t r = r0; r < r0 + rows; r += G) {
+          vi sums[G][2];
+          for (int i = 0; i < G && r + i < r0 + rows; ++i) {
+            const int32_t* s16 = kx.sq16 + (r + i) * 2 * blocks + 2 * block;
+            sums[i][0] = L::set1(-32 * s16[0]);
+            sums[i][1] = L::set1(-32 * s16[1]);
+          }
+          block_sums<L, G, true>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);
+          for (int i = 0; i < G && r + i < r0 + rows; ++i) {
+            const vf dx = L::set1f(kx.x.d[(r + i) * blocks + block]);
+            vf& a = acc[r + i - r0];
+            a = L::fmadd(L::cvt(sums[i][0]), L::mul(ds[0], dx), a);
+            a = L::fmadd(L::cvt(sums[i][1]), L::mul(ds[1], dx), a);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) L::store(out + r * L::n, acc[r]);
+}
+
+constexpr int64_t kInt8X = 16;  // rows of x per pass over a tile
+
+// y [m, n] (float32) = x (int8 rows) times the weight, tiles of L::n weight rows over the threads
+template <class L>
+void int8_product(int64_t qtype, const KX& kx, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
+                  int64_t m, int64_t n) {
+  const int64_t tiles = (n + L::n - 1) / L::n, full = n / L::n;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(4, tiles / (4 * threads)));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    float out[kInt8X * 16];
+    std::vector<uint8_t> padded;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * L::n, nj = std::min<int64_t>(L::n, n - j0);
+      const uint8_t* tile = w + j0 * row_bytes;
+      if (t >= full) {  // the last rows, fewer than a tile: copied into one padded with zero rows
+        padded.assign(L::n * row_bytes, 0);
+        std::memcpy(padded.data(), tile, nj * row_bytes);
+        tile = padded.data();
+      }
+      for (int64_t r0 = 0; r0 < m; r0 += kInt8X) {
+        const int64_t rows = std::min(kInt8X, m - r0);
+        if (qtype == kQ4_K) {
+          q4_k_tile<L>(tile, row_bytes, kx, r0, rows, out);
+        } else {
+          q6_k_tile<L>(tile, row_bytes, kx, r0, rows, out);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < nj; ++j) y[(r0 + r) * n + j0 + j] = out[r * L::n + j] + (bias ? bias[j0 + j] : 0.0f);
+      }
+    }
+  });
+}
+
 constexpr int64_t kRegisterRows = 4;  // up to this many rows of x: weights dequantized in registers
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
@@ -245,8 +507,9 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 }  // namespace
 
 // x [M, K] (float32, bfloat16 or float16) times the K-quant weight w [N, row bytes] of ggml type
-// `qtype`, plus `bias` (or None): [M, N] in x's dtype, x in float32 against the dequantized blocks
-at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias) {
+// `qtype`, plus `bias` (or None): [M, N] in x's dtype. `int8`: x quantized to int8 blocks and integer
+// dot products; else x in float32 against the dequantized blocks
+at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2, "kquant_linear: x [M, K] expected");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), supers = k / kSuper;
   check_weight(w, qtype, k);
@@ -258,6 +521,25 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optiona
   float* yp = y32.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1), sb = super_bytes(qtype);
+  if (int8) {
+    const QuantizedRows rows = quantize_rows(xf, true);
+    auto sq16 = at::empty({qtype == kQ6_K ? m : 0, k / 16}, x.options().dtype(at::kInt));
+    int32_t* s16 = sq16.data_ptr<int32_t>();
+    for (int64_t i = 0; i < sq16.numel(); ++i) {  // Q6_K's sums of x's halves of 16
+      int32_t t = 0;
+      for (int e = 0; e < 16; ++e) t += rows.view.q[16 * i + e];
+      s16[i] = t;
+    }
+    const KX kx{rows.view, s16};
+#if CB_KQUANT_VNNI
+    if (quant_vnni_on()) {
+      int8_product<Lanes16>(qtype, kx, wp, row_bytes, bp, yp, m, n);
+      return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
+    }
+#endif
+    int8_product<Lanes8>(qtype, kx, wp, row_bytes, bp, yp, m, n);
+    return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
+  }
   at::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
     if (m > 0 && m <= kRegisterRows) {
       if (qtype == kQ4_K) {

@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "int8_lanes.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -92,14 +93,6 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-struct QuantizedX {  // rows of x as int8 blocks
-  const int8_t* q;   // [m, k]
-  const float* d;    // [m, k / 32] scales
-  const float* s;    // [m, k / 32] dx * sum(qx)
-  const int32_t* sq; // [m, k / 32] sum(qx)
-  int64_t k;
-};
 
 // R rows of x (from row r0) against weight row `w` of type Q: R sums into out[0..R)
 template <int64_t Q, bool VNNI, int R>
@@ -303,23 +296,6 @@ void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r
 constexpr int64_t kLaneRows = 16;  // weight rows per tile
 constexpr int64_t kLaneX = 16;     // rows of x per pass over a tile (a decode step of 16 users: one pass)
 
-// 16 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
-// bytes 4g..4g+3 of row j
-inline void transpose16x16(const uint8_t* base, int64_t row_bytes, __m512i out[4]) {
-  __m512i z[4];
-  for (int a = 0; a < 4; ++a) {  // z[a] = rows a, a+4, a+8, a+12 in its four 128-bit lanes
-    z[a] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
-    for (int l = 1; l < 4; ++l)
-      z[a] = _mm512_inserti32x4(z[a], _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4 * l) * row_bytes)), l);
-  }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = _mm512_unpacklo_epi64(t0, t2);
-  out[1] = _mm512_unpackhi_epi64(t0, t2);
-  out[2] = _mm512_unpacklo_epi64(t1, t3);
-  out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
 // 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]. The rows of x go in
 // groups of up to 8 whose sums are built side by side, g by g: each sum's next vpdpbusd is 8
 // instructions behind its last, not right behind it, and the group's x words and sums stay in
@@ -415,21 +391,6 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
 // result is the one-row path's up to the order of the float sums.
 constexpr int64_t kLaneRows = 8;
 
-// 8 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
-// bytes 4g..4g+3 of row j
-inline void transpose8x16(const uint8_t* base, int64_t row_bytes, __m256i out[4]) {
-  __m256i z[4];
-  for (int a = 0; a < 4; ++a)  // z[a] = rows a and a + 4 in its two 128-bit lanes
-    z[a] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4) * row_bytes)),
-                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
-  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
-  out[0] = _mm256_unpacklo_epi64(t0, t2);
-  out[1] = _mm256_unpackhi_epi64(t0, t2);
-  out[2] = _mm256_unpacklo_epi64(t1, t3);
-  out[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-
 // the 8 rows' float16 at byte `at` of their block (the scale, or Q4_1's minimum) as floats
 inline __m256 halves8(const uint8_t* blk, int64_t row_bytes, int64_t at) {
   alignas(16) uint16_t h[8];
@@ -507,39 +468,6 @@ constexpr int64_t kLaneX = 4;  // rows of x per pass over a tile
 #else
 #define CB_INT8_LANES 0
 #endif
-
-// x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx) (to nearest even, as nearbyint in the
-// default rounding mode), 8 floats at a time: the same products and roundings as one at a time
-void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sq) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float dx = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-    __m256i qi[4], sum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // |q| <= 127: packs exactly
-      sum = _mm256_add_epi32(sum, qi[i]);
-    }
-    // int32 -> int16 -> int8 packs interleave the 128-bit lanes; the permute puts the bytes back in order
-    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
-                        _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
-    d[b] = dx;
-    s[b] = dx * static_cast<float>(total);
-    sq[b] = total;
-  }
-}
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
 #if defined(__AVX512F__)
@@ -667,23 +595,11 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 // integer dot products; else x in float32 against the dequantized blocks
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [M, K] expected");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), blocks = k / kBlock;
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   check_weight(w, qtype, k);
   auto xf = x.to(at::kFloat).contiguous();
-  auto xq = at::empty({int8 ? m : 0, k}, x.options().dtype(at::kChar));
-  auto xd = at::empty({int8 ? m : 0, 2, blocks}, x.options().dtype(at::kFloat));
-  auto xs = at::empty({int8 ? m : 0, blocks}, x.options().dtype(at::kInt));
-  // rows split over the threads in chunks of at least 32k inputs (fewer: one thread, no wake-up)
-  at::parallel_for(0, int8 ? m : 0, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* d = xd.data_ptr<float>() + r * 2 * blocks;
-      quantize_row(xf.data_ptr<float>() + r * k, k, xq.data_ptr<int8_t>() + r * k, d, d + blocks,
-                   xs.data_ptr<int32_t>() + r * blocks);
-    }
-  });
-  // scales and sums laid out [m][blocks] each: split the [m, 2, blocks] tensor
-  auto scales = xd.select(1, 0).contiguous(), sums = xd.select(1, 1).contiguous();
-  const QuantizedX qx{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), xs.data_ptr<int32_t>(), k};
+  const QuantizedRows rows = quantize_rows(xf, int8);
+  const QuantizedX& qx = rows.view;
   const float* xfp = int8 ? nullptr : xf.data_ptr<float>();
   auto y = at::empty({m, n}, x.options());
   at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
@@ -728,4 +644,5 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optiona
 // whether this build has VNNI's byte dot products; `on` turns them on or off (off: vpmaddubsw),
 // returning the previous state
 bool quant_vnni_available() { return CB_VNNI != 0; }
+bool cbserve::quant_vnni_on() { return g_vnni.load(std::memory_order_relaxed); }
 bool set_quant_vnni(bool on) { return g_vnni.exchange(on && CB_VNNI != 0); }

@@ -1,5 +1,5 @@
 """benchmarks/gguf_native.py's `kernels`: every GGUF type it is asked for is timed on the path the
-engine takes for it (K-quants: float inputs only), and its random blocks are ones the kernels read
+engine takes for it (float, bfloat16 and int8 inputs), and its random blocks are ones the kernels read
 as the reference does (finite values, whatever the random bytes)."""
 
 from __future__ import annotations
@@ -43,14 +43,15 @@ def test_random_blocks_hold_finite_weights_the_kernels_multiply_as_the_reference
     torch.testing.assert_close(linear(ops, x, blocks, code, None), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
-def test_kernels_times_k_quants_with_float_inputs_and_leaves_out_shapes_they_do_not_fit(native, monkeypatch,
+def test_kernels_times_k_quants_with_each_input_kind_and_leaves_out_shapes_they_do_not_fit(native, monkeypatch,
                                                                                        capsys) -> None:  # fmt: skip
     monkeypatch.setitem(native.SHAPES, "test", {"fits": (32, 512), "odd": (32, 96)})
     rows = native.kernels([1, 2], 1, "test", ["Q4_0", "Q4_K", "Q6_K"], [1], dense=False)
     paths = {(r["shape"], r["rows"], r["path"]) for r in rows}
     for m in (1, 2):
         assert {p for s, r, p in paths if s == "fits" and r == m} == {
-            "Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x", "Q4_K float x", "Q4_K bf16 x", "Q6_K float x", "Q6_K bf16 x"}
+            "Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x", "Q4_K float x", "Q4_K bf16 x", "Q4_K int8 x",
+            "Q6_K float x", "Q6_K bf16 x", "Q6_K int8 x"}  # fmt: skip
         assert {p for s, r, p in paths if s == "odd" and r == m} == {"Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x"}
     assert "odd: 96 inputs are not whole K-quant super-blocks of 256: Q4_K, Q6_K left out" in capsys.readouterr().out
     assert all(r["best_us"] > 0 for r in rows)
@@ -61,7 +62,7 @@ def test_kernels_can_time_a_build_of_the_cache_by_name_and_an_unknown_one_is_a_c
 
     monkeypatch.setitem(native.SHAPES, "test_build", {"fits": (32, 512)})
     rows = native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build=build_directory().name)
-    assert [r["path"] for r in rows] == ["Q4_K float x", "Q4_K bf16 x"] and all(r["best_us"] > 0 for r in rows)
+    assert [r["path"] for r in rows] == ["Q4_K float x", "Q4_K bf16 x", "Q4_K int8 x"] and all(r["best_us"] > 0 for r in rows)
     with pytest.raises(FileNotFoundError, match="no kernel build 'avx512-000000000000'"):
         native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build="avx512-000000000000")
 

@@ -62,8 +62,22 @@ def test_files_are_named_by_shape_and_quantization_in_the_cache(gsc) -> None:
     assert path == Path.home() / ".cache/cbserve/gguf-peer/8b/llama-3-8b-shaped-random-q4_0.gguf"
     assert gsc.gguf_file(gsc.SHAPES["1b"], "q8_0").name == "llama-3.2-1b-shaped-random-q8_0.gguf"
     assert gsc.tool_note(path).name == "llama-3-8b-shaped-random-q4_0.gguf.tool"
+    assert gsc.gguf_file(gsc.SHAPES["1b"], "q4_k_m").name == "llama-3.2-1b-shaped-random-q4_k_m.gguf"
     with pytest.raises(ValueError, match="quant must be one of"):
         gsc.gguf_file(gsc.SHAPES["1b"], "q4_k")
+
+
+def test_q4_k_m_is_offered_not_run_by_default_and_needs_llama_quantize(gsc, monkeypatch, tmp_path) -> None:
+    assert "q4_k_m" in gsc.QUANTS and gsc.own_flags(["--shape", "1b"])[0].quants == ["q8_0", "q4_0"]
+    assert gsc.own_flags(["--shape", "1b", "--quants", "q4_k_m"])[0].quants == ["q4_k_m"]
+    monkeypatch.setattr(gsc, "cache_dir", lambda shape: tmp_path)
+    monkeypatch.setattr(gsc, "checkpoint_dir", lambda shape: tmp_path / "checkpoint")
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    monkeypatch.setattr(gsc.llama_cpp_peer, "quantize_binary", lambda: None)
+    with pytest.raises(SystemExit, match="llama-quantize, which is not built: .*--build-quantize"):
+        gsc.prepare(gsc.SHAPES["tiny"], ["q4_k_m"])  # before any conversion starts
+    assert list(tmp_path.glob("*.gguf")) == []
 
 
 def _write_f16_gguf(path: Path) -> dict[str, np.ndarray]:

@@ -3,8 +3,11 @@ engine/backends/cpu_quant.py, engine/gguf_loader.py).
 
 Dequantization, in torch and in the kernel, equals gguf-py's bit for bit. The product keeps x in
 float32 against the dequantized super-blocks: within 1e-5 |x| |w_j| of x times the dequantized
-weight in float64, and a row's result is the same alone or in a batch. Both hold in the AVX2 build
-too (a child process with CBSERVE_CPU_ISA=avx2). A GGUF file whose FFN down projections are K-quants
+weight in float64, and a row's result is the same alone or in a batch. The int8 product (x rounded
+to int8 blocks of 32, as quant_linear's) is within 1e-5 |x| |w_j| of that rounded x times the
+dequantized weight and within 5e-3 of the plain product, with VNNI's 16-lane tiles and without them
+(8-lane vpmaddubsw), a row's result again the same alone or in a batch. All of it holds in the AVX2
+build too (a child process with CBSERVE_CPU_ISA=avx2). A GGUF file whose FFN down projections are K-quants
 (the embedded model's, re-encoded by tests/engine/kquants.py) loads them in blocks, and the engine's
 greedy output equals `model.generate` on it and transformers on its dequantized weights.
 """
@@ -115,7 +118,9 @@ AVX2_CHECK = """
 import numpy as np, torch, gguf
 from engine.backends.cpu_kernels import cpu_ops
 from tests.engine.test_kquants import ENCODERS, SHAPES, EXACT, random_blocks, relative_error
+from tests.engine.test_kquants import INT8_SHAPES, QUANTIZED, int8_errors, signed_blocks
 ops = cpu_ops()
+torch.manual_seed(0)
 print("lanes", ops.lanes())
 for qtype in ENCODERS:
     for m, n, k in SHAPES:
@@ -126,6 +131,13 @@ for qtype in ENCODERS:
         assert relative_error(y, x, w, None) <= EXACT, (qtype, m, n, k)
         assert torch.equal(ops.kquant_linear(x[-1:], blocks, int(qtype), None)[0], y[-1])
         assert torch.equal(ops.kquant_linear(x[-3:], blocks, int(qtype), None), y[-3:])
+    for m, n, k in INT8_SHAPES:  # int8 inputs: the 8-lane vpmaddubsw tiles, the build's only int8 path
+        blocks, w = signed_blocks(qtype, n, k)
+        x = torch.randn(m, k)
+        y = ops.kquant_linear(x, blocks, int(qtype), None, int8=True)
+        exact, plain = int8_errors(y, x, w)
+        assert exact <= EXACT and plain <= QUANTIZED, (qtype, m, n, k, exact, plain)
+        assert torch.equal(ops.kquant_linear(x[-3:], blocks, int(qtype), None, int8=True), y[-3:])
 print("ok")
 """
 
@@ -165,3 +177,84 @@ def test_a_file_with_k_quants_keeps_them_in_blocks_and_generates_as_transformers
         mine = native.model.generate(x, **kwargs)[0, len(prompt):].tolist()
         assert o.generated_tokens == mine
         assert reference.generate(x, **kwargs)[0, len(prompt):].tolist() == mine
+    # with int8 inputs (quantized_activations int8) the K-quant layers switch too, and the engine
+    # still equals model.generate on the same model
+    from engine.backends.cpu_quant import use_int8_activations
+
+    assert use_int8_activations(native.model) >= len(downs) and all(d.int8_activations for d in downs)
+    out = generate_batch(native.model, [prompt], max_new_tokens=10, ignore_eos=True, progress_bar=False, warmup=False)
+    x = torch.tensor([prompt])
+    mine = native.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
+                                 eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
+    assert next(iter(out.values())).generated_tokens == mine
+
+
+# int8 inputs: x rounded to int8 blocks of 32 as quant_linear's int8 product rounds it. Against that
+# rounded x times the dequantized weight (float64) the kernel agrees to float rounding; against the
+# plain product it differs by x's rounding. Outputs not a multiple of the 8- and 16-row tiles (the
+# last rows go through a padded tile), rows of x over one pass of 16, Q6_K scales of both signs.
+INT8_SHAPES = [(1, 37, 256), (3, 129, 512), (7, 64, 1536), (33, 5, 768), (16, 48, 2048), (17, 20, 256)]
+QUANTIZED = 5e-3
+
+
+def signed_blocks(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """random_blocks with every other Q6_K scale negated (real files have negative ones; the test
+    encoder makes them positive): the weights are read back by gguf-py as before."""
+    blocks, _ = random_blocks(qtype, n, k, seed)
+    if qtype == T.Q6_K:
+        raw = blocks.numpy().reshape(n, k // 256, 210).copy()
+        scales = raw[..., 192:208].view(np.int8)
+        scales[..., ::2] = -scales[..., ::2]
+        blocks = torch.from_numpy(raw.reshape(n, -1))
+    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(n, k)).float()
+
+
+def int8_errors(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    from tests.engine.test_cpu_quant import quantized_x
+
+    scale = x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)
+    exact = quantized_x(x) @ w.double().T
+    plain = x.double() @ w.double().T
+    return float(((y.double() - exact).abs() / scale).max()), float(((y.double() - plain).abs() / scale).max())
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=str)
+def test_int8_inputs_equal_rounded_x_times_the_dequantised_weight(ops, qtype, shape) -> None:
+    m, n, k = shape
+    blocks, w = signed_blocks(qtype, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    for vnni in [True, False] if ops.quant_vnni_available() else [False]:  # 16-lane vpdpbusd / 8-lane vpmaddubsw
+        before = ops.set_quant_vnni(vnni)
+        try:
+            y = ops.kquant_linear(x, blocks, int(qtype), None, int8=True)
+            with_bias = ops.kquant_linear(x, blocks, int(qtype), torch.ones(n), int8=True)
+        finally:
+            ops.set_quant_vnni(before)
+        exact, plain = int8_errors(y, x, w)
+        assert exact <= EXACT and plain <= QUANTIZED, (vnni, exact, plain)
+        assert torch.allclose(with_bias, y + 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+def test_an_int8_rows_product_does_not_depend_on_its_batch(ops, qtype) -> None:
+    """A row gets the same bits alone, in a group of 8 or 16 rows of x, past one pass of 16, and in
+    the padded last tile (71 outputs)."""
+    blocks, _ = signed_blocks(qtype, 71, 512, seed=2)
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(2))
+    batch = ops.kquant_linear(x, blocks, int(qtype), None, int8=True)
+    for rows in ([0], [5, 6, 7], list(range(3, 9)), list(range(2, 19))):
+        assert torch.equal(ops.kquant_linear(x[rows], blocks, int(qtype), None, int8=True), batch[rows]), rows
+
+
+def test_the_module_multiplies_k_quants_with_int8_inputs_when_switched(ops) -> None:
+    from engine.backends.cpu_quant import use_int8_activations
+
+    blocks, w = signed_blocks(T.Q6_K, 40, 512)
+    model = torch.nn.Sequential(QuantizedLinear(blocks, int(T.Q6_K), 512, ops=ops))
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(7))
+    assert use_int8_activations(model) == 1 and model[0].int8_activations
+    assert model.cbserve_quantization["activations"] == "int8"
+    assert torch.equal(model(x), ops.kquant_linear(x, blocks, int(T.Q6_K), None, int8=True))
+    prompt = torch.randn(DEQUANTIZE_ROWS + 3, 512, generator=torch.Generator().manual_seed(8))  # int8 at any size
+    assert int8_errors(model(prompt), prompt, w)[0] <= EXACT

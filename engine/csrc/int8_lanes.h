@@ -1,0 +1,127 @@
+// Int8 inputs and weight rows in lanes, shared by the GGUF block kernels (quant_cpu.cpp) and the
+// K-quant ones (kquant_cpu.cpp): rows of x quantized to int8 blocks of 32 (llama.cpp's way: a float
+// scale dx per block, qx = round(x / dx)), and the transposes that put a tile's weight rows one per
+// 32-bit lane.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace cbserve {
+
+constexpr int64_t kQuantBlock = 32;  // values of x per int8 block
+
+struct QuantizedX {  // rows of x as int8 blocks
+  const int8_t* q;   // [m, k]
+  const float* d;    // [m, k / 32] scales
+  const float* s;    // [m, k / 32] dx * sum(qx)
+  const int32_t* sq; // [m, k / 32] sum(qx)
+  int64_t k;
+};
+
+// x row -> int8 blocks: dx = max|x| / 127, qx = round(x / dx) (to nearest even, as nearbyint in the
+// default rounding mode), 8 floats at a time: the same products and roundings as one at a time
+inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sq) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float dx = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+    __m256i qi[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // |q| <= 127: packs exactly
+      sum = _mm256_add_epi32(sum, qi[i]);
+    }
+    // int32 -> int16 -> int8 packs interleave the 128-bit lanes; the permute puts the bytes back in order
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQuantBlock),
+                        _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+    d[b] = dx;
+    s[b] = dx * static_cast<float>(total);
+    sq[b] = total;
+  }
+}
+
+// Every row of xf (float32 [m, k], contiguous) as int8 blocks, rows split over the threads in chunks
+// of at least 32k inputs (fewer: one thread, no wake-up). With `on` false, nothing is quantized (the
+// view has its k and no rows).
+struct QuantizedRows {
+  at::Tensor q, d, s, sq;
+  QuantizedX view;
+};
+
+inline QuantizedRows quantize_rows(const at::Tensor& xf, bool on) {
+  const int64_t m = on ? xf.size(0) : 0, k = xf.size(1), blocks = k / kQuantBlock;
+  QuantizedRows out;
+  out.q = at::empty({m, k}, xf.options().dtype(at::kChar));
+  auto xd = at::empty({m, 2, blocks}, xf.options().dtype(at::kFloat));
+  out.sq = at::empty({m, blocks}, xf.options().dtype(at::kInt));
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* d = xd.data_ptr<float>() + r * 2 * blocks;
+      quantize_row(xf.data_ptr<float>() + r * k, k, out.q.data_ptr<int8_t>() + r * k, d, d + blocks,
+                   out.sq.data_ptr<int32_t>() + r * blocks);
+    }
+  });
+  // scales and sums laid out [m][blocks] each: split the [m, 2, blocks] tensor
+  out.d = xd.select(1, 0).contiguous();
+  out.s = xd.select(1, 1).contiguous();
+  out.view = {out.q.data_ptr<int8_t>(), out.d.data_ptr<float>(), out.s.data_ptr<float>(), out.sq.data_ptr<int32_t>(), k};
+  return out;
+}
+
+#if defined(__AVX512F__)
+// 16 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
+// bytes 4g..4g+3 of row j
+inline void transpose16x16(const uint8_t* base, int64_t row_bytes, __m512i out[4]) {
+  __m512i z[4];
+  for (int a = 0; a < 4; ++a) {  // z[a] = rows a, a+4, a+8, a+12 in its four 128-bit lanes
+    z[a] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
+    for (int l = 1; l < 4; ++l)
+      z[a] = _mm512_inserti32x4(z[a], _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4 * l) * row_bytes)), l);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+#endif
+
+// 8 rows of 16 bytes (row i at base + i * row_bytes) transposed by 32-bit words: out[g] lane j =
+// bytes 4g..4g+3 of row j
+inline void transpose8x16(const uint8_t* base, int64_t row_bytes, __m256i out[4]) {
+  __m256i z[4];
+  for (int a = 0; a < 4; ++a)  // z[a] = rows a and a + 4 in its two 128-bit lanes
+    z[a] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (a + 4) * row_bytes)),
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + a * row_bytes)));
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// whether the int8 products use VNNI now: the build has it and set_quant_vnni has not turned it off
+// (quant_cpu.cpp)
+bool quant_vnni_on();
+
+}  // namespace cbserve

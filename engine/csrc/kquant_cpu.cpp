@@ -29,7 +29,7 @@
 //   Q6_K, group g of 16: d sc_g dx (sum(q qx) - 32 sum(qx))        (q = the 6-bit value, 0..63)
 // Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (vpmaddubsw + vpmaddwd: the AVX2
 // build, and the AVX-512 one with VNNI off), one per 32-bit lane, the super-block's bytes transposed
-// in registers and its scales unpacked for all the tile's rows at once from gathered words; each row
+// in registers and its scales unpacked for all the tile's rows at once from transposed words; each row
 // of x multiplies the whole tile with its 4-byte groups broadcast. The last rows of a weight that
 // are not a whole tile go through the same code on a copy padded to a tile, so a row's result is the
 // same wherever it is. Its results differ from the float product by x's rounding to 8 bits.
@@ -356,15 +356,15 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
   using vf = typename L::vf;
   constexpr int G = L::group;
   const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
-  const vi offs = L::offsets(row_bytes);
   vf acc[16];
   for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 144;
     for (int64_t i = 0; i < L::n; ++i)  // the next tile's super-block: 144 bytes of each of its rows
       for (int c = 0; c < 144; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + (L::n + i) * row_bytes + c), _MM_HINT_T0);
-    const vi head = L::gather(offs, b), s0 = L::gather(offs, b + 4), s1 = L::gather(offs, b + 8),
-             s2 = L::gather(offs, b + 12);
+    vi hdr[4];  // d and dmin, then the 12 bytes of scales and minimums, four bytes a word (a transpose:
+    L::transpose(b, row_bytes, hdr);  // cheaper than four gathers)
+    const vi head = hdr[0], s0 = hdr[1], s1 = hdr[2], s2 = hdr[3];
     const vf d = L::halves(head), dmin = L::halves(L::srl32(head, 16));
     for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
       vi nib[8];
@@ -420,7 +420,7 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
       for (int c = 0; c < 210; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + (L::n + i) * row_bytes + c), _MM_HINT_T0);
     const vf d = L::halves(L::srl32(L::gather(offs, b + 206), 16));  // bytes 208-209 (206: no read past the end)
     vi sw[4];  // the sixteen int8 scales, four a word
-    for (int q = 0; q < 4; ++q) sw[q] = L::gather(offs, b + 192 + 4 * q);
+    L::transpose(b + 192, row_bytes, sw);
     for (int half = 0; half < 2; ++half) {
       vi l0[8], l1[8], hb[8];
       L::transpose(b + 64 * half, row_bytes, l0);

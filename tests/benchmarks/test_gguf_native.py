@@ -67,6 +67,27 @@ def test_kernels_can_time_a_build_of_the_cache_by_name_and_an_unknown_one_is_a_c
         native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build="avx512-000000000000")
 
 
+def test_a_build_older_than_the_k_quants_int8_product_times_their_other_paths(native, monkeypatch) -> None:
+    """An earlier build (--build) whose kquant_linear takes no int8 flag: its K-quant int8 lines are
+    left out, the rest timed."""
+    from engine.backends import cpu_kernels
+
+    ops = cpu_kernels.cpu_ops()
+
+    class Older:  # the kernels as they were: kquant_linear(x, w, qtype, bias), nothing more
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def kquant_linear(x, w, qtype, bias):
+            return ops.kquant_linear(x, w, qtype, bias)
+
+    monkeypatch.setattr(cpu_kernels, "ops_of_build", lambda tag: Older())
+    monkeypatch.setitem(native.SHAPES, "test_older", {"fits": (32, 512)})
+    rows = native.kernels([1], 1, "test_older", ["Q4_0", "Q4_K"], [1], dense=False, build="avx512-older")
+    assert [r["path"] for r in rows] == ["Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x", "Q4_K float x", "Q4_K bf16 x"]
+
+
 def test_step_times_the_linears_and_a_decode_step_of_the_embedded_model(native) -> None:
     out = native.step(None, rows=2, repeats=2, activations="int8")
     assert out["rows"] == 2 and out["linears"] > 0 and out["activations"] == "int8"

@@ -152,6 +152,21 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     return times[0], times[len(times) // 2]
 
 
+class _FloatKquants:
+    """An earlier kernel build whose kquant_linear(x, w, qtype, bias) takes no int8 flag, called as
+    cpu_quant.linear calls today's (float inputs only)."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str):
+        return getattr(self._ops, name)
+
+    def kquant_linear(self, x, w, qtype, bias, int8=False):
+        assert not int8, "this build has no int8 product for K-quants"
+        return self._ops.kquant_linear(x, w, qtype, bias)
+
+
 def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[str] | None = None,
             threads: list[int] | None = None, dense: bool = True, build: str | None = None) -> list[dict]:  # fmt: skip
     import numpy as np
@@ -163,8 +178,11 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
     from engine.backends.cpu_quant import K_QUANTS, NAMES, SUPER, dequantize_rows, linear
 
     ops = cpu_ops() if build is None else ops_of_build(build)
-    # an earlier build (--build) may predate the K-quants' int8 product: then its int8 lines are left out
+    # an earlier build (--build) may predate the K-quants' int8 product: then its int8 lines are left
+    # out and its kquant_linear is called as it was, without the flag
     kquant_int8 = "int8" in (ops.kquant_linear.__doc__ or "")
+    if not kquant_int8:
+        ops = _FloatKquants(ops)
     codes = {name: code for code, name in NAMES.items()}
     types = types or ["Q8_0", "Q4_0", "Q4_1"]
     results = []

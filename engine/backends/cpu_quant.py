@@ -100,8 +100,8 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 def linear(ops: ModuleType, x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
            int8: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] times the blocks' weight, by cbserve's kernel for the type."""
-    if qtype in K_QUANTS:  # int8 only when asked: float x also runs on builds from before its int8 product
-        return ops.kquant_linear(x, blocks, qtype, bias, True) if int8 else ops.kquant_linear(x, blocks, qtype, bias)
+    if qtype in K_QUANTS:
+        return ops.kquant_linear(x, blocks, qtype, bias, int8)
     return ops.quant_linear(x, blocks, qtype, bias, int8)
 
 

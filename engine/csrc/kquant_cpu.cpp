@@ -250,6 +250,8 @@ void few_rows(int64_t m, const uint8_t* wp, int64_t row_bytes, const float* xp, 
 
 // ---- int8 inputs: tiles of weight rows in lanes ----
 
+constexpr int64_t kInt8X = 16;  // rows of x per pass over a tile (the tiles' accumulators hold 16)
+
 // 8 weight rows a tile, 256-bit, vpmaddubsw + vpmaddwd (q <= 63 and |qx| <= 127: a pair's sum fits
 // in 16 bits)
 struct Lanes8 {
@@ -331,8 +333,8 @@ struct KX {
 };
 
 // One block of 32 weights of the tile (their unsigned quants wq[8], register g holding values 4g..4g+3
-// of each lane's row) against the G rows of x from r: sums[r] gets the integer dot products, from
-// `start` (per row), values 0-15 into sums[r][0] and, when `halves`, 16-31 into sums[r][1]
+// of each lane's row) against the rows r..r+G-1 of x (fewer when n_rows < G): the integer dot
+// products are added to sums[i], values 0-15 into sums[i][0] and, with Halves, 16-31 into sums[i][1]
 template <class L, int G, bool Halves>
 inline void block_sums(const typename L::vi wq[8], const KX& kx, int64_t r, int64_t block, int n_rows,
                        typename L::vi (*sums)[2]) {
@@ -348,15 +350,15 @@ inline void block_sums(const typename L::vi wq[8], const KX& kx, int64_t r, int6
   }
 }
 
-// A tile of L::n weight rows of Q4_K (from w, row_bytes apart) times R rows of x from r0:
-// out[r * L::n + lane]
+// A tile of L::n weight rows of Q4_K (from w, row_bytes apart) times `rows` rows of x from r0 (at
+// most kInt8X): out[r * L::n + lane]
 template <class L>
 void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, int64_t rows, float* out) {
   using vi = typename L::vi;
   using vf = typename L::vf;
   constexpr int G = L::group;
   const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
-  vf acc[16];
+  vf acc[kInt8X];
   for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 144;
@@ -387,7 +389,7 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
         const int64_t block = sup * 8 + j;
         for (int64_t r = r0; r < r0 + rows; r += G) {
           vi sums[G][2];
-          for (int i = 0; i < G; ++i) sums[i][0] = L::set1(0);
+          for (int i = 0; i < G && r + i < r0 + rows; ++i) sums[i][0] = L::set1(0);
           block_sums<L, G, false>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);
           for (int i = 0; i < G && r + i < r0 + rows; ++i) {
             const int64_t at = (r + i) * blocks + block;
@@ -412,7 +414,7 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
   constexpr int G = L::group;
   const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
   const vi offs = L::offsets(row_bytes);
-  vf acc[16];
+  vf acc[kInt8X];
   for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 210;
@@ -460,8 +462,6 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
   }
   for (int64_t r = 0; r < rows; ++r) L::store(out + r * L::n, acc[r]);
 }
-
-constexpr int64_t kInt8X = 16;  // rows of x per pass over a tile
 
 // y [m, n] (float32) = x (int8 rows) times the weight, tiles of L::n weight rows over the threads
 template <class L>

@@ -106,8 +106,9 @@ def test_bad_blocks_are_refused(ops) -> None:
     blocks, _ = random_blocks(T.Q4_K, 4, 512)
     with pytest.raises(ValueError, match="not whole Q4_K blocks of 256"):
         cpu_quant.row_bytes(int(T.Q4_K), 576)
-    with pytest.raises(RuntimeError, match="do not hold"):
-        ops.kquant_linear(torch.randn(1, 768), blocks, int(T.Q4_K), None)
+    for int8 in (False, True):
+        with pytest.raises(RuntimeError, match="do not hold"):
+            ops.kquant_linear(torch.randn(1, 768), blocks, int(T.Q4_K), None, int8=int8)
     with pytest.raises(RuntimeError, match="is not Q4_K"):
         ops.kquant_linear(torch.randn(1, 512), blocks, int(T.Q8_0), None)
     with pytest.raises(ValueError, match="must be uint8"):

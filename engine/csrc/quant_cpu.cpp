@@ -388,7 +388,10 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
 // AVX-512 build's above but with vpmaddubsw + vpmaddwd (whether or not the CPU has AVX-VNNI): Q4's
 // nibbles times x's bytes in pairs (at most 2 * 15 * 127 each, so four such sums add up in 16 bits)
 // from -8 sum(qx) for Q4_0; Q8_0's as |q| times sign(qx, q). The integer sums are exact, so the
-// result is the one-row path's up to the order of the float sums.
+// result is the one-row path's up to the order of the float sums. Up to 16 rows of x a pass, each
+// row's sum made whole and added to its accumulator in turn: 16 accumulators do not fit beside the
+// block in the 16 ymm registers and live on the stack (a load and a store a row a block), which costs
+// less than transposing each block again for every 4 rows (1.2-1.8x at 8 and 16 rows on a Zen 3).
 constexpr int64_t kLaneRows = 8;
 
 // the 8 rows' float16 at byte `at` of their block (the scale, or Q4_1's minimum) as floats
@@ -458,10 +461,22 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
     case 1: return tile_int8_lanes<Q, 1>(w, row_bytes, x, r0, out);
     case 2: return tile_int8_lanes<Q, 2>(w, row_bytes, x, r0, out);
     case 3: return tile_int8_lanes<Q, 3>(w, row_bytes, x, r0, out);
-    default: return tile_int8_lanes<Q, 4>(w, row_bytes, x, r0, out);
+    case 4: return tile_int8_lanes<Q, 4>(w, row_bytes, x, r0, out);
+    case 5: return tile_int8_lanes<Q, 5>(w, row_bytes, x, r0, out);
+    case 6: return tile_int8_lanes<Q, 6>(w, row_bytes, x, r0, out);
+    case 7: return tile_int8_lanes<Q, 7>(w, row_bytes, x, r0, out);
+    case 8: return tile_int8_lanes<Q, 8>(w, row_bytes, x, r0, out);
+    case 9: return tile_int8_lanes<Q, 9>(w, row_bytes, x, r0, out);
+    case 10: return tile_int8_lanes<Q, 10>(w, row_bytes, x, r0, out);
+    case 11: return tile_int8_lanes<Q, 11>(w, row_bytes, x, r0, out);
+    case 12: return tile_int8_lanes<Q, 12>(w, row_bytes, x, r0, out);
+    case 13: return tile_int8_lanes<Q, 13>(w, row_bytes, x, r0, out);
+    case 14: return tile_int8_lanes<Q, 14>(w, row_bytes, x, r0, out);
+    case 15: return tile_int8_lanes<Q, 15>(w, row_bytes, x, r0, out);
+    default: return tile_int8_lanes<Q, 16>(w, row_bytes, x, r0, out);
   }
 }
-constexpr int64_t kLaneX = 4;  // rows of x per pass over a tile
+constexpr int64_t kLaneX = 16;  // rows of x per pass over a tile (a decode step of 16 users: one pass)
 #define CB_INT8_LANES 1
 #elif CB_VNNI
 #define CB_INT8_LANES 1

@@ -294,7 +294,6 @@ void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r
 // sum(qx). The integer sums are exact, so the result is the same as the 256-bit path's up to the
 // order of the float sums.
 constexpr int64_t kLaneRows = 16;  // weight rows per tile
-constexpr int64_t kLaneX = 16;     // rows of x per pass over a tile (a decode step of 16 users: one pass)
 
 // 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]. The rows of x go in
 // groups of up to 8 whose sums are built side by side, g by g: each sum's next vpdpbusd is 8
@@ -358,28 +357,6 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
-}
-
-template <int64_t Q>
-void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
-  switch (rows) {
-    case 1: return tile_int8_lanes<Q, 1>(w, row_bytes, x, r0, out);
-    case 2: return tile_int8_lanes<Q, 2>(w, row_bytes, x, r0, out);
-    case 3: return tile_int8_lanes<Q, 3>(w, row_bytes, x, r0, out);
-    case 4: return tile_int8_lanes<Q, 4>(w, row_bytes, x, r0, out);
-    case 5: return tile_int8_lanes<Q, 5>(w, row_bytes, x, r0, out);
-    case 6: return tile_int8_lanes<Q, 6>(w, row_bytes, x, r0, out);
-    case 7: return tile_int8_lanes<Q, 7>(w, row_bytes, x, r0, out);
-    case 8: return tile_int8_lanes<Q, 8>(w, row_bytes, x, r0, out);
-    case 9: return tile_int8_lanes<Q, 9>(w, row_bytes, x, r0, out);
-    case 10: return tile_int8_lanes<Q, 10>(w, row_bytes, x, r0, out);
-    case 11: return tile_int8_lanes<Q, 11>(w, row_bytes, x, r0, out);
-    case 12: return tile_int8_lanes<Q, 12>(w, row_bytes, x, r0, out);
-    case 13: return tile_int8_lanes<Q, 13>(w, row_bytes, x, r0, out);
-    case 14: return tile_int8_lanes<Q, 14>(w, row_bytes, x, r0, out);
-    case 15: return tile_int8_lanes<Q, 15>(w, row_bytes, x, r0, out);
-    default: return tile_int8_lanes<Q, 16>(w, row_bytes, x, r0, out);
-  }
 }
 #endif
 
@@ -455,6 +432,17 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLaneRows, acc[r]);
 }
 
+#define CB_INT8_LANES 1
+#elif CB_VNNI
+#define CB_INT8_LANES 1
+#else
+#define CB_INT8_LANES 0
+#endif
+
+#if CB_INT8_LANES
+constexpr int64_t kLaneX = 16;  // rows of x per pass over a tile (a decode step of 16 users: one pass)
+
+// the tile for `rows` (1 to kLaneX) rows of x, whichever build's tile_int8_lanes above
 template <int64_t Q>
 void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
   switch (rows) {
@@ -476,12 +464,6 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
     default: return tile_int8_lanes<Q, 16>(w, row_bytes, x, r0, out);
   }
 }
-constexpr int64_t kLaneX = 16;  // rows of x per pass over a tile (a decode step of 16 users: one pass)
-#define CB_INT8_LANES 1
-#elif CB_VNNI
-#define CB_INT8_LANES 1
-#else
-#define CB_INT8_LANES 0
 #endif
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows

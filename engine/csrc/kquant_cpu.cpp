@@ -271,6 +271,14 @@ struct Lanes8 {
   static vi dp(vi acc, vi w, int32_t x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
   }
+  // acc plus C groups' products (w[0..C) against x's words x[0..C)) added in 16 bits first, then
+  // widened once: the caller's C keeps C pair sums of q <= q_max against |qx| <= 127 within 16 bits
+  template <int C>
+  static vi dp_n(vi acc, const vi* w, const int32_t* x) {
+    vi s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x[0]));
+    for (int c = 1; c < C; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x[c])));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+  }
   static vi set1(int32_t v) { return _mm256_set1_epi32(v); }
   static vi and_(vi a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
   static vi or_(vi a, vi b) { return _mm256_or_si256(a, b); }
@@ -305,6 +313,11 @@ struct Lanes16 {
   static void transpose(const uint8_t* base, int64_t row_bytes, vi out[4]) { transpose16x16(base, row_bytes, out); }
   static vf halves(vi words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
   static vi dp(vi acc, vi w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
+  template <int C>
+  static vi dp_n(vi acc, const vi* w, const int32_t* x) {  // vpdpbusd sums in 32 bits: C does not matter
+    for (int c = 0; c < C; ++c) acc = dp(acc, w[c], x[c]);
+    return acc;
+  }
   static vi set1(int32_t v) { return _mm512_set1_epi32(v); }
   static vi and_(vi a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
   static vi or_(vi a, vi b) { return _mm512_or_si512(a, b); }
@@ -334,18 +347,21 @@ struct KX {
 
 // One block of 32 weights of the tile (their unsigned quants wq[8], register g holding values 4g..4g+3
 // of each lane's row) against the rows r..r+G-1 of x (fewer when n_rows < G): the integer dot
-// products are added to sums[i], values 0-15 into sums[i][0] and, with Halves, 16-31 into sums[i][1]
-template <class L, int G, bool Halves>
+// products are added to sums[i], values 0-15 into sums[i][0] and, with Halves, 16-31 into sums[i][1].
+// C groups at a time: with vpmaddubsw their pair sums (at most 2 q_max 127 each) are added in 16 bits
+// before one vpmaddwd, so C 2 q_max 127 must stay under 32768 (Q4_K, q <= 15: all 8; Q6_K, q <= 63: 2)
+template <class L, int G, bool Halves, int C>
 inline void block_sums(const typename L::vi wq[8], const KX& kx, int64_t r, int64_t block, int n_rows,
                        typename L::vi (*sums)[2]) {
+  static_assert(8 % C == 0 && (!Halves || C <= 4), "C groups a sum: whole groups, within one half");
 #pragma GCC unroll 8
-  for (int g = 0; g < 8; ++g) {
+  for (int g = 0; g < 8; g += C) {
 #pragma GCC unroll 8
     for (int i = 0; i < G; ++i) {
       if (i >= n_rows) break;
       const int32_t* xq = reinterpret_cast<const int32_t*>(kx.x.q + (r + i) * kx.x.k + block * kQuantBlock);
       const int h = Halves && g >= 4 ? 1 : 0;
-      sums[i][h] = L::dp(sums[i][h], wq[g], xq[g]);
+      sums[i][h] = L::template dp_n<C>(sums[i][h], wq + g, xq + g);
     }
   }
 }
@@ -390,7 +406,7 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
         for (int64_t r = r0; r < r0 + rows; r += G) {
           vi sums[G][2];
           for (int i = 0; i < G && r + i < r0 + rows; ++i) sums[i][0] = L::set1(0);
-          block_sums<L, G, false>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);
+          block_sums<L, G, false, 8>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);  // 8 x 3,810
           for (int i = 0; i < G && r + i < r0 + rows; ++i) {
             const int64_t at = (r + i) * blocks + block;
             vf& a = acc[r + i - r0];
@@ -449,7 +465,7 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
             sums[i][0] = L::set1(-32 * s16[0]);
             sums[i][1] = L::set1(-32 * s16[1]);
           }
-          block_sums<L, G, true>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);
+          block_sums<L, G, true, 2>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);  // 2 x 16,002
           for (int i = 0; i < G && r + i < r0 + rows; ++i) {
             const vf dx = L::set1f(kx.x.d[(r + i) * blocks + block]);
             vf& a = acc[r + i - r0];

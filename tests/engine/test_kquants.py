@@ -248,6 +248,30 @@ def test_an_int8_rows_product_does_not_depend_on_its_batch(ops, qtype) -> None:
         assert torch.equal(ops.kquant_linear(x[rows], blocks, int(qtype), None, int8=True), batch[rows]), rows
 
 
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+def test_int8_sums_at_the_largest_quants_do_not_overflow(ops, qtype) -> None:
+    """Every quant at its top (Q4_K 15, Q6_K 63) against x whose blocks round to +-127 everywhere: the
+    8-lane tiles add the pair sums of several groups in 16 bits (Q4_K all 8: 8 x 3,810; Q6_K 2 x
+    16,002) before widening, so these are the largest sums they meet; still the exact rounded-x product."""
+    n, k = 21, 512
+    blocks, _ = signed_blocks(qtype, n, k, seed=3)
+    raw = blocks.numpy().reshape(n, k // 256, -1).copy()
+    if qtype == T.Q4_K:
+        raw[..., 16:144] = 0xFF  # both nibbles 15
+    else:
+        raw[..., 0:192] = 0xFF  # low nibbles and high bit pairs: 63
+    blocks = torch.from_numpy(raw.reshape(n, -1))
+    w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(n, k)).float()
+    x = torch.stack([torch.ones(k), -torch.ones(k), torch.tensor([1.0, -1.0]).repeat(k // 2)])
+    for vnni in [True, False] if ops.quant_vnni_available() else [False]:
+        before = ops.set_quant_vnni(vnni)
+        try:
+            y = ops.kquant_linear(x, blocks, int(qtype), None, int8=True)
+        finally:
+            ops.set_quant_vnni(before)
+        assert int8_errors(y, x, w)[0] <= EXACT, vnni
+
+
 def test_the_module_multiplies_k_quants_with_int8_inputs_when_switched(ops) -> None:
     from engine.backends.cpu_quant import use_int8_activations
 

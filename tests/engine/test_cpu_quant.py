@@ -57,6 +57,18 @@ def errors(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
     return float(((y - exact).abs() / scale).max()), float(((y - plain).abs() / scale).max())
 
 
+def on_each_int8_path(ops, product) -> dict[bool, torch.Tensor]:
+    """product() on each int8 product this build has, by whether VNNI was on: the 16-lane vpdpbusd
+    tiles where the CPU has VNNI, and the 8-lane vpmaddubsw ones; the setting is restored after each."""
+    out = {}
+    for vnni in [True, False] if ops.quant_vnni_available() else [False]:
+        before = ops.set_quant_vnni(vnni)
+        try:
+            out[vnni] = product()
+        finally:
+            ops.set_quant_vnni(before)
+    return out
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
@@ -65,12 +77,7 @@ def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(n) if m % 2 else None
     assert errors(ops.quant_linear(x, blocks, int(qtype), bias), x, w, bias)[1] <= EXACT  # float x
-    for vnni in [True, False] if ops.quant_vnni_available() else [False]:
-        before = ops.set_quant_vnni(vnni)
-        try:
-            y = ops.quant_linear(x, blocks, int(qtype), bias, int8=True)
-        finally:
-            ops.set_quant_vnni(before)
+    for vnni, y in on_each_int8_path(ops, lambda: ops.quant_linear(x, blocks, int(qtype), bias, int8=True)).items():
         exact, plain = errors(y, x, w, bias)
         assert exact <= EXACT and plain <= QUANTIZED, (vnni, exact, plain)
 

@@ -28,6 +28,7 @@ from engine.backends import cpu_quant  # noqa: E402
 from engine.backends.cpu_quant import DEQUANTIZE_ROWS, QuantizedLinear, dequantize  # noqa: E402
 from tests.engine.forced_isa import run_with_isa  # noqa: E402
 from tests.engine.kquants import kquant_copy, q4_k, q6_k  # noqa: E402
+from tests.engine.test_cpu_quant import on_each_int8_path  # noqa: E402
 
 ENCODERS = {T.Q4_K: q4_k, T.Q6_K: q6_k}
 SHAPES = [(1, 37, 256), (3, 129, 512), (7, 64, 1536), (33, 5, 768)]  # (rows of x, outputs, inputs)
@@ -120,6 +121,7 @@ import numpy as np, torch, gguf
 from engine.backends.cpu_kernels import cpu_ops
 from tests.engine.test_kquants import ENCODERS, SHAPES, EXACT, random_blocks, relative_error
 from tests.engine.test_kquants import INT8_SHAPES, QUANTIZED, int8_errors, signed_blocks
+from tests.engine.test_kquants import test_int8_sums_at_the_largest_quants_do_not_overflow as largest_quants_do_not_overflow
 ops = cpu_ops()
 torch.manual_seed(0)
 print("lanes", ops.lanes())
@@ -139,6 +141,7 @@ for qtype in ENCODERS:
         exact, plain = int8_errors(y, x, w)
         assert exact <= EXACT and plain <= QUANTIZED, (qtype, m, n, k, exact, plain)
         assert torch.equal(ops.kquant_linear(x[-3:], blocks, int(qtype), None, int8=True), y[-3:])
+    largest_quants_do_not_overflow(ops, qtype)  # the 16-bit sums at their bound
 print("ok")
 """
 
@@ -225,13 +228,11 @@ def test_int8_inputs_equal_rounded_x_times_the_dequantised_weight(ops, qtype, sh
     m, n, k = shape
     blocks, w = signed_blocks(qtype, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
-    for vnni in [True, False] if ops.quant_vnni_available() else [False]:  # 16-lane vpdpbusd / 8-lane vpmaddubsw
-        before = ops.set_quant_vnni(vnni)
-        try:
-            y = ops.kquant_linear(x, blocks, int(qtype), None, int8=True)
-            with_bias = ops.kquant_linear(x, blocks, int(qtype), torch.ones(n), int8=True)
-        finally:
-            ops.set_quant_vnni(before)
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        return (ops.kquant_linear(x, blocks, int(qtype), None, int8=True),
+                ops.kquant_linear(x, blocks, int(qtype), torch.ones(n), int8=True))  # fmt: skip
+
+    for vnni, (y, with_bias) in on_each_int8_path(ops, both).items():
         exact, plain = int8_errors(y, x, w)
         assert exact <= EXACT and plain <= QUANTIZED, (vnni, exact, plain)
         assert torch.allclose(with_bias, y + 1, atol=1e-5)
@@ -263,12 +264,7 @@ def test_int8_sums_at_the_largest_quants_do_not_overflow(ops, qtype) -> None:
     blocks = torch.from_numpy(raw.reshape(n, -1))
     w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(n, k)).float()
     x = torch.stack([torch.ones(k), -torch.ones(k), torch.tensor([1.0, -1.0]).repeat(k // 2)])
-    for vnni in [True, False] if ops.quant_vnni_available() else [False]:
-        before = ops.set_quant_vnni(vnni)
-        try:
-            y = ops.kquant_linear(x, blocks, int(qtype), None, int8=True)
-        finally:
-            ops.set_quant_vnni(before)
+    for vnni, y in on_each_int8_path(ops, lambda: ops.kquant_linear(x, blocks, int(qtype), None, int8=True)).items():
         assert int8_errors(y, x, w)[0] <= EXACT, vnni
 
 

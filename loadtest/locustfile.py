@@ -185,7 +185,9 @@ class LLMUser(HttpUser):
             if delay > 0:
                 gevent.sleep(delay)
             if self._state == LOCUST_STATE_STOPPING:  # Locust's clock ran out first
-                tally.schedule_s = time.perf_counter() - start
+                # the schedule ran up to this arrival, the first not sent: not up to when this greenlet
+                # woke, which a busy host delays past later arrivals that were never offered either
+                tally.schedule_s = offset
                 break
             prompt, max_tokens = SOURCE.next()  # drawn in arrival order: the same for every server
             if tally.arrival(len(group), time.perf_counter() - (start + offset)):

@@ -69,6 +69,7 @@ def on_each_int8_path(ops, product) -> dict[bool, torch.Tensor]:
             ops.set_quant_vnni(before)
     return out
 
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_equals_dequantise_then_matmul(ops, qtype, shape) -> None:

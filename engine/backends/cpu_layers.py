@@ -15,10 +15,10 @@ It takes a model when all of this holds, and otherwise the engine keeps the Pyth
 line saying why (`why_not`): cbserve's C++ kernels are built; the model is transformers'
 Llama, Mistral or Qwen2 causal LM (exactly those classes: their forwards are embed, rotary, the
 layers, the norm, the LM head) with those classes' layers and attention; every linear layer of the
-layers is packed (q/k/v as one product), and the LM head too or else it is a GGUF-quantized
-`QuantizedLinear` (the stack then returns the final norm's rows and the head runs as the model's own
-module after it, as a `QuantizedEmbedding` does before it); every norm, MLP and the rotary got
-cpu_fused's pass (RMSNorm,
+layers and the LM head is packed (q/k/v as one product) or a GGUF-quantized `QuantizedLinear` on
+cbserve's kernels (q/k/v then three products; the stack calls the product its forward would, int8
+inputs and moved outputs included), and the embedding is torch's or a `QuantizedEmbedding` (run as
+the model's own module before the stack); every norm, MLP and the rotary got cpu_fused's pass (RMSNorm,
 SiLU-gated MLP, full rotary); no forward hooks anywhere in the model (accelerate's offloading,
 tensor parallel's all-reduce, anyone's hook); one rank (no tensor parallel); a dtype and head size
 the attention kernel takes. `CBSERVE_CPU_NATIVE_LAYERS=0` turns it off.
@@ -38,7 +38,7 @@ from engine.backends.base import AttentionMetadata
 from engine.backends.cpu import KERNEL_DTYPES, SDPABackend
 from engine.backends.cpu_fused import FusedModules
 from engine.backends.cpu_linear import PackedLinears, PackedWeight, _PackedGroup, _PackedLinear
-from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear
+from engine.backends.cpu_quant import DEQUANTIZE_ROWS, QuantizedEmbedding, QuantizedLinear
 from engine.kv_cache import PagedKVCache
 
 logger = logging.getLogger("cbserve.engine")
@@ -78,9 +78,15 @@ def _hooked(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _packed_by_module(packed: PackedLinears) -> dict[int, _PackedGroup | _PackedLinear]:
+def _quantized(m: torch.nn.Module) -> bool:
+    """A `QuantizedLinear` on cbserve's kernels whose forward is its class's: the stack runs the
+    product that forward would."""
+    return type(m) is QuantizedLinear and "forward" not in m.__dict__ and m.ops is not None
+
+
+def _packed_by_module(packed: PackedLinears | None) -> dict[int, _PackedGroup | _PackedLinear]:
     out: dict[int, _PackedGroup | _PackedLinear] = {}
-    for layer in packed.layers:
+    for layer in packed.layers if packed is not None else []:
         for m in layer.modules if isinstance(layer, _PackedGroup) else [layer.module]:
             out[id(m)] = layer
     return out
@@ -99,8 +105,8 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
     if family is None:
         return f"{type(model).__name__} is not a Llama, Mistral or Qwen2 causal LM"
     base_type, layer_type, attn_type, _ = family
-    if packed is None or fused is None:
-        return "linear weights not packed" if packed is None else "no fused passes"
+    if fused is None:
+        return "no fused passes"
     if dtype not in KERNEL_DTYPES:
         return f"dtype {dtype}"
     base = getattr(model, "model", None)
@@ -126,8 +132,14 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
     swapped = {id(ns) for ns, name, _ in fused.swaps if name == "forward"}
     rotary = {id(ns) for ns, name, _ in fused.swaps if name == "apply_rotary_pos_emb"}
     by_module = _packed_by_module(packed)
-    quantized_head = type(model.lm_head) is QuantizedLinear and "forward" not in model.lm_head.__dict__
-    if (id(model.lm_head) not in by_module and not quantized_head) or id(base.norm.__dict__) not in swapped:
+    linears = [model.lm_head]
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears += [getattr(m, name, None) for m, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    (mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]  # fmt: skip
+    if packed is None and not all(_quantized(m) for m in linears):
+        return "linear weights not packed"
+    if (id(model.lm_head) not in by_module and not _quantized(model.lm_head)) or id(base.norm.__dict__) not in swapped:
         return "the final norm or the LM head has no fused or packed form"
     for i, layer in enumerate(layers):
         attn = layer.self_attn
@@ -141,11 +153,13 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
         if modeling is None or id(modeling.__dict__) not in rotary:
             return f"{type(attn).__module__} has no fused rotary"
         group = by_module.get(id(attn.q_proj))
-        if not isinstance(group, _PackedGroup) or group.modules != [attn.q_proj, attn.k_proj, attn.v_proj]:
-            return f"layer {i}'s q/k/v are not one packed product"
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if not (isinstance(group, _PackedGroup) and group.modules == qkv) and not all(map(_quantized, qkv)):
+            return f"layer {i}'s q/k/v are not one packed product or three in GGUF blocks"
         mlp = layer.mlp
-        if not all(isinstance(by_module.get(id(m)), _PackedLinear) for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            return f"layer {i}'s o/gate/up/down projections are not packed"
+        if not all(isinstance(by_module.get(id(m)), _PackedLinear) or _quantized(m)
+                   for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):  # fmt: skip
+            return f"layer {i}'s o/gate/up/down projections are neither packed nor in GGUF blocks"
         norms = (layer.input_layernorm, layer.post_attention_layernorm, base.norm)
         if any(n.weight.dtype != dtype for n in norms):
             return f"layer {i}'s norm weights are not {dtype}"
@@ -161,7 +175,6 @@ class NativeLayers:
         base = model.model
         self.embed, self.rotary = base.embed_tokens, base.rotary_emb
         self.window = _families()[type(model)][3]
-        self.head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else None  # run after the stack
         self.stack = self._build()
 
     def rebuild(self) -> None:
@@ -172,6 +185,12 @@ class NativeLayers:
         return self.ops.PackedLinear(weight.panels, weight.onednn, None if bias is None else bias.detach(),
                                      weight.out_features, weight.panel_rows)  # fmt: skip
 
+    def _blocks(self, m: QuantizedLinear):
+        """A `QuantizedLinear` as the stack runs it: what its forward reads, read now (`rebuild()` after
+        a change)."""
+        return self.ops.PackedLinear.blocks(m.blocks, m.qtype, m.in_features, None if m.bias is None else m.bias.detach(),
+                                            m.out_order, m.int8_activations, DEQUANTIZE_ROWS)  # fmt: skip
+
     def _build(self):
         model, base = self.model, self.model.model
         by_module = _packed_by_module(self.packed)
@@ -181,21 +200,22 @@ class NativeLayers:
         kv_heads = config.num_attention_heads // first.num_key_value_groups
         stack = self.ops.DecoderStack(config.num_attention_heads, kv_heads, first.head_dim, first.scaling)
 
-        def single(m: torch.nn.Linear):
-            return self._linear(by_module[id(m)].packed, m.bias)
+        def single(m: torch.nn.Module):
+            return self._blocks(m) if isinstance(m, QuantizedLinear) else self._linear(by_module[id(m)].packed, m.bias)
 
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            group = by_module[id(attn.q_proj)]
+            group = by_module.get(id(attn.q_proj))
+            qkv = ([self._linear(group.packed, group.bias)] if isinstance(group, _PackedGroup)
+                   else [single(attn.q_proj), single(attn.k_proj), single(attn.v_proj)])  # fmt: skip
             stack.add_layer(
-                qkv=self._linear(group.packed, group.bias), o=single(attn.o_proj), gate=single(mlp.gate_proj),
+                qkv=qkv, o=single(attn.o_proj), gate=single(mlp.gate_proj),
                 up=single(mlp.up_proj), down=single(mlp.down_proj),
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon, window=self.window(attn) or 0,
             )  # fmt: skip
-        head = self.ops.PackedLinear(None, None, None, 0, 0) if self.head is not None else single(model.lm_head)
-        stack.set_head(base.norm.weight.detach(), base.norm.variance_epsilon, head)
+        stack.set_head(base.norm.weight.detach(), base.norm.variance_epsilon, single(model.lm_head))
         return stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -209,4 +229,4 @@ class NativeLayers:
             return None
         out = self.stack.forward(hidden, cos, sin, cache.k, cache.v, meta.block_tables, meta.seq_lens_k,
                                  meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.backend.cascade_min_seqs)  # fmt: skip
-        return out if self.head is None else self.head(out)
+        return out

@@ -1,5 +1,6 @@
 // The Python module of cbserve's CPU kernels: one binding per kernel file.
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 
 #include "decoder_cpu.h"
 #include "vec.h"
@@ -56,12 +57,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return cbserve::PackedLinear{panels.value_or(at::Tensor()), onednn.value_or(at::Tensor()),
                                           bias.value_or(at::Tensor()), n, panel_rows};
            }),
-           py::arg("panels"), py::arg("onednn"), py::arg("bias"), py::arg("n"), py::arg("panel_rows"));
+           py::arg("panels"), py::arg("onednn"), py::arg("bias"), py::arg("n"), py::arg("panel_rows"))
+      .def_static(
+          "blocks",
+          [](at::Tensor blocks, int64_t qtype, int64_t k, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> out_order,
+             bool int8, int64_t dense_rows) {
+            cbserve::PackedLinear l;
+            l.blocks = blocks, l.qtype = qtype, l.k = k, l.n = blocks.size(0), l.int8 = int8, l.dense_rows = dense_rows;
+            l.bias = bias.value_or(at::Tensor()), l.out_order = out_order.value_or(at::Tensor());
+            return l;
+          },
+          "A linear layer in GGUF blocks (cpu_quant.py's QuantizedLinear)", py::arg("blocks"), py::arg("qtype"),
+          py::arg("k"), py::arg("bias"), py::arg("out_order"), py::arg("int8"), py::arg("dense_rows"));
   py::class_<cbserve::DecoderStack>(m, "DecoderStack", "A Llama-family decoder stack run in one call per step (CPU)")
       .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scale"))
       .def("add_layer",
-           [](cbserve::DecoderStack& s, const cbserve::PackedLinear& qkv, const cbserve::PackedLinear& o,
+           [](cbserve::DecoderStack& s, const std::vector<cbserve::PackedLinear>& qkv, const cbserve::PackedLinear& o,
               const cbserve::PackedLinear& gate, const cbserve::PackedLinear& up, const cbserve::PackedLinear& down,
               at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, int64_t window) {
              s.add_layer(cbserve::DecoderLayer{qkv, o, gate, up, down, input_norm, post_norm, input_eps, post_eps, window});

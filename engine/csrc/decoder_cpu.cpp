@@ -11,8 +11,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
 
 #include "vec.h"
 
@@ -23,16 +27,42 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n);
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
+at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
+at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
+at::Tensor kquant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window, int64_t cascade_min_seqs);
 
 namespace cbserve {
 namespace {
 
+constexpr int64_t kQ4_K = 12, kQ6_K = 14;  // ggml's K-quant type numbers (kquant_cpu.cpp's)
+
+// x [M, K] times a weight in GGUF blocks, as cpu_quant.py's QuantizedLinear.forward takes it: the
+// block product (int8 inputs, or up to dense_rows rows), its outputs moved to out_order and the bias
+// added after; or the weight dequantized (rows in order) for torch's product
+at::Tensor block_linear(const PackedLinear& l, const at::Tensor& x) {
+  const c10::optional<at::Tensor> bias = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
+  const c10::optional<at::Tensor> order = l.out_order.defined() ? c10::optional<at::Tensor>(l.out_order) : c10::nullopt;
+  const bool kquant = l.qtype == kQ4_K || l.qtype == kQ6_K;
+  if (x.size(0) <= l.dense_rows || l.int8) {
+    const auto product = [&](const c10::optional<at::Tensor>& b) {
+      return kquant ? kquant_linear(x, l.blocks, l.qtype, b, l.int8) : quant_linear(x, l.blocks, l.qtype, b, l.int8);
+    };
+    if (!order) return product(bias);
+    const at::Tensor y = product(c10::nullopt).index_select(1, *order);
+    return bias ? at::add(y, *bias) : y;
+  }
+  const at::Tensor w = kquant ? kquant_dequantize(l.blocks, l.qtype, l.k, order, x) : quant_dequantize(l.blocks, l.qtype, l.k, order, x);
+  return at::linear(x, w, bias);
+}
+
 // x [M, K] times a packed weight, as cpu_linear.py's _packed_linear: the panels for up to
 // panel_rows rows (or always without oneDNN's copy), oneDNN's packed product otherwise (in float32
-// when its copy is float32 and x is not, rounded back)
+// when its copy is float32 and x is not, rounded back); or block_linear's product
 at::Tensor linear(const PackedLinear& l, const at::Tensor& x) {
+  if (l.blocks.defined()) return block_linear(l, x);
   const c10::optional<at::Tensor> bias = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   if (l.panels.defined() && (!l.onednn.defined() || x.size(0) <= l.panel_rows)) return packed_linear(x, l.panels, bias, l.n);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -91,8 +121,11 @@ DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head
 }
 
 void DecoderStack::add_layer(const DecoderLayer& layer) {
-  TORCH_CHECK(layer.qkv.n == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
-              "DecoderStack: the q/k/v product must give every head's query, key and value");
+  const auto& qkv = layer.qkv;
+  const int64_t q = num_heads_ * head_dim_, kv = num_kv_heads_ * head_dim_;
+  TORCH_CHECK((qkv.size() == 1 && qkv[0].n == q + 2 * kv) ||
+                  (qkv.size() == 3 && qkv[0].n == q && qkv[1].n == kv && qkv[2].n == kv),
+              "DecoderStack: the q/k/v products must give every head's query, key and value");
   layers_.push_back(layer);
 }
 
@@ -127,7 +160,10 @@ at::Tensor DecoderStack::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
                     k_cache.scalar_type() == h.scalar_type() && v_cache.scalar_type() == h.scalar_type(),
                 "DecoderStack: the caches do not match the layer");
     // attention: the three projections are views of one product, as cpu_linear.py's group gives them
-    const at::Tensor qkv = linear(l.qkv, rms_norm(h, l.input_norm, l.input_eps));
+    // (three products apart, GGUF blocks: side by side in one tensor, the same values)
+    const at::Tensor normed = rms_norm(h, l.input_norm, l.input_eps);
+    const at::Tensor qkv = l.qkv.size() == 1 ? linear(l.qkv[0], normed)
+                                             : at::cat({linear(l.qkv[0], normed), linear(l.qkv[1], normed), linear(l.qkv[2], normed)}, 1);
     const at::Tensor q = rotary(qkv.narrow(1, 0, wq).view({1, T, H, D}).transpose(1, 2), cos, sin);
     const at::Tensor k = rotary(qkv.narrow(1, wq, wkv).view({1, T, Hkv, D}).transpose(1, 2), cos, sin);
     // rotary's outputs are laid out [1, T, heads, D]; values are rows of the product
@@ -143,7 +179,7 @@ at::Tensor DecoderStack::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
     h = add_residual(h, linear(l.down, gated));
   }
   const at::Tensor last = rms_norm(h.index_select(0, logits_rows), final_norm_, final_eps_);
-  return lm_head_.n == 0 ? last : linear(lm_head_, last);  // no packed head: the caller applies its own
+  return linear(lm_head_, last);
 }
 
 }  // namespace cbserve

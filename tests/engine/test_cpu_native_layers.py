@@ -179,22 +179,90 @@ def test_the_avx2_build_runs_it_and_matches_the_python_path() -> None:
     assert "2 decoder layers in one native call per step" in result.stderr
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_gguf_quantized_head_and_embedding_run_after_and_before_the_stack(dtype: torch.dtype) -> None:
-    """quantization auto's split (engine/backends/quant_auto.py): dense layers in the stack, the LM
-    head and the embedding in GGUF blocks as the model's own modules; logits the Python path's."""
+def _in_blocks(model: torch.nn.Module, types: dict[str, int], int8: bool) -> None:
+    """Each linear named in `types` (by its last name) replaced by a `QuantizedLinear` of that ggml
+    type, as engine/gguf_loader.py makes them (q and k with their outputs moved: `out_order`, the
+    bias kept), the embedding by a `QuantizedEmbedding`."""
     gguf = pytest.importorskip("gguf")
     from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear
+    from tests.engine.kquants import q4_k, q6_k
 
-    model = build_test_model("llama", vocab_size=512).to(dtype)
     ops = cpu_ops()
-    as_blocks = lambda w: torch.from_numpy(gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0))  # noqa: E731
-    head, emb = model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach()
-    model.lm_head = QuantizedLinear(as_blocks(head), 8, head.shape[1], ops=ops)
-    model.model.embed_tokens = QuantizedEmbedding(as_blocks(emb), 8, emb.shape[1], dtype, ops)
+    encode = {12: q4_k, 14: q6_k}
+
+    def blocks(w: torch.Tensor, qtype: int) -> torch.Tensor:
+        w = w.detach().float().numpy()
+        raw = encode[qtype](w) if qtype in encode else gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+        return torch.from_numpy(raw)
+
+    for name, module in list(model.named_modules()):
+        qtype = types.get(name.rsplit(".", 1)[-1])
+        if qtype is None or not isinstance(module, torch.nn.Linear):
+            continue
+        order = torch.randperm(module.out_features, generator=torch.Generator().manual_seed(7))
+        q = QuantizedLinear(blocks(module.weight, qtype), qtype, module.in_features,
+                            None if module.bias is None else module.bias.detach(), ops,
+                            out_order=order if name.endswith(("q_proj", "k_proj")) else None)  # fmt: skip
+        q.int8_activations = int8
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, name.rsplit(".", 1)[-1], q)
+    emb = model.model.embed_tokens.weight
+    model.model.embed_tokens = QuantizedEmbedding(blocks(emb, 8), 8, emb.shape[1], emb.dtype, ops)
+
+
+# every block type on the stack's linears: q/k/v Q4_0 (q and k's outputs moved), o Q8_0, gate Q4_K,
+# up Q4_1, down and the LM head Q6_K (inputs of 256 and 512: whole K-quant super-blocks)
+BLOCK_TYPES = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 8, "gate_proj": 12, "up_proj": 3, "down_proj": 14,
+               "lm_head": 14}  # fmt: skip
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_blocks_run_in_the_stack_and_equal_the_python_path(arch: str, int8: bool, caplog) -> None:
+    """A GGUF model's linears (QuantizedLinear) run inside the stack, the product each forward would
+    take: the block kernels up to DEQUANTIZE_ROWS rows (the decodes) and a dequantized copy above
+    (the 92-token prompt step), or int8 inputs at every size; logits the Python path's bit for bit."""
+    model = build_test_model(arch, vocab_size=512, **WIDE)
+    _in_blocks(model, BLOCK_TYPES, int8)
+    with caplog.at_level(logging.INFO, logger="cbserve.engine"):
+        engine = engine_for(model)
+    assert engine.executor.runner.native is not None, caplog.text
+    for step in steps(512):
+        got, want = both_ways(engine, step)
+        assert got.shape == want.shape == (3, 512)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_layers_with_a_gguf_head_and_embedding_equal_the_python_path(dtype: torch.dtype) -> None:
+    """quantization auto's split (engine/backends/quant_auto.py): packed dense layers, the LM head and
+    the embedding in GGUF blocks; logits the Python path's."""
+    model = build_test_model("llama", vocab_size=512).to(dtype)
+    _in_blocks(model, {"lm_head": 8}, int8=False)
     engine = engine_for(model)
-    assert engine.executor.native_layers is not None and engine.executor.native_layers.head is model.lm_head
+    assert engine.executor.native_layers is not None
     for step in steps(512):
         got, want = both_ways(engine, step)
         assert got.dtype == dtype and got.shape == want.shape == (3, 512)
         assert torch.equal(got, want)
+
+
+def test_a_gguf_model_in_a_child_with_the_avx2_build_equals_the_python_path() -> None:
+    code = """
+        import torch
+        from tests.engine.test_cpu_native_layers import BLOCK_TYPES, WIDE, _in_blocks, both_ways, engine_for, steps
+        from engine.testing import build_test_model
+        for int8 in (False, True):
+            model = build_test_model("llama", vocab_size=512, **WIDE)
+            _in_blocks(model, BLOCK_TYPES, int8)
+            engine = engine_for(model)
+            assert engine.backend.ops.lanes() == 8 and engine.executor.native_layers is not None
+            for step in steps(512):
+                got, want = both_ways(engine, step)
+                assert torch.equal(got, want), int8
+        print("same")
+    """
+    result = run_child(code, CBSERVE_CPU_ISA="avx2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "same"

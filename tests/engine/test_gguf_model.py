@@ -52,9 +52,14 @@ def test_blocks_are_the_dequantised_weights_bit_for_bit(native) -> None:
         assert torch.equal(p, reference[name]), name
 
 
-def test_engine_equals_generate_on_the_native_model(native) -> None:
+def test_engine_equals_generate_on_the_native_model(native, caplog) -> None:
+    """Every linear in blocks runs in the native decoder stack (engine/backends/cpu_layers.py)."""
+    import logging
+
     ids = [chat(native.tokenizer, p) for p in PROMPTS]
-    out = generate_batch(native.model, ids, max_new_tokens=16, ignore_eos=True, progress_bar=False)
+    with caplog.at_level(logging.INFO, logger="cbserve.engine"):
+        out = generate_batch(native.model, ids, max_new_tokens=16, ignore_eos=True, progress_bar=False)
+    assert "30 decoder layers in one native call per step" in caplog.text
     for prompt, o in zip(ids, out.values()):
         # the mask is given: SmolLM2's pad id is <|im_end|>, which chat prompts contain
         want = native.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -133,8 +138,8 @@ def test_auto_keeps_the_blocks_of_the_kinds_the_probe_timed_faster() -> None:
 
 
 def test_a_split_choice_serves_as_generate_does(monkeypatch) -> None:
-    """The split the probe can make, forced (its timing stood in for): dense layers (the native stack)
-    and the LM head in blocks; the engine's greedy output equals `model.generate` on the model loaded
+    """The split the probe can make, forced (its timing stood in for): dense layers and the LM head in
+    blocks, all in the native stack; the engine's greedy output equals `model.generate` on the model loaded
     so, and the placement shows the split. (All blocks: quantization gguf, above; none: dense.)"""
     blocks = {"layers": False, "head": True}
     from engine import ContinuousBatchingConfig, LLMEngine, gguf_loader
@@ -151,7 +156,7 @@ def test_a_split_choice_serves_as_generate_does(monkeypatch) -> None:
         assert o.generated_tokens == want[0, len(prompt):].tolist()
     engine = LLMEngine(loaded.model, ContinuousBatchingConfig(block_size=16, num_blocks=16))
     assert engine.placement()["quantization"]["blocks"] == blocks
-    assert (engine.executor.native_layers is not None) == (not blocks["layers"])  # dense layers: the native stack
+    assert engine.executor.native_layers is not None  # packed layers and a head in blocks: the native stack
 
 
 def test_the_rule_and_the_line_of_a_probe() -> None:

@@ -30,7 +30,9 @@
 // Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (vpmaddubsw + vpmaddwd: the AVX2
 // build, and the AVX-512 one with VNNI off), one per 32-bit lane, the super-block's bytes transposed
 // in registers and its scales unpacked for all the tile's rows at once from transposed words; each row
-// of x multiplies the whole tile with its 4-byte groups broadcast. The last rows of a weight that
+// of x multiplies the whole tile with its 4-byte groups broadcast; a tile is compiled for each count of
+// rows of x (1 to 16), so its accumulators and loops stay in registers (1.3x at one row of x against
+// a run-time count, on a Zen 3; docs/engine.md). The last rows of a weight that
 // are not a whole tile go through the same code on a copy padded to a tile, so a row's result is the
 // same wherever it is. Its results differ from the float product by x's rounding to 8 bits.
 #include <ATen/core/Tensor.h>
@@ -366,16 +368,16 @@ inline void block_sums(const typename L::vi wq[8], const KX& kx, int64_t r, int6
   }
 }
 
-// A tile of L::n weight rows of Q4_K (from w, row_bytes apart) times `rows` rows of x from r0 (at
-// most kInt8X): out[r * L::n + lane]
-template <class L>
-void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, int64_t rows, float* out) {
+// A tile of L::n weight rows of Q4_K times R rows of x from r0 (R at most kInt8X, known when
+// compiled, so the accumulators and the group loops stay in registers): out[r * L::n + lane]
+template <class L, int R>
+void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, float* out) {
   using vi = typename L::vi;
   using vf = typename L::vf;
-  constexpr int G = L::group;
+  constexpr int G = L::group < R ? L::group : R;
   const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
-  vf acc[kInt8X];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 144;
     for (int64_t i = 0; i < L::n; ++i)  // the next tile's super-block: 144 bytes of each of its rows
@@ -403,13 +405,15 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
         }
         const vf dsc = L::mul(d, L::cvt(sc)), dm = L::mul(dmin, L::cvt(mn));
         const int64_t block = sup * 8 + j;
-        for (int64_t r = r0; r < r0 + rows; r += G) {
+#pragma GCC unroll 16
+        for (int r1 = 0; r1 < R; r1 += G) {
+          const int n_rows = R - r1 < G ? R - r1 : G;
           vi sums[G][2];
-          for (int i = 0; i < G && r + i < r0 + rows; ++i) sums[i][0] = L::set1(0);
-          block_sums<L, G, false, 8>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);  // 8 x 3,810
-          for (int i = 0; i < G && r + i < r0 + rows; ++i) {
-            const int64_t at = (r + i) * blocks + block;
-            vf& a = acc[r + i - r0];
+          for (int i = 0; i < n_rows; ++i) sums[i][0] = L::set1(0);
+          block_sums<L, G, false, 8>(wq, kx, r0 + r1, block, n_rows, sums);  // 8 x 3,810
+          for (int i = 0; i < n_rows; ++i) {
+            const int64_t at = (r0 + r1 + i) * blocks + block;
+            vf& a = acc[r1 + i];
             a = L::fmadd(L::cvt(sums[i][0]), L::mul(dsc, L::set1f(kx.x.d[at])), a);
             a = L::fnmadd(dm, L::set1f(kx.x.s[at]), a);
           }
@@ -417,21 +421,21 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) L::store(out + r * L::n, acc[r]);
+  for (int r = 0; r < R; ++r) L::store(out + r * L::n, acc[r]);
 }
 
 // The same for Q6_K: in each half of 128 weights, quarter c (x block 4 half + c) takes the low
 // (c < 2) or high nibbles of ql[l] (c even) or ql[l + 32] (c odd), with bits 2c, 2c + 1 of qh[l] on
 // top, and scales 8 half + 2c (values 0-15) and 8 half + 2c + 1 (16-31)
-template <class L>
-void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, int64_t rows, float* out) {
+template <class L, int R>
+void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, float* out) {
   using vi = typename L::vi;
   using vf = typename L::vf;
-  constexpr int G = L::group;
+  constexpr int G = L::group < R ? L::group : R;
   const int64_t supers = kx.x.k / kSuper, blocks = kx.x.k / kQuantBlock;
   const vi offs = L::offsets(row_bytes);
-  vf acc[kInt8X];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = L::zerof();
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 210;
     for (int64_t i = 0; i < L::n; ++i)
@@ -458,17 +462,19 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
           ds[e] = L::mul(d, L::cvt(L::sra32(L::sll32(sw[idx / 4], 24 - 8 * (idx % 4)), 24)));
         }
         const int64_t block = sup * 8 + 4 * half + c;
-        for (int64_t r = r0; r < r0 + rows; r += G) {
+#pragma GCC unroll 16
+        for (int r1 = 0; r1 < R; r1 += G) {
+          const int n_rows = R - r1 < G ? R - r1 : G;
           vi sums[G][2];
-          for (int i = 0; i < G && r + i < r0 + rows; ++i) {
-            const int32_t* s16 = kx.sq16 + (r + i) * 2 * blocks + 2 * block;
+          for (int i = 0; i < n_rows; ++i) {
+            const int32_t* s16 = kx.sq16 + (r0 + r1 + i) * 2 * blocks + 2 * block;
             sums[i][0] = L::set1(-32 * s16[0]);
             sums[i][1] = L::set1(-32 * s16[1]);
           }
-          block_sums<L, G, true, 2>(wq, kx, r, block, static_cast<int>(r0 + rows - r), sums);  // 2 x 16,002
-          for (int i = 0; i < G && r + i < r0 + rows; ++i) {
-            const vf dx = L::set1f(kx.x.d[(r + i) * blocks + block]);
-            vf& a = acc[r + i - r0];
+          block_sums<L, G, true, 2>(wq, kx, r0 + r1, block, n_rows, sums);  // 2 x 16,002
+          for (int i = 0; i < n_rows; ++i) {
+            const vf dx = L::set1f(kx.x.d[(r0 + r1 + i) * blocks + block]);
+            vf& a = acc[r1 + i];
             a = L::fmadd(L::cvt(sums[i][0]), L::mul(ds[0], dx), a);
             a = L::fmadd(L::cvt(sums[i][1]), L::mul(ds[1], dx), a);
           }
@@ -476,7 +482,20 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, in
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) L::store(out + r * L::n, acc[r]);
+  for (int r = 0; r < R; ++r) L::store(out + r * L::n, acc[r]);
+}
+
+// the tile for `rows` (1 to kInt8X) rows of x
+template <class L, int R = 1>
+void k_tile_any(int64_t qtype, int64_t rows, const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, float* out) {
+  if constexpr (R < kInt8X) {
+    if (rows > R) return k_tile_any<L, R + 1>(qtype, rows, w, row_bytes, kx, r0, out);
+  }
+  if (qtype == kQ4_K) {
+    q4_k_tile<L, R>(w, row_bytes, kx, r0, out);
+  } else {
+    q6_k_tile<L, R>(w, row_bytes, kx, r0, out);
+  }
 }
 
 // y [m, n] (float32) = x (int8 rows) times the weight, tiles of L::n weight rows over the threads
@@ -499,11 +518,7 @@ void int8_product(int64_t qtype, const KX& kx, const uint8_t* w, int64_t row_byt
       }
       for (int64_t r0 = 0; r0 < m; r0 += kInt8X) {
         const int64_t rows = std::min(kInt8X, m - r0);
-        if (qtype == kQ4_K) {
-          q4_k_tile<L>(tile, row_bytes, kx, r0, rows, out);
-        } else {
-          q6_k_tile<L>(tile, row_bytes, kx, r0, rows, out);
-        }
+        k_tile_any<L>(qtype, rows, tile, row_bytes, kx, r0, out);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < nj; ++j) y[(r0 + r) * n + j0 + j] = out[r * L::n + j] + (bias ? bias[j0 + j] : 0.0f);
       }

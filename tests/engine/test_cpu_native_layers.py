@@ -1,7 +1,8 @@
 """The native decoder stack (engine/backends/cpu_layers.py, engine/csrc/decoder_cpu.cpp).
 
 Its logits are the Python path's bit for bit on prefill, mixed and decode steps, in float32,
-bfloat16 and float16, on panels and on oneDNN's products; greedy output stays model.generate's; every reason it
+bfloat16 and float16, on panels and on oneDNN's products, and with linears in GGUF blocks (every
+block type, float and int8 inputs, moved q/k outputs, a block LM head); greedy output stays model.generate's; every reason it
 declines a model is forced and seen, with the engine then on the Python path; the AVX2 build runs it
 too (a child process with CBSERVE_CPU_ISA=avx2).
 """
@@ -115,6 +116,13 @@ def _gelu_model():
     return build_test_model("llama", vocab_size=512, hidden_act="gelu")
 
 
+def _block_linear_without_kernels():
+    model = build_test_model("llama", vocab_size=512, **WIDE)
+    _in_blocks(model, BLOCK_TYPES, int8=False)
+    model.model.layers[0].self_attn.k_proj.ops = None  # its forward dequantizes in torch: not the stack's product
+    return model
+
+
 DECLINED = {
     # what is forced: (the model, the engine's config, the reason logged)
     "switched off": (lambda: model_for("llama"), {}, "CBSERVE_CPU_NATIVE_LAYERS=0"),
@@ -122,6 +130,8 @@ DECLINED = {
     "weights not packed": (lambda: model_for("llama"), {"cpu_packed_weights": False}, "linear weights not packed"),
     "a forward hook": (_hooked_model, {}, "a forward hook on model.layers.1.mlp"),
     "a GELU MLP": (_gelu_model, {}, "layer 0's norms or MLP have no fused pass"),
+    "a block linear without the kernels": (_block_linear_without_kernels, {},
+                                           "layer 0's q/k/v are not one packed product or three in GGUF blocks"),
     "head_dim 8": (lambda: build_test_model("llama", vocab_size=512, num_attention_heads=8, num_key_value_heads=2),
                    {}, "head_dim 8"),
 }  # fmt: skip
@@ -217,20 +227,21 @@ BLOCK_TYPES = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 8, "gate_proj": 
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
 
 
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)],
+                         ids=["llama", "qwen2", "llama-bf16"])  # fmt: skip
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_blocks_run_in_the_stack_and_equal_the_python_path(arch: str, int8: bool, caplog) -> None:
+def test_gguf_blocks_run_in_the_stack_and_equal_the_python_path(arch: str, dtype: torch.dtype, int8: bool, caplog) -> None:
     """A GGUF model's linears (QuantizedLinear) run inside the stack, the product each forward would
     take: the block kernels up to DEQUANTIZE_ROWS rows (the decodes) and a dequantized copy above
     (the 92-token prompt step), or int8 inputs at every size; logits the Python path's bit for bit."""
-    model = build_test_model(arch, vocab_size=512, **WIDE)
+    model = build_test_model(arch, vocab_size=512, **WIDE).to(dtype)
     _in_blocks(model, BLOCK_TYPES, int8)
     with caplog.at_level(logging.INFO, logger="cbserve.engine"):
         engine = engine_for(model)
     assert engine.executor.runner.native is not None, caplog.text
     for step in steps(512):
         got, want = both_ways(engine, step)
-        assert got.shape == want.shape == (3, 512)
+        assert got.dtype == dtype and got.shape == want.shape == (3, 512)
         assert torch.equal(got, want)
 
 

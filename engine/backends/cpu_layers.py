@@ -169,7 +169,7 @@ def why_not(model: torch.nn.Module, packed: PackedLinears | None, fused: FusedMo
 class NativeLayers:
     """The model's decoder stack in engine/csrc/decoder_cpu.cpp; `rebuild()` after weights change."""
 
-    def __init__(self, model: torch.nn.Module, packed: PackedLinears, backend: SDPABackend) -> None:
+    def __init__(self, model: torch.nn.Module, packed: PackedLinears | None, backend: SDPABackend) -> None:
         self.model, self.packed, self.backend = model, packed, backend
         self.ops = backend.ops
         base = model.model
@@ -227,6 +227,5 @@ class NativeLayers:
         if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype
                 and cos.shape == sin.shape and cos.dim() == 3):  # fmt: skip
             return None
-        out = self.stack.forward(hidden, cos, sin, cache.k, cache.v, meta.block_tables, meta.seq_lens_k,
-                                 meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.backend.cascade_min_seqs)  # fmt: skip
-        return out
+        return self.stack.forward(hidden, cos, sin, cache.k, cache.v, meta.block_tables, meta.seq_lens_k,
+                                  meta.cu_seqlens_q, meta.slot_mapping, logits_rows, self.backend.cascade_min_seqs)  # fmt: skip

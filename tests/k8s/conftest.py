@@ -158,10 +158,12 @@ def operator_running(cluster: Cluster, *extra: str) -> Iterator[tuple[KopfRunner
 
 
 def _healthy(port: int) -> dict[str, Any] | None:
+    """The liveness endpoint's answer, or None while it does not give one (not listening yet, or too
+    busy starting to answer within the probe's 2 s: a read timeout is an OSError, not a URLError)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
             return json.loads(resp.read()) if resp.status == 200 else None
-    except (urllib.error.URLError, ConnectionError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError):
         return None
 
 

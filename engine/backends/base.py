@@ -54,6 +54,8 @@ class AttentionBackend(Protocol):
     kernel: str | None = None  # the attention kernel it runs ("flash-attn", "flex", "sdpa"); None: `name` says it
     supports_graphs: bool = False  # its attend() can be captured in a CUDA graph
     ops: Any = None  # compiled CPU kernels (engine/backends/cpu_kernels.py), None elsewhere
+    # the most elements one layer's K or V cache may hold (kernels with 32-bit offsets), None: no limit
+    max_layer_elements: int | None = None
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of [rows, vocab] logits (a backend may have a faster one)."""

@@ -26,6 +26,7 @@ from engine.backends.memory import (
     DEFAULT_MAX_REQUESTS,
     GiB,
     CachePlan,
+    cap_layer_elements,
     kv_bytes_per_block,
     plan_for_device,
     profile_activation_peak,
@@ -170,7 +171,7 @@ class Executor:
             if device.type != "cpu":  # on the CPU the cache is capped far below the memory instead
                 vocab = model.config.get_text_config().vocab_size
                 peak = step_reserve_bytes(forward_peak, rows, vocab, any(self.graph_flags))
-        return plan_for_device(
+        plan = plan_for_device(
             read_device_memory(device, cpu_cap_bytes=int(cfg.cpu_kv_cache_space * GiB)),
             cfg.max_memory_percent,
             bytes_per_block,
@@ -181,6 +182,11 @@ class Executor:
             num_blocks=cfg.num_blocks,
             reserved_blocks=extra_blocks,
         )
+        plan, cut = cap_layer_elements(plan, self.backend.max_layer_elements, num_kv_heads, head_dim, extra_blocks,
+                                       explicit=cfg.num_blocks is not None)  # fmt: skip
+        if cut:
+            logger.info("cbserve engine: %s", cut)
+        return plan
 
     # -- per step ---------------------------------------------------------------------------------
     def warmup(self) -> None:

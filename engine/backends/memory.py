@@ -22,7 +22,7 @@ its node, and a 1 GiB cache already holds far more tokens than a CPU can serve a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -161,6 +161,31 @@ def plan_kv_cache(
         budget_bytes=max(budget, 0),
         free_bytes=free_bytes,
         activation_peak_bytes=activation_peak_bytes,
+    )
+
+
+def cap_layer_elements(plan: CachePlan, max_elements: int | None, num_kv_heads: int, head_dim: int,
+                       reserved_blocks: int = 0, explicit: bool = False) -> tuple[CachePlan, str | None]:
+    """`plan` with at most as many blocks as keep one layer's K (or V) cache, the reserved blocks
+    included, within `max_elements` (a kernel's 32-bit offsets; None: no limit), and the line to log
+    when that cut it. A cache sized from the memory is cut; `explicit` (num_blocks set by the user) past
+    the limit is a ValueError that names it."""
+    if max_elements is None:
+        return plan, None
+    per_block = plan.block_size * num_kv_heads * head_dim
+    most = max_elements // per_block - reserved_blocks
+    if plan.num_blocks <= most:
+        return plan, None
+    if explicit or most < 1:
+        raise ValueError(
+            f"num_blocks={plan.num_blocks} is more than this attention backend can address: one layer's K "
+            f"cache of {plan.num_blocks + reserved_blocks} blocks x {plan.block_size} slots x {num_kv_heads} KV "
+            f"heads x {head_dim} would be over {max_elements:,} elements; set num_blocks to at most {most}"
+        )
+    cut = replace(plan, num_blocks=most, max_requests=min(plan.max_requests, most))
+    return cut, (
+        f"KV cache cut from {plan.num_blocks} to {most} blocks: the attention kernels address one layer's "
+        f"cache with 32-bit offsets (at most {max_elements:,} elements)"
     )
 
 

@@ -127,38 +127,46 @@ def reference_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> li
     return out
 
 
-# A greedy token may differ from the reference's argmax only where the reference's top two logits are this
-# close, as a share of the position's largest |logit|: float32 sums in another order (1e-4), float16
+# A greedy token may differ from the reference's argmax only where its logit is this close to the top
+# one, as a share of the position's largest |logit|: float32 sums in another order (1e-4), float16
 # and bfloat16 round each logit to 11 and 8 significant bits (a bfloat16 logit of 8 is rounded to 1/32).
-TOP2_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+NEAR_TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 def teacher_forced(model, prompt: list[int], generated: list[int], tolerance: float) -> dict[str, Any]:
     """The engine's greedy tokens fed back through one full forward of the model: at each generated
-    position, the model's own top two there. A token equal to the top one is a match; one equal to the
-    second where the gap between the two is at most `tolerance` x the largest |logit| is a near-tie;
-    anything else diverged. Divergence cannot cascade: every position sees the engine's own history."""
+    position, the model's logits there. A token equal to the model's argmax is a match; another whose
+    logit is below the top one by at most `tolerance` x the largest |logit| is a near-tie (whatever its
+    rank: in half precision three or more logits can lie within rounding of each other); anything else
+    diverged, and its rank and gap are kept. Divergence cannot cascade: every position sees the
+    engine's own history."""
     if not generated:
-        return {"positions": 0, "argmax": 0, "near_ties": 0, "diverged": 0, "largest_gap": 0.0}
+        return {"positions": 0, "argmax": 0, "near_ties": 0, "diverged": 0, "largest_gap": 0.0, "diverged_at": []}
     ids = torch.tensor([prompt + generated[:-1]], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 :].float()
-    top = logits.topk(2, dim=-1)
     got = torch.tensor(generated, device=logits.device)
-    first = top.indices[:, 0] == got
-    gap = (top.values[:, 0] - top.values[:, 1]) / logits.abs().amax(-1).clamp_min(1e-30)
-    near = ~first & (top.indices[:, 1] == got) & (gap <= tolerance)
+    chosen = logits.gather(1, got[:, None])[:, 0]
+    top = logits.amax(-1)
+    first = logits.argmax(-1) == got
+    gap = (top - chosen) / logits.abs().amax(-1).clamp_min(1e-30)
+    near = ~first & (gap <= tolerance)
+    bad = ~first & ~near
+    rank = (logits > chosen[:, None]).sum(-1) + 1
     accepted_gaps = gap[near]
+    diverged_at = [f"rank {int(r)}, gap {float(g):.3g}" for r, g in zip(rank[bad], gap[bad])]
     return {"positions": len(generated), "argmax": int(first.sum()), "near_ties": int(near.sum()),
-            "diverged": int((~first & ~near).sum()),
-            "largest_gap": float(accepted_gaps.max()) if accepted_gaps.numel() else 0.0}  # fmt: skip
+            "diverged": int(bad.sum()),
+            "largest_gap": float(accepted_gaps.max()) if accepted_gaps.numel() else 0.0,
+            "diverged_at": diverged_at}  # fmt: skip
 
 
 def add_counts(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
     """Sum teacher_forced results (the largest gap is the largest)."""
-    out = dict(total) if total else {"positions": 0, "argmax": 0, "near_ties": 0, "diverged": 0, "largest_gap": 0.0}
-    for key in ("positions", "argmax", "near_ties", "diverged"):
-        out[key] += part[key]
+    out = dict(total) if total else {"positions": 0, "argmax": 0, "near_ties": 0, "diverged": 0, "largest_gap": 0.0,
+                                     "diverged_at": []}  # fmt: skip
+    for key in ("positions", "argmax", "near_ties", "diverged", "diverged_at"):
+        out[key] = out[key] + part[key]
     out["largest_gap"] = max(out["largest_gap"], part["largest_gap"])
     return out
 

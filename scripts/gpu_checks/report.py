@@ -78,6 +78,7 @@ def run_check(name: str, fn: Callable[[], dict[str, Any]], sync: Callable[[], No
     except CheckFailed as exc:
         row = Row(name, FAIL, str(exc), figures=exc.figures)
     except Exception as exc:  # a crash is a failure of the check, with the last frame that raised
+        traceback.print_exc()  # the whole traceback in the row's log
         where = traceback.extract_tb(exc.__traceback__)[-1]
         message = f"{type(exc).__name__}: {exc}"
         row = Row(name, FAIL, f"{message} ({Path(where.filename).name}:{where.lineno})")

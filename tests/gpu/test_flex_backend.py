@@ -301,3 +301,33 @@ def test_other_flex_errors_and_the_smallest_tiles_failing_are_raised():
 
     assert flex.self_check("cpu", broken).startswith("its self-check on cpu failed: RuntimeError: out of resource")
     assert not flex.out_of_resources(RuntimeError("triton compile error"))
+
+
+def test_each_tile_choice_has_its_own_function_with_its_options_as_constants(monkeypatch):
+    """Dynamo caches per code object: one function per tile choice, so that a step-down never changes
+    the integers a compiled function saw (automatic dynamic made them symbols, and inductor failed on
+    them: "unbacked_bindings" on an H200). Each function passes exactly its entry of KERNEL_OPTIONS."""
+    import torch.nn.attention.flex_attention as fa
+
+    seen = []
+    monkeypatch.setattr(fa, "flex_attention", lambda q, k, v, kernel_options=None, **kw: seen.append(kernel_options))
+    assert len(flex.TILE_FUNCTIONS) == len(flex.KERNEL_OPTIONS)
+    assert len({f.__code__ for f in flex.TILE_FUNCTIONS}) == len(flex.TILE_FUNCTIONS)
+    for fn in flex.TILE_FUNCTIONS:
+        fn(None, None, None)
+    assert seen == [o or None for o in flex.KERNEL_OPTIONS]
+
+
+def test_a_softcap_compiles_with_dynamic_shapes():
+    """The compiled function (inductor's flex lowering, here its CPU template) with a softcap: as a Python
+    float it failed to lower ("unbacked_bindings": dynamo made it a CPU scalar read with .item(); seen on
+    an H200 and reproduced here); as the backend's 0-d tensor it compiles and equals eager flex with the
+    float."""
+    backend = flex.FlexAttnBackend()
+    score_mod = backend._softcap_mod(30.0, torch.device("cpu"))
+    assert backend._softcap_mod(30.0, torch.device("cpu")) is score_mod  # made once, reused
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=g) * 4 for n in (128, 256, 256))
+    got = flex.compiled_flex_attention(0)(q, k, v, score_mod=score_mod)
+    want = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: torch.tanh(s / 30.0) * 30.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)  # float32: the kernel sums in another order

@@ -9,6 +9,7 @@ from engine.backends.memory import (
     CPU_CACHE_CAP_BYTES,
     GiB,
     MiB,
+    cap_layer_elements,
     cpu_memory,
     kv_bytes_per_block,
     plan_for_device,
@@ -174,3 +175,32 @@ def test_a_cgroup_limit_bounds_the_host_memory(tmp_path):
     import psutil
 
     assert host_available_bytes(tmp_path / "none") <= psutil.virtual_memory().total
+
+
+def test_a_cache_past_32_bit_offsets_is_cut_to_what_the_kernels_address():
+    """The sampling check's 2-layer test model (2 KV heads of 32) on an H200: 90% of 140 GiB gave one
+    layer's cache 1.6e10 elements and FlexAttention's triton kernel an illegal memory access. A cache
+    sized from memory is cut, with a line saying why; the graphs' reserved block counts too."""
+    limit = 2**31 - 1
+    plan = plan_kv_cache(140 * GiB, 0.9, kv_bytes_per_block(2, 2, 32, 256, torch.bfloat16), 256, reserved_blocks=1)
+    assert (plan.num_blocks + 1) * 256 * 2 * 32 > limit
+    cut, line = cap_layer_elements(plan, limit, 2, 32, reserved_blocks=1)
+    assert (cut.num_blocks + 1) * 256 * 2 * 32 <= limit < (cut.num_blocks + 2) * 256 * 2 * 32
+    assert cut.max_requests <= cut.num_blocks and "32-bit offsets" in line and f"to {cut.num_blocks} blocks" in line
+    # within the limit, or no limit: unchanged
+    assert cap_layer_elements(cut, limit, 2, 32, reserved_blocks=1) == (cut, None)
+    assert cap_layer_elements(plan, None, 2, 32) == (plan, None)
+
+
+def test_num_blocks_asked_past_the_kernels_reach_is_an_error_naming_the_most():
+    plan = plan_kv_cache(140 * GiB, 0.9, kv_bytes_per_block(2, 2, 32, 256, torch.bfloat16), 256, num_blocks=200_000)
+    with pytest.raises(ValueError, match=r"num_blocks=200000 is more than .* set num_blocks to at most 131071"):
+        cap_layer_elements(plan, 2**31 - 1, 2, 32, explicit=True)
+
+
+def test_the_flex_backend_declares_its_32_bit_reach():
+    from engine.backends.base import AttentionBackend
+    from engine.backends.cuda.flex import FlexAttnBackend
+
+    assert FlexAttnBackend.max_layer_elements == 2**31 - 1
+    assert AttentionBackend.max_layer_elements is None

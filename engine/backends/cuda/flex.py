@@ -176,7 +176,12 @@ def paged_mask(logical: torch.Tensor, block_size: int, q_seq: Callable[[Any, Any
     return mask_mod
 
 
-def softcap_mod(softcap: float) -> Callable[..., Any]:
+def softcap_mod(softcap: torch.Tensor) -> Callable[..., Any]:
+    """The score_mod of a softcap held as a 0-d tensor on the query's device. Not a Python float: under
+    `dynamic=True` dynamo turns a float the function closes over into a CPU scalar read with `.item()`,
+    and inductor's flex lowering fails on it ("unbacked_bindings": torch 2.11 on an H200, and torch
+    2.13 on the CPU); a captured tensor is one more buffer the kernel reads."""
+
     def score_mod(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
         return torch.tanh(score / softcap) * softcap
 
@@ -211,25 +216,40 @@ def resource_line(exc: BaseException) -> str:
 RECOMPILE_LIMIT = 64  # dynamo's per-function cache (8 by default) would refuse the variants past it
 
 
-def compiled_flex_attention(kernel_options: dict[str, int] | None = None) -> Callable[..., torch.Tensor]:
-    """flex_attention compiled (the GPU kernels), with `kernel_options` fixed inside the compiled
-    function. Shapes are dynamic, so steps of every size share a compilation; what still compiles
-    anew is each kind (decode rows, prefill tiles) with each window and softcap a model's layers use,
-    and sizes of 1 (dynamo specialises them). With fullgraph a variant past dynamo's recompile limit
-    would be an error: the limit is raised.
-
-    The options are closed over, not passed: passed at each call, `dynamic=True` made their integers
-    symbols, and inductor's lowering failed on them ("unbacked_bindings", torch 2.11 on an H200)."""
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
+    return flex_attention(q, k, v, **kw)
+
+
+# One function per entry of KERNEL_OPTIONS, its options written in as constants. Dynamo keeps one cache
+# per code object: had they shared one (a closure over the options), a second choice would have
+# changed the "same" integers, automatic dynamic would have made them symbols, and inductor's lowering
+# fails on symbolic tile sizes ("unbacked_bindings", torch 2.11 on an H200).
+def _flex_torch_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    return _flex(q, k, v, **kw)
+
+
+def _flex_tiles_64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    return _flex(q, k, v, kernel_options={"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}, **kw)
+
+
+def _flex_tiles_32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    return _flex(q, k, v, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}, **kw)
+
+
+TILE_FUNCTIONS: tuple[Callable[..., torch.Tensor], ...] = (_flex_torch_tiles, _flex_tiles_64, _flex_tiles_32)
+
+
+def compiled_flex_attention(choice: int = 0) -> Callable[..., torch.Tensor]:
+    """flex_attention compiled (the GPU kernels) with KERNEL_OPTIONS[choice]'s tiles. Shapes are
+    dynamic, so steps of every size share a compilation; what still compiles anew is each kind (decode
+    rows, prefill tiles) with each window and softcap a model's layers use, and sizes of 1 (dynamo
+    specialises them). With fullgraph a variant past dynamo's recompile limit would be an error: the
+    limit is raised."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    options = dict(kernel_options) if kernel_options else None
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return flex_attention(q, k, v, kernel_options=options, **kw)
-
-    return torch.compile(attention, fullgraph=True, dynamic=True)
+    return torch.compile(TILE_FUNCTIONS[choice], fullgraph=True, dynamic=True)
 
 
 def self_check(device: torch.device | str, flex_fn: Callable[..., torch.Tensor] | None = None,
@@ -298,11 +318,23 @@ class FlexAttnBackend(AttentionBackend):
     name = "cuda-flex"
     kernel = "flex"
     supports_graphs = True
+    # triton's offsets into the [1, Hkv, slots, D] view are 32-bit: past this, an illegal memory access
+    # (the sampling check's 2-layer test model on an H200, its cache sized from 90% of 140 GiB)
+    max_layer_elements = 2**31 - 1
 
     def __init__(self, flex_fn: Callable[..., torch.Tensor] | None = None) -> None:
         self._given = flex_fn  # called with kernel_options=; else compiled_flex_attention per tile choice
         self._flex: Callable[..., torch.Tensor] | None = None
         self._tiles = 0  # index into KERNEL_OPTIONS
+        self._softcaps: dict[tuple[float, torch.device], Callable[..., Any]] = {}
+
+    def _softcap_mod(self, softcap: float, device: torch.device) -> Callable[..., Any]:
+        """One score_mod per softcap and device, made on the first (eager) call and reused: the same
+        function and buffer at every later call and inside CUDA graph captures."""
+        key = (float(softcap), device)
+        if key not in self._softcaps:
+            self._softcaps[key] = softcap_mod(torch.tensor(float(softcap), dtype=torch.float32, device=device))
+        return self._softcaps[key]
 
     @property
     def kernel_options(self) -> dict[str, int]:
@@ -319,7 +351,7 @@ class FlexAttnBackend(AttentionBackend):
                     given = self._given
                     self._flex = lambda *a, **more: given(*a, kernel_options=dict(options) if options else None, **more)
                 else:
-                    self._flex = compiled_flex_attention(options)
+                    self._flex = compiled_flex_attention(self._tiles)
             try:
                 return self._flex(q, k, v, **kw)
             except Exception as exc:
@@ -370,7 +402,7 @@ class FlexAttnBackend(AttentionBackend):
         v = v_cache.view(slots, hkv, v_cache.shape[3]).transpose(0, 1).unsqueeze(0)
         step = self._step(meta, query.shape[0], num_blocks)
         logical = step["logical"]
-        score_mod = softcap_mod(softcap) if softcap else None
+        score_mod = self._softcap_mod(softcap, query.device) if softcap else None
         gqa = query.shape[1] != hkv
         out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[3])
         nd = meta.num_decodes

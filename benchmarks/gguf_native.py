@@ -3,7 +3,7 @@
     python benchmarks/gguf_native.py agreement [--prompts 64] [--tokens 32] [--model file.gguf]
     python benchmarks/gguf_native.py memory [--model file.gguf]
     python benchmarks/gguf_native.py kernels [--shapes smollm2|1b|8b] [--rows 1,16,128] [--repeats 20]
-        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q6_K] [--threads 1,2] [--no-dense] [--build avx512-5e344599a33f]
+        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q6_K] [--threads 1,2] [--no-dense] [--build avx512-5e344599a33f] [--cold]
     python benchmarks/gguf_native.py probe [--model file.gguf] [--dtype bfloat16]
     python benchmarks/gguf_native.py step [--model file.gguf] [--rows 16] [--repeats 20] [--activations int8]
 
@@ -22,7 +22,11 @@ cpu_quant.DEQUANTIZE_ROWS rows do), cbserve's float32 panel kernel and oneDNN's 
 weighs the blocks against on such a host; `--no-dense` leaves the dense paths out), at each row
 count and thread count, all in one process, one shape after another. Each line gives the fastest
 and the median of `--repeats` calls, and from the fastest the weight bytes read per second (GB/s,
-the quantity a decode step is bound by) and GFLOP/s (2 x rows x out x in).
+the quantity a decode step is bound by) and GFLOP/s (2 x rows x out x in). The same weight called
+again is read from the cache wherever it fits in the last-level cache (a Zen 3's 32 MiB holds every
+1B-shaped matrix but the head): `--cold` keeps copies of each block weight that together exceed
+twice that cache and calls them in turn, so each call reads its weight from memory as a decode step
+does (block paths only: the dense ones are left out).
 `step`: a decode at `--rows` users in this process (`--quantization gguf`, the given inputs): every
 `QuantizedLinear` of the model once on that many random rows, then the engine's decode step with
 that many requests, each the best and median of `--repeats` (the first of `--rows` is taken).
@@ -167,8 +171,37 @@ class _FloatKquants:
         return self._ops.kquant_linear(x, w, qtype, bias)
 
 
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest cache of CPU 0 (sysfs' index*/size: "32768K"), or 32 MiB where sysfs does not say."""
+    sizes = []
+    for f in root.glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KM")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=32 << 20)
+
+
+class _Rotating:
+    """Copies of a weight that together exceed twice the last-level cache (`cold`), handed out in
+    turn: each call gets one not read since the others were."""
+
+    def __init__(self, weight, cold: bool) -> None:
+        copies = max(1, -(-2 * last_level_cache_bytes() // max(weight.numel(), 1)) + 1) if cold else 1
+        self.copies = [weight] + [weight.clone() for _ in range(copies - 1)]
+        self._next = 0
+
+    def __call__(self):
+        w = self.copies[self._next]
+        self._next = (self._next + 1) % len(self.copies)
+        return w
+
+
 def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[str] | None = None,
-            threads: list[int] | None = None, dense: bool = True, build: str | None = None) -> list[dict]:  # fmt: skip
+            threads: list[int] | None = None, dense: bool = True, build: str | None = None,
+            cold: bool = False) -> list[dict]:  # fmt: skip
     import numpy as np
     import torch
 
@@ -196,8 +229,9 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
         if not fits:
             continue
         blocks = {q: random_blocks(codes[q], n, k, rng) for q in fits}
+        turns = {q: _Rotating(b, cold) for q, b in blocks.items()}
         panels = onednn = onednn_bf16 = None
-        if dense:
+        if dense and not cold:
             wf = dequantize_rows(ops, blocks[fits[0]], codes[fits[0]], k, None, torch.empty(0))
             panels = ops.pack_linear_weight(wf)
             onednn = torch.ops.mkldnn._reorder_linear_weight(wf, 64) if packing_available() else None
@@ -210,12 +244,12 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
             paths = {}
             for q, b in blocks.items():
                 c = codes[q]
-                weight_bytes = b.numel()
-                paths[f"{q} float x"] = (weight_bytes, lambda b=b, c=c: linear(ops, x, b, c, None))
-                paths[f"{q} bf16 x"] = (weight_bytes, lambda b=b, c=c: linear(ops, xb, b, c, None))
+                weight_bytes, w = b.numel(), turns[q]
+                paths[f"{q} float x"] = (weight_bytes, lambda w=w, c=c: linear(ops, x, w(), c, None))
+                paths[f"{q} bf16 x"] = (weight_bytes, lambda w=w, c=c: linear(ops, xb, w(), c, None))
                 if c not in K_QUANTS or kquant_int8:
-                    paths[f"{q} int8 x"] = (weight_bytes, lambda b=b, c=c: linear(ops, x, b, c, None, int8=True))
-                if dense:
+                    paths[f"{q} int8 x"] = (weight_bytes, lambda w=w, c=c: linear(ops, x, w(), c, None, int8=True))
+                if dense and not cold:
                     paths[f"{q} dequantise + torch"] = (weight_bytes, lambda b=b, c=c: torch.nn.functional.linear(
                         x, dequantize_rows(ops, b, c, k, None, x)))
             if panels is not None:
@@ -230,6 +264,7 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
                 for path, (weight_bytes, fn) in paths.items():
                     best, median = _timed(fn, repeats)
                     results.append({"shape": name, "n": n, "k": k, "rows": m, "threads": t, "path": path,
+                                    "weights from": "memory" if cold else "wherever they are (cache if they fit)",
                                     "best_us": round(best * 1e6, 1), "median_us": round(median * 1e6, 1),
                                     "GB/s": round(weight_bytes / best / 1e9, 2),
                                     "GFLOP/s": round(2 * m * n * k / best / 1e9, 1)})  # fmt: skip
@@ -326,6 +361,8 @@ def main() -> None:
     p.add_argument("--build", default=None, help="kernels: an earlier kernel build of the cache, by its folder's name "
                    "(default: this tree's); one build a process")  # fmt: skip
     p.add_argument("--activations", default="int8", choices=("int8", "float"), help="step: the blocks' inputs")
+    p.add_argument("--cold", action="store_true", help="kernels: each call reads its weight from memory (copies "
+                   "beyond twice the last-level cache, called in turn); block paths only")  # fmt: skip
     args = p.parse_args()
     from engine.backends.cpu_isa import capabilities
 
@@ -341,7 +378,7 @@ def main() -> None:
     else:
         threads = [int(t) for t in args.threads.split(",")] if args.threads else None
         kernels([int(r) for r in args.rows.split(",")], args.repeats, args.shapes, args.types.split(","), threads,
-                not args.no_dense, args.build)  # fmt: skip
+                not args.no_dense, args.build, args.cold)  # fmt: skip
 
 
 if __name__ == "__main__":

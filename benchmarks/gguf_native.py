@@ -171,24 +171,13 @@ class _FloatKquants:
         return self._ops.kquant_linear(x, w, qtype, bias)
 
 
-def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """The largest cache of CPU 0 (sysfs' index*/size: "32768K"), or 32 MiB where sysfs does not say."""
-    sizes = []
-    for f in root.glob("index*/size"):
-        text = f.read_text().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        try:
-            sizes.append(int(text.rstrip("KM")) * scale)
-        except ValueError:
-            continue
-    return max(sizes, default=32 << 20)
-
-
 class _Rotating:
     """Copies of a weight that together exceed twice the last-level cache (`cold`), handed out in
     turn: each call gets one not read since the others were."""
 
     def __init__(self, weight, cold: bool) -> None:
+        from machine_limits import last_level_cache_bytes  # benchmarks/, on sys.path as this script's folder
+
         copies = max(1, -(-2 * last_level_cache_bytes() // max(weight.numel(), 1)) + 1) if cold else 1
         self.copies = [weight] + [weight.clone() for _ in range(copies - 1)]
         self._next = 0

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,24 +51,6 @@ def target(system: str, gguf: Path, ctx: int):
     return gguf_serve_compare.cbserve_target(gguf, 1, ctx, activations="int8" if system == "cbserve-int8" else "float")
 
 
-def start(t, timeout_s: float = 600) -> subprocess.Popen:
-    import requests
-
-    proc = subprocess.Popen(t.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{t.name} exited with {proc.returncode} before it was ready: {' '.join(t.command)}")
-        try:
-            if requests.get(t.url + "/v1/models", timeout=2).ok:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError(f"{t.name} was not ready in {timeout_s:.0f} s")
-
-
 def stream(url: str, model: str, tokens: int) -> list[float]:
     """One greedy streamed completion: the arrival time of each streamed chunk."""
     import requests
@@ -87,8 +67,6 @@ def stream(url: str, model: str, tokens: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import requests
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("gguf", type=Path)
     p.add_argument("--rounds", type=int, default=2)
@@ -103,20 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     from engine.backends.cpu_isa import capabilities
 
     print(capabilities().describe(), flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="gguf-one-stream-"))
     for rnd in range(args.rounds):
         for system in systems:
             t = target(system, args.gguf, args.ctx)
-            proc = start(t)
+            t.start(logs / f"{system}-{rnd}.log")
             try:
-                model = requests.get(t.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-                stream(t.url, model, min(args.tokens, 16))  # warm
+                t.wait_ready(600)
+                stream(t.url, t.model_name, min(args.tokens, 16))  # warm
                 for _ in range(args.streams):
                     row = {"file": args.gguf.name, "round": rnd, "system": system,
-                           **gap_stats(stream(t.url, model, args.tokens))}  # fmt: skip
+                           **gap_stats(stream(t.url, t.model_name, args.tokens))}  # fmt: skip
                     print(json.dumps(row), flush=True)
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(60)
+                t.stop()
     return 0
 
 

@@ -43,20 +43,24 @@ void pack_into(const W* w, W* out, int64_t n, int64_t k) {
 }
 
 // acc[R rows][kNR] += x[R rows][k0:k0+kc] * panel[k0:k0+kc][kNR]; x rows `ldx` floats apart. With
-// `ahead`, the same span of weights that far on is prefetched as it goes (the next chunk: its
-// first block of rows then finds it in cache instead of waiting for memory)
+// `ahead`, steps of weights from there on are prefetched as it goes, one every `every` steps (a
+// share of the next chunk: its first block of rows then finds it in cache instead of waiting for
+// memory)
 template <int R, typename W>
-inline void block(const float* x, int64_t ldx, const W* panel, int64_t kc, float* acc, const W* ahead) {
+inline void block(const float* x, int64_t ldx, const W* panel, int64_t kc, float* acc, const W* ahead,
+                  int64_t every) {
   vfloat lo[R], hi[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
     lo[r] = load(acc + r * kNR);
     hi[r] = load(acc + r * kNR + kLanes);
   }
-  for (int64_t i = 0; i < kc; ++i) {
-    if (ahead) {
-      __builtin_prefetch(ahead + i * kNR);
-      if (kNR * sizeof(W) > 64) __builtin_prefetch(ahead + i * kNR + 64 / sizeof(W));
+  for (int64_t i = 0, j = 0, due = 0; i < kc; ++i) {
+    if (ahead && i == due) {  // one step of the next chunk every `every` steps
+      __builtin_prefetch(ahead + j * kNR);
+      if (kNR * sizeof(W) > 64) __builtin_prefetch(ahead + j * kNR + 64 / sizeof(W));
+      ++j;
+      due += every;
     }
     const vfloat b0 = load(panel + i * kNR);
     const vfloat b1 = load(panel + i * kNR + kLanes);
@@ -76,10 +80,10 @@ inline void block(const float* x, int64_t ldx, const W* panel, int64_t kc, float
 
 template <typename W>
 inline void block_rows(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t kc, float* acc,
-                       const W* ahead) {
+                       const W* ahead, int64_t every) {
   switch (rows) {
 #define CB_ROWS(R) \
-  case R: return block<R>(x, ldx, panel, kc, acc, ahead);
+  case R: return block<R>(x, ldx, panel, kc, acc, ahead, every);
     CB_ROWS(1) CB_ROWS(2) CB_ROWS(3) CB_ROWS(4) CB_ROWS(5) CB_ROWS(6)
 #if defined(__AVX512F__)
     CB_ROWS(7) CB_ROWS(8) CB_ROWS(9) CB_ROWS(10) CB_ROWS(11) CB_ROWS(12)
@@ -112,11 +116,17 @@ void linear_impl(const float* x, const W* panels, const T* bias, T* y, int64_t m
             for (int64_t i = 0; i < kc * kNR; i += kLanes) store(wide.data() + i, load(chunk + i));
             for (int64_t m0 = 0; m0 < mc; m0 += kMR)
               block_rows<float>(std::min(kMR, mc - m0), xc + m0 * k + k0, k, wide.data(), kc, acc.data() + m0 * kNR,
-                                nullptr);
+                                nullptr, 1);
           } else {
-            for (int64_t m0 = 0; m0 < mc; m0 += kMR)
+            // the next chunk's steps prefetched evenly over every block of rows (a share each, one
+            // step every `blocks` steps): its memory traffic then runs beside all of the chunk's sums
+            // instead of in a burst beside the first block's
+            const int64_t blocks = (mc + kMR - 1) / kMR, share = (kKC + blocks - 1) / blocks;
+            for (int64_t b = 0; b < blocks; ++b) {
+              const int64_t m0 = b * kMR;
               block_rows(std::min(kMR, mc - m0), xc + m0 * k + k0, k, chunk, kc, acc.data() + m0 * kNR,
-                         m0 == 0 ? next : nullptr);
+                         next + b * share * kNR, blocks);
+            }
           }
         }
         const int64_t c0 = p * kNR, width = std::min(kNR, n - c0);

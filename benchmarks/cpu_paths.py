@@ -3,7 +3,8 @@
     python benchmarks/cpu_paths.py ab --what fused|grouped|cascade|panels [--dtype bfloat16] [--workload W1] [--runs 3]
     python benchmarks/cpu_paths.py split [--dtype bfloat16] [--workload W1]
     python benchmarks/cpu_paths.py products [--dtype bfloat16]
-    python benchmarks/cpu_paths.py steps [--dtype bfloat16] [--model embedded] [--runs 3]
+    python benchmarks/cpu_paths.py steps [--dtype bfloat16] [--model embedded] [--runs 3] [--batches 1,8,16]
+                                         [--paths native] [--lone-prompt 580]
 
 `--model embedded` runs `ab` and `split` on the real SmolLM2-135M-Instruct instead of the random
 model (throughput.py's `--model`); W4 is its workload of mixed prompt lengths.
@@ -20,11 +21,12 @@ oneDNN's packed product alone (engine/backends/cpu_linear.py).
 (second of two runs) and prints, per step kind (steps with prompt tokens, decode-only steps), the
 milliseconds per step in linear layers, attention and the rest.
 
-`steps` times decode steps (`LLMEngine.step`, after the prompts' step) at batch 1 and 16 with the
+`steps` times decode steps (`LLMEngine.step`, after the prompts' step) at batch 1 and 16 (`--batches`) with the
 decoder layers through transformers' modules and in one native call (engine/backends/cpu_layers.py),
-alternating, and prints per run the milliseconds per decode step and the busy cores (the process's
+alternating (`--paths native` for one), and prints per run the milliseconds per decode step and the busy cores (the process's
 CPU seconds over the wall seconds of those steps; threads spinning at a barrier count as busy),
-then the medians and whether the greedy tokens agree. `ab`, `split` and `products` time the Python
+then the medians and whether the greedy tokens agree. `--lone-prompt N` also times the step that
+takes one N-token prompt whole, each run. `ab`, `split` and `products` time the Python
 path's pieces: they turn the native stack off (`split`, and `ab` for the pieces it replaces).
 
 `products` times linear products on packed weights, best of three rounds, microseconds per call:
@@ -141,15 +143,34 @@ def split(model, prompts, new_tokens: int) -> None:
         cpu_linear._packed_linear = packed_linear
 
 
-def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len: int = 64) -> None:
+def prompt_step(model, native: bool, prompt: list[int]) -> float:
+    """Milliseconds of the one step that takes a lone prompt whole (no decodes beside it)."""
+    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=len(prompt)))
+    if not native:
+        engine.runner.native = None
+    engine.add_request(engine.make_request(prompt, max_new_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    engine.step()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len: int = 64,
+                 paths: tuple[bool, ...] = (False, True), lone_prompt: int = 0) -> None:  # fmt: skip
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     results: dict[tuple[int, bool], list[tuple[float, float]]] = {}
     tokens: dict[tuple[int, bool], list] = {}
     for i in range(runs + 1):  # the first round warms up: fresh memory, first-touch pages
+        if lone_prompt:
+            prompt = torch.randint(4, vocab, (lone_prompt,), generator=g).tolist()
+            for native in paths:
+                ms = prompt_step(model, native, prompt)
+                if i:
+                    print(f"run {i} prompt {lone_prompt} {'native' if native else 'python'}: {ms:.1f} ms per "
+                          f"prompt step", flush=True)  # fmt: skip
         for batch in batches:
             prompts = [torch.randint(4, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-            for native in (False, True):
+            for native in paths:
                 engine = make_engine(model, native=native)
                 assert (engine.runner.native is not None) == native, "the native stack does not take this model"
                 reqs = [engine.make_request(p, max_new_tokens=steps + 1, ignore_eos=True) for p in prompts]
@@ -170,12 +191,12 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
     print()
     for batch in batches:
         line = []
-        for native in (False, True):
+        for native in paths:
             ms = statistics.median(r[0] for r in results[(batch, native)])
             busy = statistics.median(r[1] for r in results[(batch, native)])
             line.append(f"{'native' if native else 'python'} {ms:.2f} ms, {busy:.2f} cores")
-        same = tokens[(batch, False)] == tokens[(batch, True)]
-        print(f"batch {batch}: " + "; ".join(line) + f" (median of {runs}); same greedy tokens: {same}")
+        same = f"; same greedy tokens: {tokens[(batch, False)] == tokens[(batch, True)]}" if len(paths) == 2 else ""
+        print(f"batch {batch}: " + "; ".join(line) + f" (median of {runs}){same}")
 
 
 def _best_us(fn, calls: int) -> float:
@@ -228,6 +249,10 @@ def main() -> None:
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--batches", default="1,16", help="steps: decode batch sizes (default 1,16)")
+    parser.add_argument("--paths", default="python,native", help="steps: python, native or both (default both)")
+    parser.add_argument("--lone-prompt", type=int, default=0, metavar="N",
+                        help="steps: also time the step of a lone N-token prompt on each path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode == "products":
@@ -239,7 +264,9 @@ def main() -> None:
     if make_engine(model).backend.ops is None:
         raise SystemExit(f"{args.mode}: cbserve's CPU kernels are not available here (make kernels)")
     if args.mode == "steps":
-        decode_steps(model, args.runs)
+        paths = tuple(dict.fromkeys({"python": False, "native": True}[p] for p in args.paths.split(",")))
+        decode_steps(model, args.runs, tuple(int(b) for b in args.batches.split(",")), paths=paths,
+                     lone_prompt=args.lone_prompt)  # fmt: skip
     elif args.mode == "ab":
         ab(model, prompts, new_tokens, args.what, args.runs)
     else:

@@ -43,8 +43,10 @@ from loadtest.loads import Load  # noqa: E402
 from loadtest.run import run_locust  # noqa: E402
 from loadtest.target import Target, UsageError, cbserve_command, free_port  # noqa: E402
 
+# --ready-timeout: vLLM-CPU's first start on a host compiles the model (torch.compile, then g++ of
+# inductor's code): 4 minutes on 2 vCPUs with a cold compile cache, past loadtest's 300 s default
 DEFAULTS = ["--users", "16", "--duration", "60s", "--endpoint", "completions", "--input-len", "64:256",
-            "--output-len", "128", "--rounds", "2", "--out", "reports/compare"]  # fmt: skip
+            "--output-len", "128", "--rounds", "2", "--out", "reports/compare", "--ready-timeout", "900"]  # fmt: skip
 SYSTEMS = ("cbserve", "vllm", "llama.cpp")
 LOADS = ("lockstep", "desync", "poisson")
 POISSON_FRACTION = 0.8

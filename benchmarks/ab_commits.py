@@ -41,29 +41,33 @@ def worktree(commit: str, parent: Path) -> Path:
 STEP = re.compile(r"^run 1 (prompt \d+|batch +\d+) native: ([0-9.]+) ms", re.M)
 
 
+def run_in(tree: Path, command: list[str], what: str) -> str:
+    """`command` with `tree`'s code first on sys.path, in `tree`: its stdout, or the run ends naming it."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'operator'}"}
+    out = subprocess.run([sys.executable, *command], cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"{tree.name}: {what} failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return out.stdout
+
+
 def one_run(tree: Path, workload: str, extra: list[str]) -> dict[str, float]:
     """One throughput.py run in `tree`: output tok/s by system (cbserve and the peers asked for)."""
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'operator'}"}
-    out = subprocess.run([sys.executable, "benchmarks/throughput.py", "--runs", "1", "--workload", workload,
-                          "--limits", "none", *extra], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=3600)  # fmt: skip
-    rates = {name: float(rate) for name, rate in RATE.findall(out.stdout)}
-    if out.returncode != 0 or "cbserve" not in rates:
-        raise SystemExit(f"{tree.name}: throughput.py failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    stdout = run_in(tree, ["benchmarks/throughput.py", "--runs", "1", "--workload", workload, "--limits", "none",
+                           *extra], "throughput.py")  # fmt: skip
+    rates = {name: float(rate) for name, rate in RATE.findall(stdout)}
+    if "cbserve" not in rates:
+        raise SystemExit(f"{tree.name}: throughput.py printed no cbserve rate:\n{stdout[-2000:]}")
     return rates
 
 
 def steps_run(tree: Path, dtype: str) -> dict[str, float]:
     """One `cpu_paths.py steps` run (this tree's script) on `tree`'s engine: milliseconds by step kind."""
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'operator'}"}
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_paths.py"), "steps", "--model", "embedded",
-                          "--dtype", dtype, "--runs", "1", "--paths", "native", "--batches", "1,8,16",
-                          "--lone-prompt", "580"], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=3600)  # fmt: skip
-    ms = {" ".join(kind.split()) + " ms": float(value) for kind, value in STEP.findall(out.stdout)}
-    if out.returncode != 0 or len(ms) != 4:
-        raise SystemExit(f"{tree.name}: cpu_paths.py steps failed ({out.returncode}):\n{out.stdout[-2000:]}"
-                         f"{out.stderr[-2000:]}")  # fmt: skip
+    stdout = run_in(tree, [str(ROOT / "benchmarks" / "cpu_paths.py"), "steps", "--model", "embedded", "--dtype", dtype,
+                           "--runs", "1", "--paths", "native", "--batches", "1,8,16", "--lone-prompt", "580"],
+                    "cpu_paths.py steps")  # fmt: skip
+    ms = {" ".join(kind.split()) + " ms": float(value) for kind, value in STEP.findall(stdout)}
+    if len(ms) != 4:
+        raise SystemExit(f"{tree.name}: cpu_paths.py steps printed {len(ms)} of 4 step kinds:\n{stdout[-2000:]}")
     return ms
 
 
@@ -98,13 +102,10 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 for c in commits if r % 2 == 0 else commits[::-1]:
-                    if args.bench == "steps":
-                        runs[c].append(steps_run(trees[c], args.dtype))
-                    else:
-                        runs[c].append(one_run(trees[c], args.workload, extra))
-                    unit = "" if args.bench == "steps" else " tok/s"
+                    steps = args.bench == "steps"
+                    runs[c].append(steps_run(trees[c], args.dtype) if steps else one_run(trees[c], args.workload, extra))
                     print(f"round {r + 1} {c}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[c][-1].items())
-                          + unit, flush=True)
+                          + ("" if steps else " tok/s"), flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)

@@ -240,7 +240,7 @@ def products(dtype: torch.dtype) -> None:
             print(f"{n} x {k}, {rows} rows: " + ", ".join(line), flush=True)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["ab", "split", "products", "steps"])
     parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade", "panels"])
@@ -253,7 +253,21 @@ def main() -> None:
     parser.add_argument("--paths", default="python,native", help="steps: python, native or both (default both)")
     parser.add_argument("--lone-prompt", type=int, default=0, metavar="N",
                         help="steps: also time the step of a lone N-token prompt on each path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        args.batches = tuple(int(b) for b in args.batches.split(","))
+        assert all(b > 0 for b in args.batches)
+    except (ValueError, AssertionError):
+        parser.error(f"--batches takes positive integers separated by commas, got {args.batches!r}")
+    names = args.paths.split(",")
+    if not names or any(p not in ("python", "native") for p in names):
+        parser.error(f"--paths takes python, native or python,native, got {args.paths!r}")
+    args.paths = tuple(dict.fromkeys(p == "native" for p in names))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     if args.mode == "products":
         return products(getattr(torch, args.dtype))
@@ -264,9 +278,7 @@ def main() -> None:
     if make_engine(model).backend.ops is None:
         raise SystemExit(f"{args.mode}: cbserve's CPU kernels are not available here (make kernels)")
     if args.mode == "steps":
-        paths = tuple(dict.fromkeys({"python": False, "native": True}[p] for p in args.paths.split(",")))
-        decode_steps(model, args.runs, tuple(int(b) for b in args.batches.split(",")), paths=paths,
-                     lone_prompt=args.lone_prompt)  # fmt: skip
+        decode_steps(model, args.runs, args.batches, paths=args.paths, lone_prompt=args.lone_prompt)
     elif args.mode == "ab":
         ab(model, prompts, new_tokens, args.what, args.runs)
     else:

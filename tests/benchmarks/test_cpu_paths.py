@@ -1,0 +1,36 @@
+"""benchmarks/cpu_paths.py: its step flags are parsed, and bad values answered with one usage line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def cpu_paths(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the scripts run: their folder on sys.path
+    import cpu_paths
+
+    return cpu_paths
+
+
+def test_step_flags_are_parsed(cpu_paths) -> None:
+    args = cpu_paths.parse_args(["steps", "--paths", "native", "--batches", "1,8,16", "--lone-prompt", "580"])
+    assert args.paths == (True,) and args.batches == (1, 8, 16) and args.lone_prompt == 580
+    assert cpu_paths.parse_args(["steps"]).paths == (False, True)  # both, the Python path first
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--paths", "fast"], "--paths takes python, native or python,native"),
+    (["--paths", ""], "--paths takes"),
+    (["--batches", "1,x"], "--batches takes positive integers"),
+    (["--batches", "0"], "--batches takes positive integers"),
+])  # fmt: skip
+def test_bad_step_flags_are_one_usage_error(cpu_paths, capsys, flags, message) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cpu_paths.parse_args(["steps", *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -20,6 +20,7 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
+from engine.openmp import Team
 from engine.output_processor import family_ids, unforked_outputs
 from engine.output_thread import OutputThread
 from engine.request import GenerationOutput, QueueFullError, Request
@@ -441,9 +442,12 @@ class ContinuousBatchingManager:
 
     def _loop(self) -> None:
         engine = self.engine
+        team = Team()  # one core fewer while other work borrows one (engine/openmp.py)
         try:
             while True:
                 self._wake.clear()
+                if self._pausers:
+                    team.idle()  # a core lent meanwhile is not waited for
                 self._park_if_paused()
                 self._drain_inbox()
                 for req in engine.apply_ends():  # stop strings the output thread found (its final outputs went out)
@@ -453,8 +457,10 @@ class ContinuousBatchingManager:
                 if not engine.has_unfinished():
                     if self._stopping:
                         return
+                    team.idle()
                     self._wake.wait()
                     continue
+                team.fit()
                 try:
                     updated = engine.step()
                 except GroupBroken:
@@ -483,6 +489,7 @@ class ContinuousBatchingManager:
                 self._deliver_request(req)
             raise
         finally:
+            team.restore()
             if self._outputs is not None:
                 self._outputs.close()  # every output queued so far is delivered before the loop counts as ended
                 engine.apply_ends()  # the last ones it found: only the token count changes

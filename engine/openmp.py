@@ -1,27 +1,36 @@
-"""How long torch's idle OpenMP workers spin before they sleep, for `cbserve` processes.
+"""How long torch's idle OpenMP workers spin, and the engine's team one thread smaller while other
+work in the process needs a core.
 
 Every CPU kernel splits its work over torch's OpenMP threads; a decode step opens several hundred
 parallel regions, a few microseconds apart. Between two regions libgomp's idle workers spin for
-GOMP_SPINCOUNT iterations, then sleep and must be woken for the next region. Its default (300,000
-iterations, milliseconds) keeps them spinning through a whole step, which is fastest while nothing
-else wants the cores; but when another process does (cbserve's own tokenizer helper on a 4 MB
-prompt, a sidecar), a spinning worker holds a core while the thread it waits for is preempted, and
-a step stretches from milliseconds to hundreds of them. 1,000 iterations (tens of microseconds)
-still spans the gaps between a step's kernels and gives the cores back soon after a step ends
-(docs/engine.md, On the CPU; the figures are in docs/benchmarks.md, "One OpenMP team").
+GOMP_SPINCOUNT iterations, then sleep and must be woken for the next region. An iteration is a
+`pause` instruction and a load, about 26 ns on an AMD Zen 3. libgomp's default (300,000, about
+8 ms) keeps them spinning through a whole step; 1,000 (about 26 us) let them sleep inside most
+steps and cost a Zen 3 a fifth of its throughput under load. cbserve's default, 10,000 (about
+0.26 ms), spans the gaps between a step's kernels (docs/benchmarks.md, "How long the OpenMP
+workers spin"). libgomp reads the variable once, when torch loads it: `cbserve`'s entry point sets
+the default before anything imports torch. A value in the environment is kept.
 
-libgomp reads the variable once, when torch loads it: `cbserve`'s entry point sets the default before
-anything imports torch. A value in the environment is kept.
+The price of spinning is paid when something else wants a core in the middle of a step: the
+thread a worker waits for is preempted, the worker spins on, and a step stretches from
+milliseconds to a hundred or more. The longer the spin, the longer the stretch (cbserve's own
+tokenizer helper on a 4 MB prompt: tests/server/test_guard.py). So work in the process that needs
+a core for a while holds `lend_core()` (the server does for request bodies of a megabyte or more),
+and the engine thread runs its steps on one OpenMP thread fewer meanwhile (`Team.fit`, called
+between steps): the lent core is that work's alone, and no worker waits at a barrier for a
+preempted thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import MutableMapping
+import threading
+from collections.abc import Iterator, MutableMapping
 
 SPIN_ENV = "GOMP_SPINCOUNT"
-SPIN_COUNT = 1_000
+SPIN_COUNT = 10_000
 
 
 def set_spin_default(environ: MutableMapping[str, str] = os.environ) -> str | None:
@@ -30,3 +39,81 @@ def set_spin_default(environ: MutableMapping[str, str] = os.environ) -> str | No
     if "torch" in sys.modules:
         return None
     return environ.setdefault(SPIN_ENV, str(SPIN_COUNT))
+
+
+LEND_WAIT = 2.0  # seconds lend_core() waits for the engine to reach a step boundary (a long prefill step)
+
+
+class _Lending:
+    """How many lend_core() holders there are, and how many engine teams are stepping at a size that
+    does not leave them a core (each sheds a thread at its next step boundary, or goes idle)."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.lent = 0
+        self.crowding = 0
+
+
+_lending = _Lending()
+
+
+@contextlib.contextmanager
+def lend_core(wait: float = LEND_WAIT) -> Iterator[None]:
+    """While held, the engine's steps leave one core free (a team of one thread keeps it). It first
+    waits, up to `wait` seconds, for every stepping engine to have shed its thread: a step already
+    running at full size would otherwise share its cores with the work about to start."""
+    with _lending.changed:
+        _lending.lent += 1
+        _lending.changed.wait_for(lambda: not _lending.crowding, timeout=wait)
+    try:
+        yield
+    finally:
+        with _lending.changed:
+            _lending.lent -= 1
+
+
+def cores_lent() -> int:
+    return _lending.lent
+
+
+class Team:
+    """The engine thread's OpenMP team size: its full size, or one fewer while a core is lent.
+    Made and used on the engine thread (torch's thread count is that thread's own setting):
+    `fit()` before each step, `idle()` when the thread has no step to run, `restore()` at its end."""
+
+    def __init__(self) -> None:
+        import torch  # not at the top: set_spin_default runs before anything loads torch
+
+        self._torch = torch
+        self.full = torch.get_num_threads()
+        self.size = self.full
+        self.crowding = False  # stepping at a size that leaves no core to a lend_core() holder
+
+    def fit(self) -> int:
+        if self.full < 2:
+            return self.size
+        with _lending.changed:
+            want = self.full - 1 if _lending.lent else self.full
+            if want != self.size:
+                self._torch.set_num_threads(want)
+                self.size = want
+            self._crowd(want == self.full)
+        return want
+
+    def idle(self) -> None:
+        if self.crowding:
+            with _lending.changed:
+                self._crowd(False)
+
+    def restore(self) -> None:
+        self.idle()
+        if self.size != self.full:
+            self._torch.set_num_threads(self.full)
+            self.size = self.full
+
+    def _crowd(self, crowding: bool) -> None:  # with _lending.changed held
+        if crowding != self.crowding:
+            self.crowding = crowding
+            _lending.crowding += 1 if crowding else -1
+            if not crowding:
+                _lending.changed.notify_all()

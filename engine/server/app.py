@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -23,6 +24,7 @@ from starlette.routing import Route
 
 from engine import ContinuousBatchingManager
 from engine.llm_engine import token_ids_ok
+from engine.openmp import lend_core
 from engine.server import otel
 from engine.server.constraints import ConstraintCompiler
 from engine.server.errors import APIError
@@ -130,7 +132,15 @@ def _handled(handler):
 
 MAX_CONTAINERS = 65536  # JSON arrays and objects in one body (json.loads builds them all in one call, holding the GIL)
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+LARGE_BODY = 1 << 20  # bytes: parsing and tokenising a body this large takes a core for a large part of a second
 LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all prompts) are queued from the event loop
+
+
+def _lending(raw: bytes) -> contextlib.AbstractContextManager:
+    """For a body of LARGE_BODY bytes or more, the engine steps on one thread fewer while it is parsed
+    and tokenised (engine/openmp.py): with its OpenMP workers spinning between kernels, a step that
+    shares its cores with a second of parsing stretches from milliseconds to hundreds of them."""
+    return lend_core() if len(raw) >= LARGE_BODY else contextlib.nullcontext()
 
 
 def _loads(raw: bytes) -> Any:
@@ -214,9 +224,10 @@ class Handlers:
     def _parse(self, raw: bytes, parse) -> Any:
         """Every check, cheapest first, then the parse (tokenising last); in a worker thread."""
         state = self.state
-        body = _loads(raw)
-        check_prompt_size(body, state.max_model_len, state.token_chars)
-        return parse(body, state.tokenizer, state.vocab_size, state.max_generations)
+        with _lending(raw):
+            body = _loads(raw)
+            check_prompt_size(body, state.max_model_len, state.token_chars)
+            return parse(body, state.tokenizer, state.vocab_size, state.max_generations)
 
     async def _admit(self, request: Request, parse) -> Response:
         state = self.state
@@ -373,6 +384,10 @@ class Handlers:
         return await _json_off_loop({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
 
     def _tokenize(self, raw: bytes) -> list[int]:
+        with _lending(raw):
+            return self._tokens(raw)
+
+    def _tokens(self, raw: bytes) -> list[int]:
         """/tokenize's checks and tokens, in a worker thread."""
         state = self.state
         body = _loads(raw)
@@ -404,6 +419,10 @@ class Handlers:
         if raw.count(b",") > limit and _STRING.sub(b"", raw).count(b",") > limit:  # refused before it is parsed
             raise APIError(400, f"'tokens' has more than {limit} ids; at most {limit} (the model's context) are "
                                 "allowed", param="tokens")  # fmt: skip
+        with _lending(raw):
+            return self._text(raw, vocab, limit)
+
+    def _text(self, raw: bytes, vocab: int, limit: int) -> str:
         body = _loads(raw)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list):

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def cpu_paths(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the scripts run: their folder on sys.path
-    import cpu_paths
-
-    return cpu_paths
+def cpu_paths(bench_script):
+    return bench_script("cpu_paths")
 
 
 def test_step_flags_are_parsed(cpu_paths) -> None:

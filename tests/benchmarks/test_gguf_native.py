@@ -4,22 +4,16 @@ as the reference does (finite values, whatever the random bytes)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture
-def native(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the script runs: its folder on sys.path
-    import gguf_native
-
-    return gguf_native
+def native(bench_script):
+    return bench_script("gguf_native")
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture
-def gsc(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the script runs: its folder on sys.path
-    import gguf_serve_compare
-
-    return gguf_serve_compare
+def gsc(bench_script):
+    return bench_script("gguf_serve_compare")
 
 
 def test_the_shapes_are_llama_3_2_1b_and_llama_3_8b_with_the_smollm2_vocabulary(gsc) -> None:

@@ -6,23 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.backends.cpu_isa import capabilities
 from engine.testing import build_test_model
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmarks.conftest import BENCHMARKS
 
 
 @pytest.fixture
-def limits_module(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the scripts run: their folder on sys.path
-    import machine_limits
-
-    return machine_limits
+def limits_module(bench_script):
+    return bench_script("machine_limits")
 
 
 def fake_limits(limits_module, bf16_native: bool = True):

@@ -6,8 +6,8 @@ parallel regions, a few microseconds apart. Between two regions libgomp's idle w
 GOMP_SPINCOUNT iterations, then sleep and must be woken for the next region. An iteration is a
 `pause` instruction and a load, about 26 ns on an AMD Zen 3. libgomp's default (300,000, about
 8 ms) keeps them spinning through a whole step; 1,000 (about 26 us) let them sleep inside most
-steps and cost a Zen 3 a fifth of its throughput under load. cbserve's default, 10,000 (about
-0.26 ms), spans the gaps between a step's kernels (docs/benchmarks.md, "How long the OpenMP
+steps and cost a Zen 3 up to a fifth of its throughput under load. cbserve's default, 10,000
+(about 0.26 ms), spans most of the gaps between a step's kernels (docs/benchmarks.md, "How long the OpenMP
 workers spin"). libgomp reads the variable once, when torch loads it: `cbserve`'s entry point sets
 the default before anything imports torch. A value in the environment is kept.
 

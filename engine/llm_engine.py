@@ -411,7 +411,8 @@ class LLMEngine:
             telemetry.request_finished(req)
         self.generation_tokens_total += len(batch.samples)
         t3 = time.perf_counter()
-        self.scheduler.observe_step(batch, t3 - t0)  # what its decodes waited: the cost model's sample
+        threads = torch.get_num_threads() if self.scheduler.step_log is not None else None
+        self.scheduler.observe_step(batch, t3 - t0, threads)  # what its decodes waited: the cost model's sample
         self._time(t0, t1, t2, t3)
         return ended + batch.samples if ended else batch.samples
 

@@ -27,7 +27,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 SPIN_COUNT = 10_000
@@ -45,16 +45,34 @@ LEND_WAIT = 2.0  # seconds lend_core() waits for the engine to reach a step boun
 
 
 class _Lending:
-    """How many lend_core() holders there are, and how many engine teams are stepping at a size that
-    does not leave them a core (each sheds a thread at its next step boundary, or goes idle)."""
+    """How many lends are held, and how many engine teams are stepping at a size that does not leave
+    them a core (each sheds a thread at its next step boundary, or goes idle); `on_shed` callbacks
+    run (on the engine thread) once none is."""
 
     def __init__(self) -> None:
         self.changed = threading.Condition()
         self.lent = 0
         self.crowding = 0
+        self.on_shed: list[Callable[[], None]] = []
 
 
 _lending = _Lending()
+
+
+class Lend:
+    """One lent core, held from its making until `end()` (from any thread; a second call does nothing).
+    It does not wait: `lend_core()` and `when_shed()` are the ways to wait for the engine to shed."""
+
+    def __init__(self) -> None:
+        with _lending.changed:
+            _lending.lent += 1
+        self.held = True
+
+    def end(self) -> None:
+        with _lending.changed:
+            if self.held:
+                self.held = False
+                _lending.lent -= 1
 
 
 @contextlib.contextmanager
@@ -62,14 +80,31 @@ def lend_core(wait: float = LEND_WAIT) -> Iterator[None]:
     """While held, the engine's steps leave one core free (a team of one thread keeps it). It first
     waits, up to `wait` seconds, for every stepping engine to have shed its thread: a step already
     running at full size would otherwise share its cores with the work about to start."""
-    with _lending.changed:
-        _lending.lent += 1
-        _lending.changed.wait_for(lambda: not _lending.crowding, timeout=wait)
+    lend = Lend()
     try:
+        with _lending.changed:
+            _lending.changed.wait_for(lambda: not _lending.crowding, timeout=wait)
         yield
     finally:
-        with _lending.changed:
-            _lending.lent -= 1
+        lend.end()
+
+
+def when_shed(callback: Callable[[], None]) -> bool:
+    """Without waiting: False when no engine is stepping at full size now, else True and `callback`
+    is called (once, on the engine thread that sheds last) when none is. For an event loop, which
+    must not block on `lend_core()`'s wait: hold a `Lend`, then wait for the callback."""
+    with _lending.changed:
+        if not _lending.crowding:
+            return False
+        _lending.on_shed.append(callback)
+        return True
+
+
+def forget_shed(callback: Callable[[], None]) -> None:
+    """Drop a `when_shed` callback that is no longer wanted (its waiter gave up)."""
+    with _lending.changed:
+        if callback in _lending.on_shed:
+            _lending.on_shed.remove(callback)
 
 
 def cores_lent() -> int:
@@ -115,5 +150,8 @@ class Team:
         if crowding != self.crowding:
             self.crowding = crowding
             _lending.crowding += 1 if crowding else -1
-            if not crowding:
+            if not _lending.crowding:
                 _lending.changed.notify_all()
+                callbacks, _lending.on_shed[:] = list(_lending.on_shed), []
+                for callback in callbacks:
+                    callback()

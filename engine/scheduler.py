@@ -113,9 +113,9 @@ class Scheduler:
         self.prefill_cap = min(self.max_batch_tokens, max(self.min_prefill_chunk, cap))
         return self.prefill_cap
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        """The step `batch` took `seconds` (wall time, schedule to outputs): one sample of the cost model,
-        and one line of `step_log` when it is open."""
+    def observe_step(self, batch: ScheduledBatch, seconds: float, threads: int | None = None) -> None:
+        """The step `batch` took `seconds` (wall time, schedule to outputs) on `threads` OpenMP threads: one
+        sample of the cost model, and one line of `step_log` when it is open."""
         decode_rows = sum(1 for _, n in batch.items if n == 1)
         prefill = batch.num_tokens - decode_rows
         if self.step_log is not None:
@@ -123,7 +123,7 @@ class Scheduler:
             self.step_log.write(json.dumps({
                 "t": round(time.time(), 4), "decode_rows": decode_rows, "prefill_tokens": prefill,
                 "seconds": round(seconds, 5), "predicted": None if predicted is None else round(predicted, 5),
-                "prefill_cap": self.prefill_cap, "waiting": len(self.waiting)}) + "\n")  # fmt: skip
+                "prefill_cap": self.prefill_cap, "waiting": len(self.waiting), "threads": threads}) + "\n")  # fmt: skip
         self.step_cost.observe(decode_rows, prefill, seconds)
 
     def schedule(self) -> ScheduledBatch:

@@ -29,7 +29,7 @@ from engine.server import otel
 from engine.server.constraints import ConstraintCompiler
 from engine.server.errors import APIError
 from engine.server.generation import Delta, Generation
-from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, log_refusal
+from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, LARGE_BODY, Guard, log_refusal
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import check_prompt_size, max_token_chars, parse_chat, parse_completion, text
 from engine.server.tokenizing import ServerTokenizer
@@ -132,7 +132,6 @@ def _handled(handler):
 
 MAX_CONTAINERS = 65536  # JSON arrays and objects in one body (json.loads builds them all in one call, holding the GIL)
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-LARGE_BODY = 1 << 20  # bytes: parsing and tokenising a body this large takes a core for a large part of a second
 LOOP_TOKENS = 16384  # requests of up to this many prompt tokens (all prompts) are queued from the event loop
 
 

@@ -14,6 +14,13 @@ untouched. For each request:
   128 letters, digits and `-_.:/+=@`), else a new one. The handlers find it in
   `scope["state"]["request_id"]`, every response carries it back, and every refusal (here and in the
   handlers, `log_refusal`) is one warning line that names it.
+- **A core for a large body.** While a body of `LARGE_BODY` bytes or more arrives, the engine steps
+  on one OpenMP thread fewer (`engine.openmp.Lend`): before reading it the guard waits (without
+  blocking the event loop, at most `BODY_LEND_MAX` seconds) for the engine's next step boundary,
+  so that no step runs at full size while the event loop takes a core to receive megabytes. The
+  lend ends `BODY_LEND_HOLD` after the body is whole (the handler's parse takes its own by then),
+  and after `BODY_LEND_MAX` seconds whatever the body's pace: a slow sender does not keep the
+  engine at half its cores.
 The body is read here, whole, and handed to the app as one message (every route reads it whole
 anyway); later `receive()` calls, which the handlers use to notice a client leaving, pass through.
 Errors are OpenAI error JSON, as the handlers' are.
@@ -22,6 +29,7 @@ Errors are OpenAI error JSON, as the handlers' are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import re
@@ -32,6 +40,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.openmp import Lend, forget_shed, when_shed
 from engine.server.errors import APIError
 
 logger = logging.getLogger("cbserve.server")
@@ -39,6 +48,9 @@ logger = logging.getLogger("cbserve.server")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # about a million tokens as a JSON list of ids
 DEFAULT_BODY_TIMEOUT = 30.0
+LARGE_BODY = 1 << 20  # bytes: receiving, parsing and tokenising a body this large takes a core for a while
+BODY_LEND_MAX = 2.0  # seconds a lent core covers one body's arrival, at most (a step boundary is waited for within it)
+BODY_LEND_HOLD = 0.25  # seconds the lend outlasts the whole body, so the handler's own lend takes over
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:/+=@-]{1,128}")
 
 
@@ -86,6 +98,28 @@ class Guard:
             return await self._reject(self._too_large(), scope, receive, send)
         if scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        lend = timer = None
+        if length is not None and int(length) >= LARGE_BODY:
+            lend = Lend()
+            timer = loop.call_later(BODY_LEND_MAX, lend.end)
+        try:
+            if lend is not None:
+                await _engine_shed(loop, BODY_LEND_MAX)
+            body = await self._body(scope, receive, send)
+            if body is None:
+                return
+            if lend is not None:
+                timer.cancel()
+                timer = loop.call_later(BODY_LEND_HOLD, lend.end)
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            if lend is not None:
+                timer.cancel()
+                lend.end()
+
+    async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None when the request was answered here (408, 413) or its client left."""
         body = bytearray()
         while True:
             try:
@@ -93,15 +127,16 @@ class Guard:
             except TimeoutError:
                 error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
                                  code="request_timeout", headers={"Connection": "close"})  # fmt: skip
-                return await self._reject(error, scope, receive, send)
+                await self._reject(error, scope, receive, send)
+                return None
             if message["type"] == "http.disconnect":
-                return  # the client left before its request was whole: nothing to answer
+                return None  # the client left before its request was whole: nothing to answer
             body += message.get("body", b"")
             if len(body) > self.max_body_bytes:
-                return await self._reject(self._too_large(), scope, receive, send)
+                await self._reject(self._too_large(), scope, receive, send)
+                return None
             if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(bytes(body), receive), send)
+                return bytes(body)
 
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, offered = headers.get("authorization", "").partition(" ")
@@ -119,6 +154,25 @@ class Guard:
     async def _reject(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
         log_refusal(scope["method"], scope["path"], error, scope["state"]["request_id"])
         await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+
+async def _engine_shed(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    """Until no engine steps at full size (it sheds a thread at its next step boundary), at most
+    `timeout` seconds; the event loop runs on meanwhile."""
+    shed = asyncio.Event()
+
+    def wake() -> None:  # on the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(shed.set)
+
+    if not when_shed(wake):
+        return
+    try:
+        await asyncio.wait_for(shed.wait(), timeout)
+    except TimeoutError:
+        pass
+    finally:
+        forget_shed(wake)
 
 
 def _with_request_id(send: Send, rid: str) -> Send:

@@ -185,6 +185,8 @@ def test_cbserve_step_log_traces_an_engines_steps(tmp_path, monkeypatch) -> None
     add up to what the requests took; close() closes the file."""
     import json
 
+    import torch
+
     from engine import ContinuousBatchingConfig, LLMEngine
     from tests.engine.conftest import model_for
 
@@ -201,6 +203,7 @@ def test_cbserve_step_log_traces_an_engines_steps(tmp_path, monkeypatch) -> None
     engine.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == steps and engine.scheduler.step_log is None
+    assert {x["threads"] for x in lines} == {torch.get_num_threads()}  # the OpenMP team each step ran on
     assert sum(x["prefill_tokens"] for x in lines) + sum(x["decode_rows"] for x in lines) == 3 * (40 + 5)
 
 

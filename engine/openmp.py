@@ -4,21 +4,21 @@ work in the process needs a core.
 Every CPU kernel splits its work over torch's OpenMP threads; a decode step opens several hundred
 parallel regions, a few microseconds apart. Between two regions libgomp's idle workers spin for
 GOMP_SPINCOUNT iterations, then sleep and must be woken for the next region. An iteration is a
-`pause` instruction and a load, about 26 ns on an AMD Zen 3. libgomp's default (300,000, about
-8 ms) keeps them spinning through a whole step; 1,000 (about 26 us) let them sleep inside most
-steps and cost a Zen 3 up to a fifth of its throughput under load. cbserve's default, 10,000
-(about 0.26 ms), spans most of the gaps between a step's kernels (docs/benchmarks.md, "How long the OpenMP
-workers spin"). libgomp reads the variable once, when torch loads it: `cbserve`'s entry point sets
-the default before anything imports torch. A value in the environment is kept.
+`pause` instruction and a load, about 26 ns on an AMD Zen 3. cbserve's default is libgomp's own,
+300,000 (about 8 ms), which keeps them spinning through a whole step: under load on a Zen 3 it
+served 1.14x the output tokens of 10,000 (about 0.26 ms) and 1.20x those of 1,000, whose workers
+sleep inside most steps (docs/benchmarks.md, "How long the OpenMP workers spin"). libgomp reads
+the variable once, when torch loads it: `cbserve`'s entry point sets it before anything imports
+torch, so that the value in force is known. A value in the environment is kept.
 
 The price of spinning is paid when something else wants a core in the middle of a step: the
 thread a worker waits for is preempted, the worker spins on, and a step stretches from
-milliseconds to a hundred or more. The longer the spin, the longer the stretch (cbserve's own
-tokenizer helper on a 4 MB prompt: tests/server/test_guard.py). So work in the process that needs
-a core for a while holds `lend_core()` (the server does for request bodies of a megabyte or more),
-and the engine thread runs its steps on one OpenMP thread fewer meanwhile (`Team.fit`, called
-between steps): the lent core is that work's alone, and no worker waits at a barrier for a
-preempted thread.
+milliseconds to a hundred or more (cbserve's own tokenizer helper on a 4 MB prompt:
+tests/server/test_guard.py). So work in the process that needs a core for a while holds a lend
+(`lend_core()`, or a `Lend`; the server does while a request body of a megabyte or more arrives,
+is parsed and is tokenised), and the engine thread runs its steps on one OpenMP thread fewer
+meanwhile (`Team.fit`, called between steps): the lent core is that work's alone, and no worker
+waits at a barrier for a preempted thread.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, MutableMapping
 
 SPIN_ENV = "GOMP_SPINCOUNT"
-SPIN_COUNT = 10_000
+SPIN_COUNT = 300_000
 
 
 def set_spin_default(environ: MutableMapping[str, str] = os.environ) -> str | None:

@@ -107,10 +107,13 @@ def _convert_embedded(target: Path) -> None:
     """Dequantise the GGUF once and save it as a plain checkpoint folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.gguf_loader import shared_reader
+
     gguf = embedded_gguf()
     logger.info("converting the embedded %s from %s (once; cached in %s)", DEFAULT_MODEL_NAME, gguf, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with shared_reader(gguf):  # one parse of the file and one name table for the whole load
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh one of the same
     # config, less the GGUF quantization note (the saved weights are plain float32)
     config = copy.deepcopy(loaded.config)

@@ -8,7 +8,8 @@
     python scripts/gpu_check.py --device cpu --quick --out /tmp/gc   # the CPU smoke run (stand-ins)
 
 Runs the checks of scripts/gpu_checks/ in order (each module's docstring says what it asserts), each
-in a process of its own with the module's time limit (so a sticky CUDA error or a hang ends that row
+in a process of its own (forked from one that has imported torch, transformers and cbserve:
+scripts/gpu_checks/forked.py; GPU_CHECK_FORK=0 starts each from scratch) with the module's time limit (so a sticky CUDA error or a hang ends that row
 alone), and within one budget for the whole run (`--budget`, 450 s): a check is started only while
 `MIN_START_S` of it are left, and given at most what is left. Each is a row: pass, fail (why) or
 skipped (why: its requirement is absent here, or the budget is spent). Prints the markdown table
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 
 from scripts.gpu_checks import (  # noqa: E402
     equality,
+    forked,
     graphs,
     kernels,
     memory,
@@ -155,8 +157,11 @@ def tail(log: Path, lines: int = 20) -> str:
 def run_row(key: str, argv: list[str], work: Path, logs: Path, limit: float, why_limit: str) -> report.Row:
     name = CHECKS[key].NAME if key in CHECKS else key
     result, log = work / f"{key}.result.json", logs / f"{key}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--row", key, "--work", str(work), "--result", str(result)]
-    code, seconds = run_process(cmd, limit, log)
+    row_argv = [*argv, "--row", key, "--work", str(work), "--result", str(result)]
+    if os.environ.get("GPU_CHECK_FORK", "1") == "0":  # each row a fresh interpreter, importing everything itself
+        code, seconds = run_process([sys.executable, str(Path(__file__).resolve()), *row_argv], limit, log)
+    else:
+        code, seconds = forked.run_forked(row_argv, limit, log)
     if result.exists():
         return report.Row(**json.loads(result.read_text()))
     last = (tail(log, 1) or "no output").strip()[:300]

@@ -73,7 +73,9 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_a_row_whose_process_dies_or_overruns_is_a_failure_with_its_last_line(tmp_path):
+@pytest.mark.parametrize("fork", ["1", "0"])  # forked from the preloaded server (the default), or a fresh interpreter
+def test_a_row_whose_process_dies_or_overruns_is_a_failure_with_its_last_line(tmp_path, monkeypatch, fork):
+    monkeypatch.setenv("GPU_CHECK_FORK", fork)
     gpu_check = load()
     (tmp_path / "rows").mkdir()
     row = gpu_check.run_row("kernels", ["--dtype", "int8"], tmp_path, tmp_path, 120, "its limit 120 s")  # argparse exits 2
@@ -81,6 +83,8 @@ def test_a_row_whose_process_dies_or_overruns_is_a_failure_with_its_last_line(tm
     assert "invalid choice: 'int8'" in row.reason
     row = gpu_check.run_row("kernels", ["--device", "cpu"], tmp_path, tmp_path, 0.5, "its limit 0.5 s")
     assert row.status == "fail" and row.reason.startswith("timed out after ") and "(its limit 0.5 s)" in row.reason
+    row = gpu_check.run_row("memory", ["--device", "cpu", "--quick"], tmp_path, tmp_path, 120, "its limit 120 s")
+    assert row.status == "pass", row  # a whole row, its result read back from its process
 
 
 def test_no_check_starts_once_the_budget_is_spent(capsys):

@@ -46,6 +46,32 @@ def is_gguf(path: Path | str | None) -> bool:
     return path is not None and str(path).lower().endswith(".gguf") and Path(path).is_file()
 
 
+@functools.cache
+def _reader_class() -> type:
+    """gguf's reader over a plain array view of the file's mapping. gguf maps the file as an
+    `np.memmap` and parses the metadata a value at a time, each slice of the memmap going through its
+    Python-level `__getitem__` and `__array_finalize__`: two thirds of a parse (SmolLM2's 49,152-token
+    vocabulary, 5.3 s here) that the same slices of an `ndarray` view of the same pages skip (1.8 s).
+    The fields and tensors are the same values; a tensor's data is an ndarray on the file's pages."""
+    from gguf.gguf_reader import GGUFReader  # the class itself, whatever shared_reader has put in its place
+
+    class Reader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._pages
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:  # gguf's __init__ sets its memmap here
+            self._pages = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return Reader
+
+
+def open_reader(path: Path | str) -> object:
+    """The file's metadata and tensors, parsed as gguf's `GGUFReader` does (faster: `_reader_class`)."""
+    return _reader_class()(path)
+
+
 @contextlib.contextmanager
 def shared_reader(path: Path) -> Iterator[object]:
     """One parse of the file's metadata (tens of seconds for a large vocabulary) for all of the
@@ -55,10 +81,12 @@ def shared_reader(path: Path) -> Iterator[object]:
     import gguf
 
     cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    reader = cls(path)
+    reader = open_reader(path)
 
     def reuse(p, *args, **kwargs):
-        return reader if Path(p).resolve() == Path(path).resolve() and not args and not kwargs else cls(p, *args, **kwargs)
+        if Path(p).resolve() == Path(path).resolve() and not args and not kwargs:
+            return reader
+        return open_reader(p) if not args and not kwargs else cls(p, *args, **kwargs)
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reuse, functools.lru_cache(maxsize=None)(name_map)
     try:

@@ -62,10 +62,12 @@ def q6_k(w: np.ndarray) -> np.ndarray:
 def kquant_copy(src, dst) -> None:
     """A copy of the GGUF file `src` whose FFN down projections are K-quants: Q4_K in even layers,
     Q6_K in odd ones (re-encoded from their dequantized weights), everything else as it was."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
-    reader = GGUFReader(src)
+    from engine.gguf_loader import open_reader
+
+    reader = open_reader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":  # the writer adds these itself

@@ -33,6 +33,30 @@ def chat(tokenizer, text: str) -> list[int]:
                                               tokenize=True, return_dict=False))  # fmt: skip
 
 
+def test_the_reader_parses_the_file_as_gguf_s_own_reader_does() -> None:
+    import gguf
+    import numpy as np
+
+    from engine.gguf_loader import open_reader, shared_reader
+    from engine.loader import embedded_gguf
+
+    theirs, ours = gguf.GGUFReader(embedded_gguf()), open_reader(embedded_gguf())
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields) > 30
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+        assert len(mine.parts) == len(field.parts) and all(
+            a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name  # fmt: skip
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == theirs.fields["tokenizer.ggml.tokens"].contents()
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in theirs.tensors]  # fmt: skip
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+    assert isinstance(ours.data.base, np.memmap)  # the file's mapping, seen as a plain array
+    assert all(np.shares_memory(t.data, ours.data) for t in ours.tensors[:3])  # tensors are views of it, not copies
+    with shared_reader(embedded_gguf()) as reader:  # what transformers' loaders get during a load
+        assert gguf.GGUFReader(embedded_gguf()) is reader and isinstance(reader, type(ours))
+
+
 def test_blocks_are_the_dequantised_weights_bit_for_bit(native) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -24,7 +24,7 @@ def test_default_model_answers_a_chat_in_english(tmp_path) -> None:
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240  # a fresh machine converts the GGUF first (~35 s here)
+        deadline = time.monotonic() + 240  # a fresh machine converts the GGUF first (~20 s here)
         while time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()
             try:

@@ -7,7 +7,9 @@ and nothing more. It never touches CUDA (importing torch, transformers and these
 CUDA context), so each forked row initialises CUDA for itself as a spawned process would; the parent,
 which has asked CUDA whether a device is there, is never the one forked.
 
-A row's process starts a session of its own (as `gpu_check.run_process` does for a command), so a
+The fork server was started with the environment of its time; a row takes the caller's environment
+of the moment it starts (libraries the server loaded read theirs at load: OpenMP's settings are the
+server's). A row's process starts a session of its own (as `gpu_check.run_process` does for a command), so a
 row past its limit is killed with whatever it started (a server, tensor-parallel ranks), and writes its
 output to its log.
 """
@@ -35,8 +37,11 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     return _context
 
 
-def _row(argv: list[str], log: str) -> None:
-    """In the forked process: a session of its own, output to `log`, then gpu_check's row."""
+def _row(argv: list[str], log: str, environ: dict[str, str]) -> None:
+    """In the forked process: the caller's environment as it is now (the fork server keeps the one it
+    started with), a session of its own, output to `log`, then gpu_check's row."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.setsid()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -51,7 +56,7 @@ def run_forked(argv: list[str], timeout: float, log: Path) -> tuple[int | None, 
     """gpu_check's `main(argv)` in a forked process, as `run_process` runs a command: the exit status
     (None when it was killed at `timeout`) and the seconds it ran."""
     start = time.monotonic()
-    proc = _fork_server().Process(target=_row, args=(argv, str(log)), name="gpu-check-row")
+    proc = _fork_server().Process(target=_row, args=(argv, str(log), dict(os.environ)), name="gpu-check-row")
     proc.start()
     proc.join(timeout)
     code = proc.exitcode

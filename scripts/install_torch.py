@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     words, extra = plan(kind, os.environ.get("CBSERVE_TORCH_CPU_INDEX") or CPU_INDEX)
     print(f"install_torch: {TORCH}, {words}", flush=True)
-    # no byte-compiling at install (a minute of CPU on two cores for torch and the rest): Python compiles
-    # a module when it is first imported, and most of torch's never are
-    cmd = [args.python, "-m", "pip", "install", "-q", "--no-compile", *extra, TORCH]
+    cmd = [args.python, "-m", "pip", "install", "-q", *extra, TORCH]
     if args.dry_run:
         cmd[4:4] = ["--dry-run", "--ignore-installed", "--no-deps", "--report", "-"]
     done = subprocess.run(cmd, capture_output=args.dry_run, text=True)

@@ -9,9 +9,10 @@
 
 Runs the checks of scripts/gpu_checks/ in order (each module's docstring says what it asserts), each
 in a process of its own (forked from one that has imported torch, transformers and cbserve:
-scripts/gpu_checks/forked.py; GPU_CHECK_FORK=0 starts each from scratch) with the module's time limit (so a sticky CUDA error or a hang ends that row
-alone), and within one budget for the whole run (`--budget`, 450 s): a check is started only while
-`MIN_START_S` of it are left, and given at most what is left. Each is a row: pass, fail (why) or
+scripts/gpu_checks/forked.py; GPU_CHECK_FORK=0 starts each from scratch) with the module's time
+limit (so a sticky CUDA error or a hang ends that row alone), and within one budget for the whole
+run (`--budget`, 450 s): a check is started only while `MIN_START_S` of it are left, and given at
+most what is left. Each is a row: pass, fail (why) or
 skipped (why: its requirement is absent here, or the budget is spent). Prints the markdown table
 and, with --out, writes gpu_check.json and gpu_check.md there after every row (the table to paste
 into docs/benchmarks.md, with the GPU, driver, CUDA, torch, transformers, flash-attn and attention

@@ -9,9 +9,9 @@ which has asked CUDA whether a device is there, is never the one forked.
 
 The fork server was started with the environment of its time; a row takes the caller's environment
 of the moment it starts (libraries the server loaded read theirs at load: OpenMP's settings are the
-server's). A row's process starts a session of its own (as `gpu_check.run_process` does for a command), so a
-row past its limit is killed with whatever it started (a server, tensor-parallel ranks), and writes its
-output to its log.
+server's). A row's process starts a session of its own (as `gpu_check.run_process` does for a
+command), so a row past its limit is killed with whatever it started (a server, tensor-parallel
+ranks), and writes its output to its log.
 """
 
 from __future__ import annotations

@@ -47,6 +47,11 @@ def _row(argv: list[str], log: str, environ: dict[str, str]) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    import torch
+
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    if bad_fork():  # never, as PRELOAD stands: one of its imports would have started CUDA in the server
+        sys.exit("the fork server had started CUDA before this row was forked; run with GPU_CHECK_FORK=0")
     from scripts import gpu_check
 
     sys.exit(gpu_check.main(argv))  # multiprocessing makes SystemExit's code the exit status

@@ -62,7 +62,7 @@ def _reader_class() -> type:
 
         @data.setter
         def data(self, value: np.ndarray) -> None:  # gguf's __init__ sets its memmap here
-            self._pages = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+            self._pages = value.view(np.ndarray)
 
     return Reader
 

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -139,15 +138,14 @@ def run_process(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, 
             code: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # whatever it left behind goes too
+
+        def wait(seconds: float) -> None:
             try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(10)
+                proc.wait(seconds)
             except subprocess.TimeoutExpired:
-                continue
+                pass
+
+        forked.end_session(proc.pid, wait)  # whatever it left behind goes too
     return code, time.monotonic() - start
 
 

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "engine.llm_engine", "engine.generate",
@@ -57,6 +58,17 @@ def _row(argv: list[str], log: str, environ: dict[str, str]) -> None:
     sys.exit(gpu_check.main(argv))  # multiprocessing makes SystemExit's code the exit status
 
 
+def end_session(pid: int, wait: Callable[[float], object]) -> None:
+    """SIGTERM, then SIGKILL, to the session that process `pid` leads (whatever it started goes too),
+    `wait(10)` after each; nothing once the session is gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        wait(10)
+
+
 def run_forked(argv: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
     """gpu_check's `main(argv)` in a forked process, as `run_process` runs a command: the exit status
     (None when it was killed at `timeout`) and the seconds it ran."""
@@ -65,13 +77,8 @@ def run_forked(argv: list[str], timeout: float, log: Path) -> tuple[int | None, 
     proc.start()
     proc.join(timeout)
     code = proc.exitcode
-    for sig in (signal.SIGTERM, signal.SIGKILL):  # the row's session: whatever it left behind goes too
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # the session is gone (or, killed before it began, never was)
-            break
-        proc.join(10)
-    if proc.is_alive():
+    end_session(proc.pid, proc.join)
+    if proc.is_alive():  # killed before its session began: the process alone
         proc.kill()
         proc.join()
     return code, time.monotonic() - start

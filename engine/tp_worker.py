@@ -17,9 +17,12 @@ handed the group only as its `RankPeers`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -101,6 +104,24 @@ def run_rank(source: Callable[[], torch.nn.Module], config, rank: int, world: in
     return 0
 
 
+def exit_with_parent(rank: int) -> None:
+    """End this spawned rank when the process that started it is gone (SIGKILL, the OOM killer), whatever
+    the rank is waiting on: joining a group whose rank 0 never listens would otherwise hold the model's
+    memory until the join times out (30 minutes). multiprocessing's parent sentinel is a pipe whose
+    other end only the parent holds, so it reads EOF when the parent dies."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.error("tensor-parallel rank %d stops: the process that started it (pid %s) is gone", rank, parent.pid)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"cbserve-tp-rank-{rank}-parent", daemon=True).start()
+
+
 def spawned(source, config, rank: int, world: int, addr: str, port: int, device_type: str,
             ranks_per_node: int, log_level: int) -> None:  # fmt: skip
     """The target of a rank spawned by rank 0 (engine/tp_group.py) or by `cbserve worker`: exit 0 on a
@@ -109,6 +130,7 @@ def spawned(source, config, rank: int, world: int, addr: str, port: int, device_
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    exit_with_parent(rank)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing new

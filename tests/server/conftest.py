@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,29 @@ import yaml
 from engine.testing import save_test_model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(fixed: bool = False) -> int:
+    """A port free on 127.0.0.1 now. `fixed`: one below the kernel's range of automatic ports, as a real
+    rendezvous port (29500) is, for a port that a client retries connecting to before its server binds
+    it: in that range another socket's automatic port, or the retrying client's own (a TCP connect to a
+    port nobody listens at can connect to itself), may take it first."""
+    if not fixed:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-{low - 1}")
 
 
 class Server:

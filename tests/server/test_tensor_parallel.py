@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -76,7 +77,7 @@ def test_sigterm_to_the_whole_process_group_drains_and_exits_0(model_dir, tmp_pa
 def start_worker(model_dir: Path, tmp_path: Path, *args: str) -> tuple[list[str], subprocess.Popen, Path]:
     """`cbserve worker` as the second of two "hosts" on this machine: (the group flags the server needs
     too, the worker's process, its log)."""
-    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(free_port())]
+    group = ["--nnodes", "2", "--dist-addr", "127.0.0.1", "--dist-port", str(free_port(fixed=True))]
     config = tmp_path / "engine.yaml"
     config.write_text(yaml.safe_dump(ENGINE))
     log = tmp_path / "worker.log"
@@ -100,6 +101,25 @@ def test_two_hosts_meet_through_cbserve_worker_and_the_worker_exits_when_the_ser
     finally:
         if server is not None:
             server.stop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_worker_killed_while_its_rank_waits_for_rank_0_takes_the_rank_with_it(model_dir, tmp_path) -> None:
+    """SIGKILL (the OOM killer) leaves a worker no time to stop its ranks: each ends on its own when its
+    parent is gone, instead of holding the model until the join times out (30 minutes)."""
+    _, worker, log = start_worker(model_dir, tmp_path)  # no server: rank 0 never listens
+    try:
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while not (ranks := spawned_ranks(worker.pid)):  # the worker starts its rank as its first step
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        worker.kill()
+        worker.wait()
+        ranks[0].wait(EXIT_WAIT_S)  # psutil.TimeoutExpired if it outlives its parent; its status is the line
+        assert "tensor-parallel rank 1 stops: the process that started it" in log.read_text(), log.read_text()
+    finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()

@@ -9,7 +9,8 @@ x 8 bytes per element and `triad` (a = b + s*c, one fused torch.add) as 3 x 8, b
 on all cores through torch's threads (--threads to pick). The product peak: torch.matmul (oneDNN)
 of two n x n matrices, 2 n^3 flops, best of --repeats, in float32 and in bfloat16; the bf16 line
 says whether the CPU multiplies bf16 with its own dot-product instructions (AVX-512 BF16, AMX) or
-oneDNN emulates them (then at half n, so it ends in seconds).
+oneDNN emulates them (then at half n, at most 512: an emulated product ran at about 1 GFLOP/s on
+an AVX2-only Zen 3 with torch 2.13, where n = 2048 took minutes).
 
 `step_bounds` turns the figures into the least time a decode step can take: the weights it reads
 over the bandwidth, and 2 x params x tokens flops over the peak. benchmarks/throughput.py prints
@@ -134,6 +135,15 @@ def stream(array_mib: float, repeats: int) -> tuple[float, float]:
     return 2 * 8 * n / copy_s / 1e9, 3 * 8 * n / triad_s / 1e9
 
 
+EMULATED_MAX_N = 512  # emulated bf16 at ~1 GFLOP/s (AVX2 Zen 3, torch 2.13): n = 2048 took 17 s a call
+
+
+def matmul_size(native: bool, n: int) -> int:
+    """The n of a dtype's product: --matmul-n where the CPU has the dtype's dot products, else half of it
+    and at most EMULATED_MAX_N, so an emulated product ends in seconds."""
+    return n if native else max(16, min(n // 2, EMULATED_MAX_N))
+
+
 def matmul_gflops(dtype: torch.dtype, n: int, repeats: int) -> float:
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
@@ -151,7 +161,7 @@ def measure(threads: int | None = None, array_mib: float | None = None, repeats:
         array_mib = array_mib or default_array_mib()
         copy_gbs, triad_gbs = stream(array_mib, repeats)
         native = {name: name == "float32" or dot_product_instructions(dtype) for name, dtype in DTYPES.items()}
-        sizes = {name: matmul_n if native[name] else max(16, matmul_n // 2) for name in DTYPES}
+        sizes = {name: matmul_size(native[name], matmul_n) for name in DTYPES}
         peaks = {name: matmul_gflops(dtype, sizes[name], max(1, repeats // 2)) for name, dtype in DTYPES.items()}
         return Limits(capabilities().describe(), torch.get_num_threads(), array_mib, copy_gbs, triad_gbs, peaks,
                       native, sizes)  # fmt: skip
@@ -169,7 +179,7 @@ def describe(limits: Limits) -> str:
         how = ""
         if name != "float32":
             how = (" (the CPU's bf16 dot-product instructions)" if limits.native[name]
-                   else " (emulated: no bf16 dot-product instructions on this CPU; n halved)")  # fmt: skip
+                   else " (emulated: no bf16 dot-product instructions on this CPU; a smaller n)")  # fmt: skip
         lines.append(f"  {name:<9} n={limits.matmul_n[name]:<6}{gflops:8.1f} GFLOP/s{how}")
     return "\n".join(lines)
 

@@ -43,6 +43,12 @@ def test_an_emulated_bf16_product_is_bounded_by_the_float32_peak(limits_module) 
     assert fake_limits(limits_module).peak("float32") == 200.0
 
 
+def test_an_emulated_product_is_measured_at_half_n_and_at_most_512(limits_module) -> None:
+    assert limits_module.matmul_size(True, 4096) == 4096
+    assert limits_module.matmul_size(False, 64) == 32
+    assert limits_module.matmul_size(False, 4096) == 512  # ~1 GFLOP/s emulated: 2048 took minutes on AVX2
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_step_reads_every_weight_but_an_input_embedding_that_is_not_the_head(limits_module, tied: bool) -> None:
     model = build_test_model("llama", tie_word_embeddings=tied)

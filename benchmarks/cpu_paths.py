@@ -5,6 +5,8 @@
     python benchmarks/cpu_paths.py products [--dtype bfloat16]
     python benchmarks/cpu_paths.py steps [--dtype bfloat16] [--model embedded] [--runs 3] [--batches 1,8,16]
                                          [--paths native] [--lone-prompt 580]
+    python benchmarks/cpu_paths.py mixed [--model embedded] [--dtype float32] [--decodes 15]
+                                         [--chunks 0,8,16,32,64,128,192] [--runs 6]
 
 `--model embedded` runs `ab` and `split` on the real SmolLM2-135M-Instruct instead of the random
 model (throughput.py's `--model`); W4 is its workload of mixed prompt lengths.
@@ -25,9 +27,16 @@ milliseconds per step in linear layers, attention and the rest.
 decoder layers through transformers' modules and in one native call (engine/backends/cpu_layers.py),
 alternating (`--paths native` for one), and prints per run the milliseconds per decode step and the busy cores (the process's
 CPU seconds over the wall seconds of those steps; threads spinning at a barrier count as busy),
-then the medians and whether the greedy tokens agree. `--lone-prompt N` also times the step that
-takes one N-token prompt whole, each run. `ab`, `split` and `products` time the Python
+then the medians and whether the greedy tokens agree; on the native path, also how much of the
+step is the native call (the rest is the engine's Python between forwards). `--lone-prompt N`
+also times the step that takes one N-token prompt whole, each run. `ab`, `split` and `products` time the Python
 path's pieces: they turn the native stack off (`split`, and `ab` for the pieces it replaces).
+
+`mixed` times what a prompt chunk adds to a step of running decodes, as `max_decode_stall` budgets
+it: `--decodes` requests decoding, then steps that also take a new prompt of k tokens whole, for
+each k of `--chunks` (0: the decodes alone), `--runs` times each in a shuffled order (the decodes'
+contexts grow meanwhile); it prints each k's median and best milliseconds and the median's
+milliseconds per prompt token above the decodes alone.
 
 `products` times linear products on packed weights, best of three rounds, microseconds per call:
 the W1 model's q/k/v (512 + 256 + 256 outputs) and gate/up (2 x 1376) for 64 and 1,024 rows on
@@ -39,6 +48,7 @@ the next of 10 copies of the weight so that it comes from memory, as in a model'
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -154,6 +164,21 @@ def prompt_step(model, native: bool, prompt: list[int]) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
+class _Timed:
+    """The native decoder call with its wall seconds summed: the rest of a step is the engine's Python
+    (scheduling, inputs, sampling, outputs), what async scheduling could overlap with the forward."""
+
+    def __init__(self, call) -> None:
+        self.call, self.seconds = call, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.call(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len: int = 64,
                  paths: tuple[bool, ...] = (False, True), lone_prompt: int = 0) -> None:  # fmt: skip
     vocab = model.config.vocab_size
@@ -178,6 +203,7 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
                     engine.add_request(r)
                 engine.step()  # every prompt in one step (64 x 16 tokens fit the budget)
                 assert all(r.num_computed == prompt_len for r in reqs)
+                call = engine.runner.native = _Timed(engine.runner.native) if native else None
                 wall, cpu = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     engine.step()
@@ -186,8 +212,9 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
                     continue
                 results.setdefault((batch, native), []).append((1e3 * wall / steps, cpu / wall))
                 tokens[(batch, native)] = [r.generated_ids for r in reqs]
+                inside = f", {1e3 * call.seconds / steps:.2f} ms of it in the native call" if call else ""
                 print(f"run {i} batch {batch:2d} {'native' if native else 'python'}: {1e3 * wall / steps:.2f} ms per "
-                      f"decode step, {cpu / wall:.2f} cores busy", flush=True)  # fmt: skip
+                      f"decode step{inside}, {cpu / wall:.2f} cores busy", flush=True)  # fmt: skip
     print()
     for batch in batches:
         line = []
@@ -197,6 +224,39 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
             line.append(f"{'native' if native else 'python'} {ms:.2f} ms, {busy:.2f} cores")
         same = f"; same greedy tokens: {tokens[(batch, False)] == tokens[(batch, True)]}" if len(paths) == 2 else ""
         print(f"batch {batch}: " + "; ".join(line) + f" (median of {runs}){same}")
+
+
+def mixed_steps(model, decodes: int = 15, chunks: tuple[int, ...] = (0, 8, 16, 32, 64, 128, 192), runs: int = 6,
+                context: int = 150) -> dict[int, float]:  # fmt: skip
+    """Median seconds of a step of `decodes` running decodes (each after a `context`-token prompt) that
+    also takes a new prompt of k tokens whole, for each k of `chunks`; printed with the per-token cost."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_decode_stall=0,
+                                      max_batch_tokens=max(decodes * context, decodes + max(chunks)))  # fmt: skip
+    engine = LLMEngine(model, config)
+    order = [k for k in chunks for _ in range(runs)]
+    random.Random(0).shuffle(order)
+    for _ in range(decodes):  # decoding through every timed step
+        prompt = torch.randint(4, vocab, (context,), generator=g).tolist()
+        engine.add_request(engine.make_request(prompt, max_new_tokens=len(order) + 8, ignore_eos=True))
+    for _ in range(3):  # the prompts, then decode steps: warm
+        engine.step()
+    times: dict[int, list[float]] = {k: [] for k in chunks}
+    for k in order:
+        if k:  # one token out: the request ends in the step that takes its prompt
+            prompt = torch.randint(4, vocab, (k,), generator=g).tolist()
+            engine.add_request(engine.make_request(prompt, max_new_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        engine.step()
+        times[k].append(time.perf_counter() - start)
+    medians = {k: statistics.median(t) for k, t in times.items()}
+    alone = medians.get(0)
+    for k in chunks:
+        extra = f", {1e3 * (medians[k] - alone) / k:.2f} ms a prompt token above the decodes alone" if k and alone else ""
+        print(f"{decodes} decodes + {k:4d} prompt tokens: median {1e3 * medians[k]:7.1f} ms, best "
+              f"{1e3 * min(times[k]):7.1f} ms{extra}", flush=True)  # fmt: skip
+    return medians
 
 
 def _best_us(fn, calls: int) -> float:
@@ -242,7 +302,7 @@ def products(dtype: torch.dtype) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ab", "split", "products", "steps"])
+    parser.add_argument("mode", choices=["ab", "split", "products", "steps", "mixed"])
     parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade", "panels"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
@@ -253,7 +313,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--paths", default="python,native", help="steps: python, native or both (default both)")
     parser.add_argument("--lone-prompt", type=int, default=0, metavar="N",
                         help="steps: also time the step of a lone N-token prompt on each path")
+    parser.add_argument("--decodes", type=int, default=15, help="mixed: running decodes (default 15)")
+    parser.add_argument("--chunks", default="0,8,16,32,64,128,192",
+                        help="mixed: prompt tokens a step takes beside the decodes (default 0,8,16,32,64,128,192)")
     args = parser.parse_args(argv)
+    try:
+        args.chunks = tuple(int(k) for k in args.chunks.split(","))
+        assert all(k >= 0 for k in args.chunks) and args.decodes > 0
+    except (ValueError, AssertionError):
+        parser.error(f"--chunks takes integers >= 0 separated by commas and --decodes one > 0, got {args.chunks!r}, "
+                     f"{args.decodes}")  # fmt: skip
     try:
         args.batches = tuple(int(b) for b in args.batches.split(","))
         assert all(b > 0 for b in args.batches)
@@ -277,7 +346,9 @@ def main() -> None:
     new_tokens = workloads.NEW_TOKENS[args.workload]
     if make_engine(model).backend.ops is None:
         raise SystemExit(f"{args.mode}: cbserve's CPU kernels are not available here (make kernels)")
-    if args.mode == "steps":
+    if args.mode == "mixed":
+        mixed_steps(model, args.decodes, args.chunks, args.runs)
+    elif args.mode == "steps":
         decode_steps(model, args.runs, args.batches, paths=args.paths, lone_prompt=args.lone_prompt)
     elif args.mode == "ab":
         ab(model, prompts, new_tokens, args.what, args.runs)

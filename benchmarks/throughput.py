@@ -53,6 +53,7 @@ import torch
 
 import machine_limits  # benchmarks/ (this script's folder: first on sys.path)
 from engine import ContinuousBatchingConfig, LLMEngine
+from engine.config import OFFLINE_DECODE_STALL
 
 NEW_TOKENS = {"W1": 64, "W2": 64, "W3": 32, "W4": 128}
 NEW = 64  # of the workload being run (set in main)
@@ -90,7 +91,9 @@ def build_prompts(workload: str, vocab: int = 32000) -> list[list[int]]:
 
 
 def run_cbserve(model, prompts, tensor_parallel_size: int = 1) -> tuple[float, list[list[int]], dict]:
+    # an offline batch, as generate_batch runs one: no prompt cap beside the decodes (max_decode_stall off)
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024,
+                                                       max_decode_stall=OFFLINE_DECODE_STALL,
                                                        tensor_parallel_size=tensor_parallel_size))  # fmt: skip
     start = time.perf_counter()
     reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]

@@ -26,6 +26,10 @@ NO_EFFECT = {
 }
 _warned: set[str] = set()
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
+# max_decode_stall unset where tokens are streamed; offline batches (generate_batch) leave the cap off: on
+# an offline W3 (long prompts) the cap cost 12-15% (docs/benchmarks.md) and nobody reads the tokens between
+STREAMING_DECODE_STALL = 4.0
+OFFLINE_DECODE_STALL = 0.0
 
 
 @dataclass
@@ -47,7 +51,9 @@ class ContinuousBatchingConfig:
     # With decodes running, a step's prompt tokens are capped so that the step is predicted to take at most
     # this many times a step of its decodes alone (engine/step_cost.py fits the prediction to the measured
     # steps); at least one block of prompt tokens per step. 0: off, prompt chunks fill max_batch_tokens.
-    max_decode_stall: float = 4.0
+    # None: STREAMING_DECODE_STALL where tokens are streamed (the manager, the server, LLMEngine), off for
+    # offline batches (generate_batch), whose callers read no token until the batch ends.
+    max_decode_stall: float | None = None
     # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
     # transformers resolves it when no logits processor needs vocabulary-sized scratch space.
     max_memory_percent: float | None = 0.9

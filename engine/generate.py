@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine import telemetry
-from engine.config import ContinuousBatchingConfig
+from engine.config import OFFLINE_DECODE_STALL, ContinuousBatchingConfig
 from engine.llm_engine import SAMPLING_KEYS, LLMEngine
 from engine.manager import CACHED, ContinuousBatchingManager
 from engine.output_processor import family_ids
@@ -64,6 +64,9 @@ def generate_batch(
     engine = _engine(model, continuous_batching_config, generation_config, tokenizer, persistent_manager)
     if warmup:
         engine.warmup()
+    streaming_stall = engine.scheduler.max_decode_stall
+    if engine.config.max_decode_stall is None:  # unset: no prompt cap for a batch nobody reads until it ends
+        engine.scheduler.max_decode_stall = OFFLINE_DECODE_STALL
     try:
         outputs: dict[str, GenerationOutput | int] = {}  # a failed prompt's output, or its number of sequences
         reqs = []
@@ -95,6 +98,7 @@ def generate_batch(
                 result[member] = engine.output_processor.make_output(finished[member])
         return result
     finally:
+        engine.scheduler.max_decode_stall = streaming_stall  # a kept manager's engine streams again after
         if not persistent_manager:
             engine.close()
 

@@ -22,7 +22,7 @@ import torch
 from engine import telemetry
 from engine.backends.executors import make_executor
 from engine.block_manager import BlockManager
-from engine.config import ContinuousBatchingConfig
+from engine.config import STREAMING_DECODE_STALL, ContinuousBatchingConfig
 from engine.generation_defaults import resolve as resolve_generation_defaults
 from engine.model_runner import restore_modes
 from engine.output_processor import OutputProcessor
@@ -166,7 +166,7 @@ class LLMEngine:
             prefill_first=config.scheduler_type == "prefill_first",
             swap=self.swap,
             reserve_blocks=int((config.safety_margin or 0.0) * self.sizes.num_blocks),
-            max_decode_stall=config.max_decode_stall,
+            max_decode_stall=STREAMING_DECODE_STALL if config.max_decode_stall is None else config.max_decode_stall,
         )
         self.requests = self.scheduler.requests  # every unfinished request, by id
         self.scheduler.step_log = step_log

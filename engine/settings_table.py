@@ -184,10 +184,11 @@ SETTINGS: tuple[Setting, ...] = (
             nullable=True, minimum=1, operator=True),
     Setting("max_batch_tokens", "int", None, "token budget of one step (decodes plus prompt chunks); unset: derived "
             "at start-up", nullable=True, minimum=1, operator=True),
-    Setting("max_decode_stall", "float", 4.0, "with decodes running, a step's prompt tokens are capped so that it is "
+    Setting("max_decode_stall", "float", None, "with decodes running, a step's prompt tokens are capped so that it is "
             "predicted to take at most this many times a step of its decodes alone (a cost model fitted to the "
             "measured steps; at least one block of prompt tokens a step); 0: off, prompt chunks fill "
-            "max_batch_tokens", minimum=0, operator=True),
+            "max_batch_tokens; unset: 4 where tokens are streamed (cbserve serve, ContinuousBatchingManager), off "
+            "for offline batches (generate_batch, cbserve generate)", nullable=True, minimum=0, operator=True),
     Setting("max_memory_percent", "float", 0.9, "share of the memory free after the model loads that the KV cache may "
             "take (unset: 0.9)", nullable=True, minimum=0, exclusive_minimum=True, maximum=1, operator=True),
     Setting("max_requests_per_batch", "int", None, "cap on requests running at once; unset: derived at start-up",

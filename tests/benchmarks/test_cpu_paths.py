@@ -1,4 +1,5 @@
-"""benchmarks/cpu_paths.py: its step flags are parsed, and bad values answered with one usage line."""
+"""benchmarks/cpu_paths.py: its step flags are parsed, and bad values answered with one usage line; the
+mixed-step timing runs on a small model."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def test_bad_step_flags_are_one_usage_error(cpu_paths, capsys, flags, message) -
         cpu_paths.parse_args(["steps", *flags])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mixed_flags_and_a_small_run(cpu_paths, capsys) -> None:
+    from engine.testing import build_test_model
+
+    args = cpu_paths.parse_args(["mixed", "--decodes", "3", "--chunks", "0,4,8"])
+    assert (args.decodes, args.chunks) == (3, (0, 4, 8))
+    with pytest.raises(SystemExit):
+        cpu_paths.parse_args(["mixed", "--chunks", "4,x"])
+    medians = cpu_paths.mixed_steps(build_test_model("llama"), decodes=2, chunks=(0, 4), runs=2, context=8)
+    assert set(medians) == {0, 4} and min(medians.values()) > 0
+    out = capsys.readouterr().out
+    assert "2 decodes +    4 prompt tokens" in out and "ms a prompt token above the decodes alone" in out

@@ -214,3 +214,33 @@ def test_a_step_log_that_cannot_be_opened_names_the_variable(tmp_path, monkeypat
     monkeypatch.setenv("CBSERVE_STEP_LOG", str(tmp_path / "no-such-folder" / "steps.jsonl"))
     with pytest.raises(ValueError, match=r"CBSERVE_STEP_LOG=.*no-such-folder.*cannot append to it \(No such file"):
         LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=16))
+
+
+@pytest.mark.parametrize("stall,capped", [(None, False), (4.0, True)], ids=["unset-offline", "set"])
+def test_an_offline_batch_leaves_the_cap_off_unless_it_is_set(tmp_path, monkeypatch, stall, capped) -> None:
+    """generate_batch: max_decode_stall unset means no prompt cap beside the decodes (nobody reads the tokens
+    before the batch ends); a value set holds. A kept manager's engine gets its streaming cap back after."""
+    import json
+
+    from engine import ContinuousBatchingConfig, generate_batch
+    from engine.config import STREAMING_DECODE_STALL
+    from engine.generate import destroy_cached_engine
+    from engine.manager import CACHED
+    from tests.engine.conftest import model_for
+
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("CBSERVE_STEP_LOG", str(path))
+    model = model_for("llama")
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall)
+    prompts = [[5 + i + j for j in range(60)] for i in range(3)]  # more than a step's budget: chunked
+    try:
+        generate_batch(model, prompts, continuous_batching_config=config, max_new_tokens=6, do_sample=False,
+                       eos_token_id=None, progress_bar=False, persistent_manager=True)  # fmt: skip
+        engine = getattr(model, CACHED).engine
+        assert engine.scheduler.max_decode_stall == (STREAMING_DECODE_STALL if stall is None else stall)
+    finally:
+        destroy_cached_engine(model)
+    beside = [x["prefill_tokens"] for x in map(json.loads, path.read_text().splitlines()) if x["decode_rows"]]
+    assert beside  # some prompt chunks rode with running decodes
+    # unfitted, the cap is an eighth of the budget, at least one block: 16 tokens
+    assert (max(beside) <= 16) is capped, beside

@@ -26,8 +26,8 @@ NO_EFFECT = {
 }
 _warned: set[str] = set()
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
-# max_decode_stall unset where tokens are streamed; offline batches (generate_batch) leave the cap off: on
-# an offline W3 (long prompts) the cap cost 12-15% (docs/benchmarks.md) and nobody reads the tokens between
+# max_decode_stall unset: the cap where tokens are streamed; offline batches (generate_batch) leave it off:
+# nobody reads their tokens before the batch ends, and on an offline W3 (long prompts) it cost 12-15%
 STREAMING_DECODE_STALL = 4.0
 OFFLINE_DECODE_STALL = 0.0
 

@@ -203,7 +203,9 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
                     engine.add_request(r)
                 engine.step()  # every prompt in one step (64 x 16 tokens fit the budget)
                 assert all(r.num_computed == prompt_len for r in reqs)
-                call = engine.runner.native = _Timed(engine.runner.native) if native else None
+                call = None
+                if native:  # the native call timed inside each step
+                    call = engine.runner.native = _Timed(engine.runner.native)
                 wall, cpu = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     engine.step()

@@ -54,6 +54,10 @@ class ContinuousBatchingConfig:
     # None: STREAMING_DECODE_STALL where tokens are streamed (the manager, the server, LLMEngine), off for
     # offline batches (generate_batch), whose callers read no token until the batch ends.
     max_decode_stall: float | None = None
+    # With that cap on: when at least two requests wait for their first token and they outnumber the decoding
+    # ones, they are prefilled first as a wave (shortest first, uncapped; at most 4 steps' budget of prompt
+    # tokens) and the running decodes wait for it, so that requests that arrive together decode together.
+    prefill_waves: bool = True
     # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
     # transformers resolves it when no logits processor needs vocabulary-sized scratch space.
     max_memory_percent: float | None = 0.9

@@ -167,6 +167,7 @@ class LLMEngine:
             swap=self.swap,
             reserve_blocks=int((config.safety_margin or 0.0) * self.sizes.num_blocks),
             max_decode_stall=STREAMING_DECODE_STALL if config.max_decode_stall is None else config.max_decode_stall,
+            prefill_waves=config.prefill_waves,
         )
         self.requests = self.scheduler.requests  # every unfinished request, by id
         self.scheduler.step_log = step_log

@@ -13,6 +13,16 @@ may be predicted to take at most that many times a step of its decodes alone, by
 to the measured steps (engine/step_cost.py; until it is fitted, an eighth of the budget). The cap is
 never below one block, so the oldest prompt in the queue always moves; with no decode running, the
 whole budget goes to prompts.
+
+Prompts that arrive together are prefilled as a wave (`prefill_waves`, on with the cap): when at least
+two requests wait for their first token and they outnumber the decoding ones, and their prompts fit in
+WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first and without the
+cap, in steps just long enough that a step's fixed cost is WAVE_STEP_FIXED_SHARE of it (so that the
+shortest get their first token early), and the running decodes are held until the last of them has
+its first token. The wave then decodes together, and finishes together when its requests ask for the
+same length: a closed loop of users stays in step instead of spreading every prompt over steps beside
+everyone else's decodes. A held decode waits at most the wave's prefill; a step in which the wave
+cannot move (no block, no slot) runs the decodes instead.
 """
 
 from __future__ import annotations
@@ -28,6 +38,11 @@ from engine.request import ParamError, Request, RequestStatus
 from engine.sampler import SampleResult
 from engine.step_cost import StepCostModel
 from engine.swap import HostSwapPool
+
+WAVE_STEPS = 4  # a wave's prompt tokens fit this many steps' budget: the longest the running decodes are held
+# a wave goes in steps just long enough that their fixed part (reading the weights) is this share of them, so
+# that its shortest prompts get their first token early; within the budget, and the whole budget while unfitted
+WAVE_STEP_FIXED_SHARE = 0.05
 
 
 @dataclass
@@ -59,6 +74,7 @@ class Scheduler:
         swap: HostSwapPool | None = None,
         reserve_blocks: int = 0,
         max_decode_stall: float = 0.0,
+        prefill_waves: bool = True,
     ) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -77,6 +93,8 @@ class Scheduler:
         self.min_prefill_chunk = block_manager.block_size
         self.unfitted_prefill_cap = max(self.min_prefill_chunk, max_batch_tokens // 8)
         self.prefill_cap = max_batch_tokens  # the prompt tokens the last step with decodes could take
+        self.prefill_waves = prefill_waves  # with the cap on: prompts that arrive together go first, as a wave
+        self.wave: set[Request] = set()  # the wave being prefilled: requests still waiting for their first token
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -126,15 +144,47 @@ class Scheduler:
                 "prefill_cap": self.prefill_cap, "waiting": len(self.waiting), "threads": threads}) + "\n")  # fmt: skip
         self.step_cost.observe(decode_rows, prefill, seconds)
 
+    def _wave_step(self) -> bool:
+        """Whether this step prefills a wave with the decodes held: one is under way, or one starts now
+        (its waiting members are put in the queue shortest first, behind preempted requests)."""
+        if not (self.prefill_waves and self.max_decode_stall) or self.prefill_first:
+            return False
+        self.wave = {req for req in self.wave if req.request_id in self.requests and not req.num_generated}
+        if self.wave:
+            return True
+        first = [req for req in (*self.running, *self.waiting) if not req.num_generated]
+        decodes = sum(1 for req in self.running if req.num_generated and not _prompt_row(req))
+        if len(first) < 2 or len(first) <= decodes:
+            return False
+        left = sum(req.num_prompt_tokens - (req.num_computed if req in self.running else 0) for req in first)
+        if left > WAVE_STEPS * self.max_batch_tokens:
+            return False
+        self.wave = set(first)
+        # a new deque, not the old one sorted in place: another thread may copy the old one meanwhile
+        self.waiting = deque(sorted(self.waiting, key=lambda req: (req in self.wave, req.num_prompt_tokens)))
+        return True
+
     def schedule(self) -> ScheduledBatch:
-        budget = [self.max_batch_tokens, self.prefill_budget()]  # all tokens; prompt tokens
+        wave = self._wave_step()
+        batch = self._schedule(hold_decodes=wave)
+        if wave and not batch:  # the wave cannot move this step (no block or slot for it): the decodes run
+            batch = self._schedule(hold_decodes=False)
+        return batch
+
+    def _schedule(self, hold_decodes: bool) -> ScheduledBatch:
+        if hold_decodes:
+            step = self.step_cost.prefill_tokens_for_share(WAVE_STEP_FIXED_SHARE) or self.max_batch_tokens
+            step = min(self.max_batch_tokens, max(self.min_prefill_chunk, step))
+            budget = [step, step]  # all tokens; prompt tokens
+        else:
+            budget = [self.max_batch_tokens, self.prefill_budget()]
         chosen: dict[Request, int] = {}
         self._copies: list[tuple[int, int]] = []
         if self.prefill_first:
             self._admit_waiting(chosen, budget)
             self._schedule_running(chosen, budget)
         else:
-            if not self._schedule_running(chosen, budget):
+            if not self._schedule_running(chosen, budget, hold_decodes):
                 self._admit_waiting(chosen, budget)
         items = sorted(chosen.items(), key=lambda item: item[1] != 1)  # stable: decodes first
         batch = ScheduledBatch(items, self._copies)
@@ -180,13 +230,16 @@ class Scheduler:
             self.remove(req)
         return ended
 
-    def _schedule_running(self, chosen: dict[Request, int], budget: list[int]) -> bool:
-        """Give running requests their tokens; returns True if anything was preempted."""
+    def _schedule_running(self, chosen: dict[Request, int], budget: list[int], hold_decodes: bool = False) -> bool:
+        """Give running requests their tokens (with `hold_decodes`, only prompt rows); returns True if
+        anything was preempted."""
         preempted = False
         for req in list(self.running):
             if budget[0] == 0:
                 break
             if req in chosen or req not in self.running:  # admitted this step, or preempted just now
+                continue
+            if hold_decodes and not _prompt_row(req):
                 continue
             n = min(req.num_tokens - req.num_computed, budget[0])
             if _prompt_row(req):

@@ -99,10 +99,11 @@ def test_fitted_the_cap_follows_the_model() -> None:
     assert prompt_tokens(batch) == 58 == s.prefill_cap
 
 
-def test_under_preemption_the_cap_holds_and_everything_finishes() -> None:
+@pytest.mark.parametrize("waves", [False, True], ids=["cap", "waves"])
+def test_under_preemption_the_cap_holds_and_everything_finishes(waves: bool) -> None:
     """A cache too small for all: requests are preempted and recomputed (their recompute is prompt work, capped
-    like a prompt), and every request still finishes."""
-    s = scheduler(stall=1.0, blocks=12)
+    like a prompt), and every request still finishes; with prefill waves too (their steps hold the decodes)."""
+    s = scheduler(stall=1.0, blocks=12, prefill_waves=waves)
     for i in range(3):
         s.add(request(i, 40, max_new=60))
     run_step(s)
@@ -113,7 +114,7 @@ def test_under_preemption_the_cap_holds_and_everything_finishes() -> None:
             break
         decoding = any(r.num_tokens - r.num_computed == 1 for r in s.running)
         batch = run_step(s)
-        if decoding:
+        if decoding and not s.wave:
             assert prompt_tokens(batch) <= BLOCK
     assert not s.has_unfinished() and s.num_preemptions > 0
     assert s.bm.num_free == s.bm.num_blocks
@@ -124,6 +125,86 @@ def test_prefill_first_is_capped_too() -> None:
     with_decodes(s, decodes=3)
     batch = run_step(s)
     assert prompt_tokens(batch) == BLOCK and sum(1 for _, n in batch.items if n == 1) == 3
+
+
+def decode_rows(batch) -> list[str]:
+    return [r.request_id for r, n in batch.items if n == 1]
+
+
+def test_prompts_that_arrive_together_are_prefilled_as_a_wave_and_decode_together() -> None:
+    """One request decoding, six prompts arriving at once: they outnumber it, so they are prefilled first,
+    shortest first and without the cap, the decode held until the last has its first token; then all seven
+    decode in the same steps. With prefill_waves off the decode runs every step beside capped chunks."""
+    lengths = [300, 100, 200, 150, 250, 120]  # 1,120 prompt tokens: within WAVE_STEPS steps' budget
+    for waves in (True, False):
+        s = scheduler(stall=4.0, prefill_waves=waves)
+        s.add(request(0, 40))
+        run_step(s)  # r0 prefilled, decoding
+        for i, n in enumerate(lengths, start=1):
+            s.add(request(i, n))
+        steps = []
+        while any(not s.requests[f"r{i}"].num_generated for i in range(1, 7)):
+            steps.append(run_step(s))
+        if not waves:
+            assert all(decode_rows(b) and decode_rows(b)[0] == "r0" for b in steps)  # r0 never waits
+            assert max(prompt_tokens(b) for b in steps) == BUDGET // 8  # the unfitted cap
+            continue
+        assert all(not decode_rows(b) for b in steps)  # r0 held through the wave
+        assert [prompt_tokens(b) for b in steps] == [512, 512, 96]  # the whole budget, uncapped
+        first = [r.request_id for r, _ in steps[0].items]
+        assert first[:3] == ["r2", "r6", "r4"]  # shortest first: 100, 120, 150 tokens
+        after = run_step(s)
+        assert sorted(decode_rows(after)) == [f"r{i}" for i in range(7)] and not prompt_tokens(after)
+        assert not s.wave or all(r.num_generated for r in s.wave)
+
+
+def test_a_fitted_wave_goes_in_steps_whose_fixed_part_is_a_twentieth() -> None:
+    """Steps cost 10 ms + 1 ms a decode row + 0.5 ms a prompt token (+ 0): a wave step holds the fewest prompt
+    tokens that make the 10 ms 5% of it, 10 * 0.95 / (0.05 * 0.5) = 380."""
+    s = scheduler(stall=4.0)
+    for d, p in [(0, 100), (0, 300), (0, 50), (0, 200), (1, 0), (2, 0), (4, 0), (8, 0)]:
+        s.step_cost.observe(d, p, 0.010 + 0.001 * d + 0.0005 * p)
+    assert s.step_cost.prefill_tokens_for_share(0.05) == 380
+    s.add(request(0, 40))
+    run_step(s)
+    for i in range(1, 5):
+        s.add(request(i, 300))
+    assert [prompt_tokens(run_step(s)) for _ in range(4)] == [380, 380, 380, 60] and s.wave
+
+
+def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_long() -> None:
+    """Two prompts beside two decodes, or two prompts longer than WAVE_STEPS steps' budget beside one: the
+    decodes run every step and the prompts go in capped chunks."""
+    from engine.scheduler import WAVE_STEPS
+
+    for decodes, prompt_len in ((2, 200), (1, WAVE_STEPS * BUDGET)):  # (the bound holds what is left to prefill)
+        s = scheduler(stall=4.0)
+        for i in range(decodes):
+            s.add(request(i, 40))
+        run_step(s)
+        s.add(request(10, prompt_len))
+        s.add(request(11, prompt_len))
+        for _ in range(4):
+            batch = run_step(s)
+            assert len(decode_rows(batch)) == decodes and 0 < prompt_tokens(batch) <= BUDGET // 8
+        assert not s.wave
+
+
+def test_a_wave_that_cannot_move_lets_the_decodes_run() -> None:
+    """No block free for the wave's prompts: the step runs the decodes instead of nothing, and the wave goes
+    in once they finish and give their blocks back."""
+    s = scheduler(stall=4.0, blocks=6)
+    s.add(request(0, 60, max_new=10))  # 4 blocks, then a 5th while decoding
+    run_step(s)
+    s.add(request(1, 80, max_new=4))  # 5 blocks each: neither fits beside r0, nor does a capped chunk of 64
+    s.add(request(2, 80, max_new=4))
+    batch = run_step(s)
+    assert decode_rows(batch) == ["r0"] and not prompt_tokens(batch) and s.wave
+    for _ in range(100):
+        if not s.has_unfinished():
+            break
+        run_step(s)
+    assert not s.has_unfinished() and s.bm.num_free == s.bm.num_blocks
 
 
 def test_the_cost_model_fits_a_line() -> None:
@@ -231,7 +312,8 @@ def test_an_offline_batch_leaves_the_cap_off_unless_it_is_set(tmp_path, monkeypa
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv("CBSERVE_STEP_LOG", str(path))
     model = model_for("llama")
-    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall)
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall,
+                                      prefill_waves=False)  # a wave would hold the decodes: no chunk beside them
     prompts = [[5 + i + j for j in range(60)] for i in range(3)]  # more than a step's budget: chunked
     try:
         generate_batch(model, prompts, continuous_batching_config=config, max_new_tokens=6, do_sample=False,

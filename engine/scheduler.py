@@ -141,7 +141,8 @@ class Scheduler:
             self.step_log.write(json.dumps({
                 "t": round(time.time(), 4), "decode_rows": decode_rows, "prefill_tokens": prefill,
                 "seconds": round(seconds, 5), "predicted": None if predicted is None else round(predicted, 5),
-                "prefill_cap": self.prefill_cap, "waiting": len(self.waiting), "threads": threads}) + "\n")  # fmt: skip
+                "prefill_cap": self.prefill_cap, "waiting": len(self.waiting), "threads": threads,
+                "wave": bool(self.wave)}) + "\n")  # fmt: skip
         self.step_cost.observe(decode_rows, prefill, seconds)
 
     def _wave_step(self) -> bool:

@@ -149,7 +149,7 @@ def test_prompts_that_arrive_together_are_prefilled_as_a_wave_and_decode_togethe
             assert all(decode_rows(b) and decode_rows(b)[0] == "r0" for b in steps)  # r0 never waits
             assert max(prompt_tokens(b) for b in steps) == BUDGET // 8  # the unfitted cap
             continue
-        assert all(not decode_rows(b) for b in steps)  # r0 held through the wave
+        assert all(not decode_rows(b) for b in steps) and s.wave  # r0 held through the wave
         assert [prompt_tokens(b) for b in steps] == [512, 512, 96]  # the whole budget, uncapped
         first = [r.request_id for r, _ in steps[0].items]
         assert first[:3] == ["r2", "r6", "r4"]  # shortest first: 100, 120, 150 tokens
@@ -259,6 +259,7 @@ def test_the_step_log_has_a_line_a_step_with_what_it_carried(tmp_path) -> None:
     assert [(x["decode_rows"], x["prefill_tokens"]) for x in lines] == carried
     assert [x["seconds"] for x in lines] == [round(0.1 + 0.01 * i, 5) for i in range(3 * MIN_SAMPLES)]
     assert lines[0]["predicted"] is None and all(x["waiting"] == 0 and x["prefill_cap"] > 0 for x in lines)
+    assert not any(x["wave"] for x in lines)  # one prompt beside four decodes: capped chunks, no wave
 
 
 def test_cbserve_step_log_traces_an_engines_steps(tmp_path, monkeypatch) -> None:

@@ -57,7 +57,8 @@ class ContinuousBatchingConfig:
     # With that cap on: when at least two requests wait for their first token and they outnumber the decoding
     # ones, they are prefilled first as a wave (shortest first, uncapped; at most 4 steps' budget of prompt
     # tokens) and the running decodes wait for it, so that requests that arrive together decode together.
-    prefill_waves: bool = True
+    # Off by default: with short outputs the pause after a wave's first tokens becomes the inter-token tail.
+    prefill_waves: bool = False
     # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
     # transformers resolves it when no logits processor needs vocabulary-sized scratch space.
     max_memory_percent: float | None = 0.9

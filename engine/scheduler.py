@@ -14,7 +14,7 @@ to the measured steps (engine/step_cost.py; until it is fitted, an eighth of the
 never below one block, so the oldest prompt in the queue always moves; with no decode running, the
 whole budget goes to prompts.
 
-Prompts that arrive together are prefilled as a wave (`prefill_waves`, on with the cap): when at least
+Prompts that arrive together can be prefilled as a wave (`prefill_waves`, off by default): when at least
 two requests wait for their first token and they outnumber the decoding ones, and their prompts fit in
 WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first and without the
 cap, in steps just long enough that a step's fixed cost is WAVE_STEP_FIXED_SHARE of it (so that the
@@ -74,7 +74,7 @@ class Scheduler:
         swap: HostSwapPool | None = None,
         reserve_blocks: int = 0,
         max_decode_stall: float = 0.0,
-        prefill_waves: bool = True,
+        prefill_waves: bool = False,
     ) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens

@@ -158,10 +158,24 @@ def test_prompts_that_arrive_together_are_prefilled_as_a_wave_and_decode_togethe
         assert not s.wave or all(r.num_generated for r in s.wave)
 
 
+def test_waves_are_off_unless_asked_for() -> None:
+    """The default: every prompt goes under the cap, whatever arrives together."""
+    from engine import ContinuousBatchingConfig
+
+    s = Scheduler(BlockManager(256, BLOCK), BUDGET, max_running=64, max_decode_stall=4.0)
+    assert not s.prefill_waves and ContinuousBatchingConfig().prefill_waves is False
+    s.add(request(0, 40))
+    run_step(s)
+    for i in range(1, 7):
+        s.add(request(i, 200))
+    batch = run_step(s)
+    assert decode_rows(batch) == ["r0"] and prompt_tokens(batch) == BUDGET // 8 and not s.wave
+
+
 def test_a_fitted_wave_goes_in_steps_whose_fixed_part_is_a_twentieth() -> None:
     """Steps cost 10 ms + 1 ms a decode row + 0.5 ms a prompt token (+ 0): a wave step holds the fewest prompt
     tokens that make the 10 ms 5% of it, 10 * 0.95 / (0.05 * 0.5) = 380."""
-    s = scheduler(stall=4.0)
+    s = scheduler(stall=4.0, prefill_waves=True)
     for d, p in [(0, 100), (0, 300), (0, 50), (0, 200), (1, 0), (2, 0), (4, 0), (8, 0)]:
         s.step_cost.observe(d, p, 0.010 + 0.001 * d + 0.0005 * p)
     assert s.step_cost.prefill_tokens_for_share(0.05) == 380
@@ -178,7 +192,7 @@ def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_l
     from engine.scheduler import WAVE_STEPS
 
     for decodes, prompt_len in ((2, 200), (1, WAVE_STEPS * BUDGET)):  # (the bound holds what is left to prefill)
-        s = scheduler(stall=4.0)
+        s = scheduler(stall=4.0, prefill_waves=True)
         for i in range(decodes):
             s.add(request(i, 40))
         run_step(s)
@@ -193,7 +207,7 @@ def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_l
 def test_a_wave_that_cannot_move_lets_the_decodes_run() -> None:
     """No block free for the wave's prompts: the step runs the decodes instead of nothing, and the wave goes
     in once they finish and give their blocks back."""
-    s = scheduler(stall=4.0, blocks=6)
+    s = scheduler(stall=4.0, blocks=6, prefill_waves=True)
     s.add(request(0, 60, max_new=10))  # 4 blocks, then a 5th while decoding
     run_step(s)
     s.add(request(1, 80, max_new=4))  # 5 blocks each: neither fits beside r0, nor does a capped chunk of 64
@@ -313,8 +327,7 @@ def test_an_offline_batch_leaves_the_cap_off_unless_it_is_set(tmp_path, monkeypa
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv("CBSERVE_STEP_LOG", str(path))
     model = model_for("llama")
-    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall,
-                                      prefill_waves=False)  # a wave would hold the decodes: no chunk beside them
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall)
     prompts = [[5 + i + j for j in range(60)] for i in range(3)]  # more than a step's budget: chunked
     try:
         generate_batch(model, prompts, continuous_batching_config=config, max_new_tokens=6, do_sample=False,

@@ -204,6 +204,17 @@ def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_l
         assert not s.wave
 
 
+def test_prefill_first_makes_no_wave() -> None:
+    """Under prefill_first prompts already go first (capped beside the decodes): waves stay out of it."""
+    s = scheduler(stall=4.0, prefill_waves=True, prefill_first=True)
+    s.add(request(0, 40))
+    run_step(s)
+    for i in range(1, 7):
+        s.add(request(i, 200))
+    batch = run_step(s)
+    assert decode_rows(batch) == ["r0"] and prompt_tokens(batch) == BUDGET // 8 and not s.wave
+
+
 def test_a_wave_that_cannot_move_lets_the_decodes_run() -> None:
     """No block free for the wave's prompts: the step runs the decodes instead of nothing, and the wave goes
     in once they finish and give their blocks back."""

@@ -149,6 +149,7 @@ class Scheduler:
         """Whether this step prefills a wave with the decodes held: one is under way, or one starts now
         (its waiting members are put in the queue shortest first, behind preempted requests)."""
         if not (self.prefill_waves and self.max_decode_stall) or self.prefill_first:
+            self.wave.clear()  # (a cap turned off for an offline batch ends a wave under way)
             return False
         self.wave = {req for req in self.wave if req.request_id in self.requests and not req.num_generated}
         if self.wave:
@@ -157,7 +158,7 @@ class Scheduler:
         decodes = sum(1 for req in self.running if req.num_generated and not _prompt_row(req))
         if len(first) < 2 or len(first) <= decodes:
             return False
-        left = sum(req.num_prompt_tokens - (req.num_computed if req in self.running else 0) for req in first)
+        left = sum(req.num_prompt_tokens - req.num_computed for req in first)  # a waiting request's is 0
         if left > WAVE_STEPS * self.max_batch_tokens:
             return False
         self.wave = set(first)

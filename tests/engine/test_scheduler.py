@@ -158,12 +158,14 @@ def test_prompts_that_arrive_together_are_prefilled_as_a_wave_and_decode_togethe
         assert not s.wave or all(r.num_generated for r in s.wave)
 
 
-def test_waves_are_off_unless_asked_for() -> None:
-    """The default: every prompt goes under the cap, whatever arrives together."""
+@pytest.mark.parametrize("kw", [{}, {"prefill_waves": True, "prefill_first": True}], ids=["default", "prefill-first"])
+def test_no_wave_by_default_nor_under_prefill_first(kw) -> None:
+    """Six prompts arriving together beside one decode: by default (waves off) and under prefill_first (prompts
+    go first anyway, capped beside the decodes) every prompt goes under the cap and the decode runs."""
     from engine import ContinuousBatchingConfig
 
-    s = Scheduler(BlockManager(256, BLOCK), BUDGET, max_running=64, max_decode_stall=4.0)
-    assert not s.prefill_waves and ContinuousBatchingConfig().prefill_waves is False
+    s = Scheduler(BlockManager(256, BLOCK), BUDGET, max_running=64, max_decode_stall=4.0, **kw)
+    assert ContinuousBatchingConfig().prefill_waves is False
     s.add(request(0, 40))
     run_step(s)
     for i in range(1, 7):
@@ -204,15 +206,19 @@ def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_l
         assert not s.wave
 
 
-def test_prefill_first_makes_no_wave() -> None:
-    """Under prefill_first prompts already go first (capped beside the decodes): waves stay out of it."""
-    s = scheduler(stall=4.0, prefill_waves=True, prefill_first=True)
+def test_turning_the_cap_off_ends_a_wave() -> None:
+    """generate_batch turns a kept engine's cap off for its batch: a wave under way ends there (its step log
+    says no wave), and the held decode runs again beside uncapped prompt chunks."""
+    s = scheduler(stall=4.0, prefill_waves=True)
     s.add(request(0, 40))
     run_step(s)
-    for i in range(1, 7):
-        s.add(request(i, 200))
+    for i in range(1, 5):
+        s.add(request(i, 300))
+    assert not decode_rows(run_step(s)) and s.wave
+    s.max_decode_stall = 0.0
     batch = run_step(s)
-    assert decode_rows(batch) == ["r0"] and prompt_tokens(batch) == BUDGET // 8 and not s.wave
+    rows = decode_rows(batch)  # r0 and the wave's first member, prefilled whole in the wave's step
+    assert rows == ["r0", "r1"] and prompt_tokens(batch) == BUDGET - len(rows) and not s.wave
 
 
 def test_a_wave_that_cannot_move_lets_the_decodes_run() -> None:

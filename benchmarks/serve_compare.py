@@ -99,9 +99,11 @@ def vllm_target(variant: str, folder: Path, name: str = "vllm") -> Target:
 
 
 def choose_preload(make: Callable[[str], Target], variants: list[str], args: argparse.Namespace, out: Path,
-                   seconds: float, rounds: int = 2) -> tuple[str, dict[str, float], Target]:  # fmt: skip
+                   seconds: float, rounds: int = 2, first_seed: int = 0) -> tuple[str, dict[str, float], Target]:  # fmt: skip
     """Start a server per variant, run the lockstep load on each for `seconds`, `rounds` times
-    alternating, stop all but the fastest (output tok/s) and return it still running, with the figures."""
+    alternating (the k-th run of each with prompt seed `first_seed` + k, seeds no measured load uses, so
+    the server kept does not meet the loads' prompts in its prefix cache), stop all but the fastest
+    (output tok/s) and return it still running, with the figures."""
     started = {v: make(v) for v in variants}
     try:
         for v, t in started.items():
@@ -116,7 +118,7 @@ def choose_preload(make: Callable[[str], Target], variants: list[str], args: arg
 
         def run(v: str) -> float:
             runs[v] += 1
-            result = run_locust(started[v], out / v / f"run{runs[v]}", args.users, brief)
+            result = run_locust(started[v], out / v / f"run{runs[v]}", args.users, brief, seed=first_seed + runs[v] - 1)
             return result.summary["output_throughput"]
 
         figures = vllm_peer.calibrate({v: (lambda v=v: run(v)) for v in variants}, rounds)
@@ -179,8 +181,9 @@ def main(argv: list[str]) -> int:
                 variants = vllm_peer.preload_variants() if opts.vllm_preload == "auto" else [opts.vllm_preload]
                 if len(variants) > 1:
                     where = Path(args.out) / "vllm-preload"
+                    after_loads = args.seed + len(loads) * args.rounds  # the loads' seeds: loadtest/loads.py
                     chosen, figures, vllm = choose_preload(lambda v: vllm_target(v, folder), variants, args, where,
-                                                           opts.calibration_s)  # fmt: skip
+                                                           opts.calibration_s, first_seed=after_loads)  # fmt: skip
                 else:
                     chosen, figures, vllm = variants[0], {}, vllm_target(variants[0], folder)
                 notes.append(preload_note(chosen, figures, opts.calibration_s))

@@ -3,7 +3,8 @@
 Every target is started (or reached) and made ready first, warmed with two short requests, then
 measured one at a time, the order rotating each round (A B C, then B C A, ...), so no server
 always runs first or last. Within a round every target gets the same prompts (seed --seed + round);
-each round draws new ones, so no round finds the last one's prompts in a prefix cache. Servers
+each round draws new ones, and each load its own (loadtest/loads.py), so no round finds an earlier
+one's prompts in a prefix cache. Servers
 wait idle while another is measured; the report says how much CPU each used meanwhile, since on a
 small machine an idle server that spins would slow the others. It also gives each started
 server's CPU time per 1,000 output tokens while measured, the cores it kept busy (its CPU-seconds in
@@ -208,7 +209,7 @@ def compare(targets: list[Target], args: argparse.Namespace, loads: list[Load] |
             warm_up(t, args.endpoint)
             print(f"{t.name} ready at {t.url} ({t.model_name}; readiness from {t.readiness})", flush=True)
         traces = {t.name: CpuTrace(t.cpu_seconds).start() for t in targets if t.command}
-        for load in loads:
+        for index, load in enumerate(loads):
             rate = load.rate
             if load.open_loop and rate is None:
                 if load.rate_from not in measured:
@@ -220,7 +221,7 @@ def compare(targets: list[Target], args: argparse.Namespace, loads: list[Load] |
                     rate = open_loop_rate(throughputs, load.rate_fraction)
                 except ValueError as exc:
                     raise UsageError(f"{load.name}: {exc}", 1) from None
-            largs = load_args(args, load, rate)
+            largs = load_args(args, load, rate, index)
             title = describe(load, largs, rate)
             if not single:
                 print(f"\n{title}", flush=True)

@@ -4,6 +4,10 @@ A closed loop keeps `--users` requests in flight; with every request asking for 
 tokens the users fall into step (they are admitted together and finish together), so a comparison
 also runs one whose output lengths are drawn from a range, and an open loop whose Poisson arrivals
 come at a rate set from the closed-loop results: a fraction of the slowest server's request throughput.
+
+Each load draws prompts of its own: load i's round r is seeded --seed + i x rounds + r, so no load finds
+an earlier load's prompts in a server's prefix cache (a server with a larger KV cache would keep more
+of them, and its time to first token would show its cache, not its prefill).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ def open_loop_rate(request_throughputs: dict[str, float], fraction: float = 0.8)
     return fraction * min(measured)
 
 
-def load_args(args: argparse.Namespace, load: Load, rate: float | None) -> argparse.Namespace:
-    """The run's flags with the load's output lengths and arrival rate."""
+def load_args(args: argparse.Namespace, load: Load, rate: float | None, index: int = 0) -> argparse.Namespace:
+    """The run's flags with the load's output lengths and arrival rate, and for the load at `index` in the
+    run order the first of its own --rounds prompt seeds."""
     out = copy.copy(args)
+    out.seed = args.seed + index * args.rounds
     if load.output_len is not None:
         out.output_len = load.output_len
     out.rate = rate if load.open_loop else None

@@ -39,9 +39,9 @@ NEEDS = {
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
-# flags named in describe(): the ones the code above asks about
+# flags named in describe(): the ones the code above asks about, and VNNI (engine/csrc/quant_cpu.cpp's integer dots)
 SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_fp16",
-         "avx_ne_convert", "amx_bf16")  # fmt: skip
+         "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_bf16")  # fmt: skip
 
 
 @dataclass(frozen=True)

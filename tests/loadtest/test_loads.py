@@ -83,7 +83,7 @@ def test_the_open_loop_rate_is_a_fraction_of_the_slowest() -> None:
 
 
 def test_a_load_overrides_only_its_own_flags() -> None:
-    args = argparse.Namespace(output_len="128", rate=3.0, users=16)
+    args = argparse.Namespace(output_len="128", rate=3.0, users=16, seed=5, rounds=2)
     closed = load_args(args, Load("lockstep", "lockstep"), None)
     assert (closed.output_len, closed.rate, closed.users) == ("128", None, 16)
     drawn = load_args(args, Load("desync", "desync", output_len="32:224"), None)
@@ -91,6 +91,16 @@ def test_a_load_overrides_only_its_own_flags() -> None:
     opened = load_args(args, Load("poisson", "open", output_len="32:224", open_loop=True), 1.25)
     assert (opened.output_len, opened.rate) == ("32:224", 1.25)
     assert args.output_len == "128" and args.rate == 3.0  # the run's own flags untouched
+
+
+def test_each_load_draws_prompts_no_other_load_draws() -> None:
+    """Load i's rounds are seeded seed + i x rounds + r: no load meets an earlier one's prompts in a prefix cache."""
+    args = argparse.Namespace(output_len="128", rate=None, users=16, seed=5, rounds=2)
+    loads = [Load("lockstep", "lockstep"), Load("desync", "desync", output_len="32:224"),
+             Load("poisson", "open", output_len="32:224", open_loop=True)]  # fmt: skip
+    seeds = [load_args(args, load, 1.0, i).seed + r for i, load in enumerate(loads) for r in range(args.rounds)]
+    assert seeds == [5, 6, 7, 8, 9, 10]
+    assert load_args(args, loads[0], None).seed == 5 and args.seed == 5  # one load: the run's own seeds
 
 
 def test_the_cpu_trace_reads_a_window_between_samples() -> None:

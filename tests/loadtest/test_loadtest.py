@@ -286,6 +286,9 @@ def test_compare_runs_each_load_and_derives_the_open_loop_rate(standin, tmp_path
         poisson = report["loads"]["poisson"]["targets"][name]
         assert poisson["open_loop"]["offered_rate"] == pytest.approx(0.8 * slowest) and poisson["completed"] > 0
         assert (out / "poisson" / name / "round1" / "summary.json").is_file()
+    seeds = {load: json.loads((out / load / "fast" / "round1" / "summary.json").read_text())["settings"]["seed"]
+             for load in ("lockstep", "desync", "poisson")}  # fmt: skip
+    assert seeds == {"lockstep": 0, "desync": 1, "poisson": 2}  # each load its own prompts
     for load in ("lockstep", "desync", "poisson"):
         section = report["loads"][load]
         assert section["busy_cpu_seconds"]["fast"] is None and section["busy_cpu_seconds"]["slow"] > 0

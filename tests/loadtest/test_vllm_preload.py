@@ -4,6 +4,7 @@ kept; and serve_compare's calibration, run on two real stand-in servers (no vLLM
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -110,13 +111,18 @@ def test_serve_compare_keeps_the_faster_server_running_and_stops_the_other(monke
 
     args = parse_compare_args(["--users", "2", "--output-len", "6", "--input-len", "5:20", "--endpoint",
                                "completions", "--out", str(tmp_path)], targets=[])  # fmt: skip
-    chosen, figures, kept = serve_compare.choose_preload(make, ["tcmalloc", "tcmalloc+iomp5"], args, tmp_path, 2.0)
+    chosen, figures, kept = serve_compare.choose_preload(make, ["tcmalloc", "tcmalloc+iomp5"], args, tmp_path, 2.0,
+                                                         first_seed=100)  # fmt: skip
     try:
         assert chosen == "tcmalloc+iomp5" and figures["tcmalloc+iomp5"] > 2 * figures["tcmalloc"] > 0
         assert kept is made["tcmalloc+iomp5"] and kept.proc.poll() is None
         assert made["tcmalloc"].proc.poll() is not None  # the slower one was stopped
         assert (tmp_path / "tcmalloc" / "run2" / "summary.json").is_file()
         assert (tmp_path / "tcmalloc+iomp5" / "run2" / "summary.json").is_file()
+        for variant in ("tcmalloc", "tcmalloc+iomp5"):  # each run its own prompts, the same for both variants
+            seeds = [json.loads((tmp_path / variant / f"run{k}" / "summary.json").read_text())["settings"]["seed"]
+                     for k in (1, 2)]  # fmt: skip
+            assert seeds == [100, 101]
         note = serve_compare.preload_note(chosen, figures, 2.0)
         assert "tcmalloc+iomp5" in note and f"{figures['tcmalloc']:.1f}" in note and "2 alternating runs" in note
     finally:

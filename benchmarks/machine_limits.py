@@ -6,8 +6,11 @@
 Memory bandwidth as STREAM measures it: float64 arrays each at least four times the last-level
 cache (read from /sys; capped at a sixth of the free memory), `copy` (a = b) counted as 2 arrays
 x 8 bytes per element and `triad` (a = b + s*c, one fused torch.add) as 3 x 8, best of --repeats,
-on all cores through torch's threads (--threads to pick). The product peak: torch.matmul (oneDNN)
-of two n x n matrices, 2 n^3 flops, best of --repeats, in float32 and in bfloat16; the bf16 line
+on all cores through torch's threads (--threads to pick). The product peak: the faster of
+torch.matmul and oneDNN's packed product (the one cbserve's linear layers use above its panel
+kernel's rows; torch.matmul's float32 goes to MKL, which on an AMD CPU takes its AVX2 path: 197
+against oneDNN's 441 GFLOP/s on a Zen 5) of two n x n matrices, 2 n^3 flops, best of --repeats,
+in float32 and in bfloat16, the source named; the bf16 line
 says whether the CPU multiplies bf16 with its own dot-product instructions (AVX-512 BF16, AMX) or
 oneDNN emulates them (then at half n, at most 512: an emulated product ran at about 1 GFLOP/s on
 an AVX2-only Zen 3 with torch 2.13, where n = 2048 took minutes).
@@ -24,12 +27,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.backends.cpu_isa import capabilities, dot_product_instructions
+from engine.backends.cpu_linear import packing_available
 
 MIB = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -42,9 +46,10 @@ class Limits:
     array_mib: float  # each of the STREAM arrays
     copy_gbs: float
     triad_gbs: float
-    peak_gflops: dict[str, float]  # torch.matmul, by dtype name
+    peak_gflops: dict[str, float]  # the faster product, by dtype name
     native: dict[str, bool]  # whether the CPU has dot-product instructions for the dtype
     matmul_n: dict[str, int]
+    peak_source: dict[str, str] = field(default_factory=dict)  # "torch.matmul" or "oneDNN packed", by dtype name
 
     def peak(self, dtype: str) -> float:
         """The product peak a `dtype` model can reach: its own, or float32's where that is faster (any
@@ -144,11 +149,30 @@ def matmul_size(native: bool, n: int) -> int:
     return n if native else max(16, min(n // 2, EMULATED_MAX_N))
 
 
-def matmul_gflops(dtype: torch.dtype, n: int, repeats: int) -> float:
+def matmul_gflops(dtype: torch.dtype, n: int, repeats: int, packed: bool = False) -> float:
+    """GFLOP/s of an n x n x n product: torch.matmul, or with `packed` oneDNN's product on a weight
+    packed in its blocked layout, as engine/backends/cpu_linear.py calls it."""
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+    if packed:
+        w = torch.ops.mkldnn._reorder_linear_weight(y, n)
+        seconds = best_time(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), repeats)
+        return 2 * n**3 / seconds / 1e9
     out = torch.empty(n, n, dtype=dtype)
     return 2 * n**3 / best_time(lambda: torch.matmul(x, y, out=out), repeats) / 1e9
+
+
+def product_peak(dtype: torch.dtype, n: int, repeats: int, native: bool) -> tuple[float, str]:
+    """The faster of torch.matmul and oneDNN's packed product (where torch has packing and the CPU
+    multiplies the dtype itself: oneDNN's emulated bf16 is slower still), with its name."""
+    figures = {"torch.matmul": matmul_gflops(dtype, n, repeats)}
+    if native and packing_available():
+        try:
+            figures["oneDNN packed"] = matmul_gflops(dtype, n, repeats, packed=True)
+        except RuntimeError as exc:  # this torch/oneDNN build cannot pack the dtype
+            print(f"machine_limits: oneDNN's packed {dtype} product not measured ({exc})", file=sys.stderr)
+    source = max(figures, key=figures.__getitem__)
+    return figures[source], source
 
 
 def measure(threads: int | None = None, array_mib: float | None = None, repeats: int = 10,
@@ -162,9 +186,11 @@ def measure(threads: int | None = None, array_mib: float | None = None, repeats:
         copy_gbs, triad_gbs = stream(array_mib, repeats)
         native = {name: name == "float32" or dot_product_instructions(dtype) for name, dtype in DTYPES.items()}
         sizes = {name: matmul_size(native[name], matmul_n) for name in DTYPES}
-        peaks = {name: matmul_gflops(dtype, sizes[name], max(1, repeats // 2)) for name, dtype in DTYPES.items()}
-        return Limits(capabilities().describe(), torch.get_num_threads(), array_mib, copy_gbs, triad_gbs, peaks,
-                      native, sizes)  # fmt: skip
+        peaks = {name: product_peak(dtype, sizes[name], max(1, repeats // 2), native[name])
+                 for name, dtype in DTYPES.items()}  # fmt: skip
+        return Limits(capabilities().describe(), torch.get_num_threads(), array_mib, copy_gbs, triad_gbs,
+                      {name: p[0] for name, p in peaks.items()}, native, sizes,
+                      {name: p[1] for name, p in peaks.items()})  # fmt: skip
     finally:
         torch.set_num_threads(before)
 
@@ -174,13 +200,15 @@ def describe(limits: Limits) -> str:
              f"memory bandwidth (STREAM, float64, 3 arrays of {limits.array_mib:,.0f} MiB, best of the repeats):",
              f"  copy   a = b        {limits.copy_gbs:8.1f} GB/s",
              f"  triad  a = b + s*c  {limits.triad_gbs:8.1f} GB/s",
-             "matrix product peak (torch.matmul, n x n, 2 n^3 flops, best of the repeats):"]  # fmt: skip
+             "matrix product peak (the faster of torch.matmul and oneDNN's packed product, n x n, 2 n^3 flops, "
+             "best of the repeats):"]  # fmt: skip
     for name, gflops in limits.peak_gflops.items():
-        how = ""
+        how = [limits.peak_source[name]] if name in limits.peak_source else []
         if name != "float32":
-            how = (" (the CPU's bf16 dot-product instructions)" if limits.native[name]
-                   else " (emulated: no bf16 dot-product instructions on this CPU; a smaller n)")  # fmt: skip
-        lines.append(f"  {name:<9} n={limits.matmul_n[name]:<6}{gflops:8.1f} GFLOP/s{how}")
+            how.append("the CPU's bf16 dot-product instructions" if limits.native[name]
+                       else "emulated: no bf16 dot-product instructions on this CPU; a smaller n")  # fmt: skip
+        note = f" ({'; '.join(how)})" if how else ""
+        lines.append(f"  {name:<9} n={limits.matmul_n[name]:<6}{gflops:8.1f} GFLOP/s{note}")
     return "\n".join(lines)
 
 

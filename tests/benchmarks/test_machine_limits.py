@@ -71,6 +71,24 @@ def test_a_tiny_measurement_gives_positive_figures_and_says_how_bf16_is_multipli
     text = limits_module.describe(limits)
     assert text.startswith(f"host: {capabilities().describe()}\n") and "triad  a = b + s*c" in text
     assert ("emulated" in text) is not native
+    # float32 from whichever of the two products was faster; an emulated bf16 product is not packed
+    assert limits.peak_source["float32"] in {"torch.matmul", "oneDNN packed"}
+    assert limits.peak_source["bfloat16"] in ({"torch.matmul", "oneDNN packed"} if native else {"torch.matmul"})
+    assert f"({limits.peak_source['float32']})" in text
+
+
+def test_without_onednn_packing_the_peak_is_torch_matmul(limits_module, monkeypatch) -> None:
+    monkeypatch.setattr(limits_module, "packing_available", lambda: False)  # a torch without oneDNN's packing
+    gflops, source = limits_module.product_peak(torch.float32, 64, 2, native=True)
+    assert source == "torch.matmul" and gflops > 0
+
+
+def test_limits_written_before_the_source_was_recorded_still_load(limits_module, tmp_path) -> None:
+    old = {"host": "h", "threads": 2, "array_mib": 2.0, "copy_gbs": 1.0, "triad_gbs": 1.0,
+           "peak_gflops": {"float32": 100.0}, "native": {"float32": True}, "matmul_n": {"float32": 64}}  # fmt: skip
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    limits = limits_module.load(str(tmp_path / "old.json"))
+    assert limits.peak_source == {} and "(" not in limits_module.describe(limits).splitlines()[-1]
 
 
 def test_the_script_prints_json_that_loads_back(limits_module, tmp_path) -> None:

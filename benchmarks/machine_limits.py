@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.backends.cpu_isa import capabilities, dot_product_instructions
-from engine.backends.cpu_linear import packing_available
+from engine.backends.cpu_linear import BATCH_HINT, packing_available
 
 MIB = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -151,11 +151,11 @@ def matmul_size(native: bool, n: int) -> int:
 
 def matmul_gflops(dtype: torch.dtype, n: int, repeats: int, packed: bool = False) -> float:
     """GFLOP/s of an n x n x n product: torch.matmul, or with `packed` oneDNN's product on a weight
-    packed in its blocked layout, as engine/backends/cpu_linear.py calls it."""
+    packed in its blocked layout, packed and called as engine/backends/cpu_linear.py does."""
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     if packed:
-        w = torch.ops.mkldnn._reorder_linear_weight(y, n)
+        w = torch.ops.mkldnn._reorder_linear_weight(y, BATCH_HINT)
         seconds = best_time(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), repeats)
         return 2 * n**3 / seconds / 1e9
     out = torch.empty(n, n, dtype=dtype)

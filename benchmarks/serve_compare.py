@@ -39,7 +39,7 @@ from engine.backends.cpu_isa import capabilities  # noqa: E402
 from engine.loader import embedded_folder  # noqa: E402
 from loadtest.cli import parse_compare_args, parse_duration  # noqa: E402
 from loadtest.compare import compare, warm_up  # noqa: E402
-from loadtest.loads import Load  # noqa: E402
+from loadtest.loads import Load, first_seed  # noqa: E402
 from loadtest.run import run_locust  # noqa: E402
 from loadtest.target import Target, UsageError, cbserve_command, free_port  # noqa: E402
 
@@ -181,9 +181,9 @@ def main(argv: list[str]) -> int:
                 variants = vllm_peer.preload_variants() if opts.vllm_preload == "auto" else [opts.vllm_preload]
                 if len(variants) > 1:
                     where = Path(args.out) / "vllm-preload"
-                    after_loads = args.seed + len(loads) * args.rounds  # the loads' seeds: loadtest/loads.py
                     chosen, figures, vllm = choose_preload(lambda v: vllm_target(v, folder), variants, args, where,
-                                                           opts.calibration_s, first_seed=after_loads)  # fmt: skip
+                                                           opts.calibration_s,
+                                                           first_seed=first_seed(args, len(loads)))  # fmt: skip
                 else:
                     chosen, figures, vllm = variants[0], {}, vllm_target(variants[0], folder)
                 notes.append(preload_note(chosen, figures, opts.calibration_s))

@@ -4,9 +4,9 @@ Every target is started (or reached) and made ready first, warmed with two short
 measured one at a time, the order rotating each round (A B C, then B C A, ...), so no server
 always runs first or last. Within a round every target gets the same prompts (seed --seed + round);
 each round draws new ones, and each load its own (loadtest/loads.py), so no round finds an earlier
-one's prompts in a prefix cache. Servers
-wait idle while another is measured; the report says how much CPU each used meanwhile, since on a
-small machine an idle server that spins would slow the others. It also gives each started
+one's prompts in a prefix cache. Servers wait idle while another is measured; the report says how
+much CPU each used meanwhile, since on a small machine an idle server that spins would slow the
+others. It also gives each started
 server's CPU time per 1,000 output tokens while measured, the cores it kept busy (its CPU-seconds in
 the measured windows over their wall time), and the share of a core Locust took.
 

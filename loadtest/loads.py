@@ -36,11 +36,17 @@ def open_loop_rate(request_throughputs: dict[str, float], fraction: float = 0.8)
     return fraction * min(measured)
 
 
+def first_seed(args: argparse.Namespace, index: int) -> int:
+    """The first prompt seed of the load at `index` in the run order (its rounds take the next ones);
+    with `index` the number of loads, the first seed no load uses."""
+    return args.seed + index * args.rounds
+
+
 def load_args(args: argparse.Namespace, load: Load, rate: float | None, index: int = 0) -> argparse.Namespace:
     """The run's flags with the load's output lengths and arrival rate, and for the load at `index` in the
     run order the first of its own --rounds prompt seeds."""
     out = copy.copy(args)
-    out.seed = args.seed + index * args.rounds
+    out.seed = first_seed(args, index)
     if load.output_len is not None:
         out.output_len = load.output_len
     out.rate = rate if load.open_loop else None

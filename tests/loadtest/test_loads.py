@@ -14,7 +14,7 @@ import pytest
 from loadtest.arrivals import OpenLoopTally, arrivals_within, pool_tallies, poisson_arrivals
 from loadtest.cpu_trace import CpuTrace
 from loadtest.dataset import LengthSpec, PromptSource
-from loadtest.loads import Load, load_args, open_loop_rate
+from loadtest.loads import Load, first_seed, load_args, open_loop_rate
 from loadtest.target import UsageError
 
 
@@ -100,6 +100,7 @@ def test_each_load_draws_prompts_no_other_load_draws() -> None:
              Load("poisson", "open", output_len="32:224", open_loop=True)]  # fmt: skip
     seeds = [load_args(args, load, 1.0, i).seed + r for i, load in enumerate(loads) for r in range(args.rounds)]
     assert seeds == [5, 6, 7, 8, 9, 10]
+    assert first_seed(args, len(loads)) == 11  # where vLLM's preload calibration starts: after every load's
     assert load_args(args, loads[0], None).seed == 5 and args.seed == 5  # one load: the run's own seeds
 
 

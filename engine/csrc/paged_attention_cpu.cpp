@@ -6,13 +6,15 @@
 // A work item is (sequence, KV heads, tile of queries); its rows are the tile's queries times the
 // query heads that share each KV head, so each cached row is read once per item (a decode token with
 // many sequences around takes all its KV heads: whole cache rows, in order). Keys are taken a tile of
-// kLanes (16 under AVX-512, 8 under AVX2, vec.h) at a time and staged as float32, four such tiles
-// at once with their rows read in turn. q.k for a tile's keys
-// comes out as one vector: for many rows, by kQkRows rows and two transposed tiles at a time; for few
-// (decode), by a transposing reduction of kLanes partial sums. Softmax runs over whole rows, then p.V
-// accumulates four rows at a time; everything is float32 whatever the cache dtype (float32,
-// bfloat16, float16). Threads take items from a shared counter, largest first. Every index is
-// checked before any memory is read.
+// kLanes (16 under AVX-512, 8 under AVX2, vec.h) at a time. An item of many rows (prompt chunks)
+// stages its keys and values as float32, four tiles at once with their rows read in turn, and gets
+// q.k for a tile's keys as one vector by kQkRows rows and two transposed tiles at a time. An item of
+// few rows (decode tokens) reads keys and values where they lie in the cache, a block's rows in
+// order, and gets q.k by a transposing reduction of kLanes partial sums: it reads each row once, so
+// a staged copy would only add a store and a load per value, and loads straight from memory overlap
+// with the products. Softmax runs over whole rows, then p.V accumulates up to four rows at a time;
+// everything is float32 whatever the cache dtype (float32, bfloat16, float16). Threads take items
+// from a shared counter, largest first. Every index is checked before any memory is read.
 //
 // Cascade: decode tokens of sequences that share their leading cache blocks (one prompt with many
 // samples, a common system prompt) attend over the shared part together, before the items run: per
@@ -184,8 +186,8 @@ struct Attention {
   }
 
   // acc rows a[0 .. R) (CN kLanes-float chunks each) += sum_j p[i][j] v_j, v_j rows `stride` floats apart
-  template <int R, int CN>
-  static void accumulate(float* const* a, const float* const* p, const float* values, int64_t stride, int64_t tn) {
+  template <int R, int CN, typename V>
+  static void accumulate(float* const* a, const float* const* p, const V* values, int64_t stride, int64_t tn) {
     vfloat acc[R][CN];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CN; ++c) acc[r][c] = load(a[r] + c * kLanes);
@@ -205,8 +207,8 @@ struct Attention {
   }
 
   // p.V for rows [r, r + R) of one head over one tile, chunk by chunk
-  template <int R>
-  void accumulate_rows(float* const* a, const float* const* p, const float* vt, int64_t v_width, int64_t tn) const {
+  template <int R, typename V>
+  void accumulate_rows(float* const* a, const float* const* p, const V* vt, int64_t v_width, int64_t tn) const {
     const int64_t vc = v_dim / kLanes;
     int64_t c = 0;
     for (; c + kPvChunks <= vc; c += kPvChunks) {
@@ -274,6 +276,70 @@ struct Attention {
     for (; r < r1; ++r) qk_rows<1, KC>(at(r).first, kt, tiles, at(r).second, npad);
   }
 
+  // Row `key` of one sequence in a cache, from KV head h0 on
+  const T* cache_row(const T* cache, int64_t dim, int64_t seq, int64_t h0, int64_t key) const {
+    const int64_t block = block_tables[seq * max_blocks + key / block_size];
+    return cache + (block * block_size + key % block_size) * num_kv_heads * dim + h0 * dim;
+  }
+
+  // Scores of few rows, the keys read where they lie in the cache, kLanes keys at a time (past the
+  // last key: the last key again, masked by the softmax). Staging costs more than it saves here: a
+  // decode token's keys are read once, and loads straight from memory overlap with the products.
+  template <int KC>
+  void scores_in_place(const Item& it, Scratch& s, int64_t per_head, int64_t rows, int64_t first, int64_t n,
+                       int64_t npad) const {
+    const int64_t kc = KC ? KC : head_dim / kLanes;
+    for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+      const T* kp[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) kp[j] = cache_row(k_cache, head_dim, it.seq, it.h0, first + std::min(t0 + j, n - 1));
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = s.q.data() + r * head_dim;
+        const int64_t off = (r / per_head) * head_dim;
+        vfloat a[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          vfloat sum = load(qr) * load(kp[j] + off);
+          for (int64_t c = 1; c < kc; ++c) sum += load(qr + c * kLanes) * load(kp[j] + off + c * kLanes);
+          a[j] = sum;
+        }
+        store(s.scores.data() + r * npad + t0, reduce_lanes(a));
+      }
+    }
+  }
+
+  // acc rows of head hh += p.V over `tn` value rows `stride` apart from vt (keys t0 on)
+  template <typename V>
+  void accumulate_head(Scratch& s, int64_t hh, int64_t per_head, int64_t npad, int64_t t0, const V* vt, int64_t stride,
+                       int64_t tn) const {
+    const int64_t end = (hh + 1) * per_head;
+    for (int64_t r = hh * per_head; r < end;) {
+      const int64_t take = std::min<int64_t>(4, end - r);
+      float* a[4];
+      const float* p[4];
+      for (int64_t i = 0; i < take; ++i) {
+        a[i] = s.acc.data() + (r + i) * v_dim;
+        p[i] = s.scores.data() + (r + i) * npad + t0;
+      }
+      switch (take) {
+        case 4: accumulate_rows<4>(a, p, vt, stride, tn); break;
+        case 3: accumulate_rows<3>(a, p, vt, stride, tn); break;
+        case 2: accumulate_rows<2>(a, p, vt, stride, tn); break;
+        default: accumulate_rows<1>(a, p, vt, stride, tn);
+      }
+      r += take;
+    }
+  }
+
+  // p.V with the values read where they lie: one block's rows (equally spaced) at a time
+  void values_in_place(const Item& it, Scratch& s, int64_t heads, int64_t per_head, int64_t first, int64_t n,
+                       int64_t npad) const {
+    for (int64_t t0 = 0; t0 < n;) {
+      const int64_t key = first + t0, tn = std::min(block_size - key % block_size, n - t0);
+      const T* rows = cache_row(v_cache, v_dim, it.seq, it.h0, key);
+      for (int64_t hh = 0; hh < heads; ++hh) accumulate_head(s, hh, per_head, npad, t0, rows + hh * v_dim, num_kv_heads * v_dim, tn);
+      t0 += tn;
+    }
+  }
+
   template <int KC>
   void run(const Item& it, Scratch& s) const {
     const int64_t group = num_heads / num_kv_heads, heads = it.h1 - it.h0;
@@ -290,7 +356,7 @@ struct Attention {
     s.keys_t.resize(kStreams * head_dim * kLanes);
     s.values.resize(kStreams * kLanes * v_width);
     s.scores.resize(rows * npad);
-    s.acc.assign((rows + 1) * v_dim, 0.0f);  // one spare row (see below)
+    s.acc.assign(rows * v_dim, 0.0f);
     s.total.resize(rows);
     s.max.resize(rows);
     // row r = (hh * queries + i) * group + g: query it.q0 + i of query head (it.h0 + hh) * group + g, scaled
@@ -301,25 +367,15 @@ struct Attention {
       for (int64_t c = 0; c < kc; ++c) store(s.q.data() + r * head_dim + c * kLanes, load(src + c * kLanes) * scale);
     }
     // scores[r, t] = q_r . k_(first + t)
-    walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
-      const int64_t tiles = (gn + kLanes - 1) / kLanes;
-      if (per_head >= kTransposeRows) {
+    const bool in_place = per_head < kTransposeRows;  // few rows (decode tokens): no staging
+    if (in_place) {
+      scores_in_place<KC>(it, s, per_head, rows, first, n, npad);
+    } else {
+      walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
+        const int64_t tiles = (gn + kLanes - 1) / kLanes;
         for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, tiles, hh, per_head, k_width, npad, g0);
-        return;
-      }
-      for (int64_t g = 0; g < tiles; ++g)
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = s.q.data() + r * head_dim;
-          const float* kt = keys + g * kLanes * k_width + (r / per_head) * head_dim;
-          vfloat a[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j) {
-            vfloat sum = load(qr) * load(kt + j * k_width);
-            for (int64_t c = 1; c < kc; ++c) sum += load(qr + c * kLanes) * load(kt + j * k_width + c * kLanes);
-            a[j] = sum;
-          }
-          store(s.scores.data() + r * npad + g0 + g * kLanes, reduce_lanes(a));
-        }
-    });
+      });
+    }
     // softmax over each row's own keys (causal, sliding window); others get probability 0
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s.scores.data() + r * npad;
@@ -341,28 +397,22 @@ struct Attention {
       for (int64_t t = 0; t < npad; t += kLanes) vsum += load(sr + t);
       s.total[r] = hsum(vsum);
     }
-    // acc[r] = sum_t p[r, t] v_t: four (or two) rows of one head at a time
-    float* spare = s.acc.data() + rows * v_dim;  // an odd last row of a head pairs with the spare row
-    // (a staged group's rows are consecutive, so its tiles count as one)
-    walk(v_cache, v_dim, it.seq, it.h0, it.h1, first, n, s.values.data(), [&](int64_t t0, int64_t tn, const float* values) {
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        const float* vt = values + hh * v_dim;
-        const int64_t end = (hh + 1) * per_head;
-        for (int64_t r = hh * per_head; r < end;) {
-          float* a[4];
-          const float* p[4];
-          const int64_t take = end - r >= 4 ? 4 : 2;
-          for (int64_t i = 0; i < take; ++i) {
-            const bool real = r + i < end;
-            a[i] = real ? s.acc.data() + (r + i) * v_dim : spare;
-            p[i] = s.scores.data() + (real ? r + i : r) * npad + t0;
-          }
-          if (take == 4) accumulate_rows<4>(a, p, vt, v_width, tn);
-          else accumulate_rows<2>(a, p, vt, v_width, tn);
-          r += take;
-        }
-      }
-    });
+    // acc[r] = sum_t p[r, t] v_t: up to four rows of one head at a time
+    if (in_place) {
+      values_in_place(it, s, heads, per_head, first, n, npad);
+    } else {
+      // (a staged group's rows are consecutive, so its tiles count as one)
+      walk(v_cache, v_dim, it.seq, it.h0, it.h1, first, n, s.values.data(), [&](int64_t t0, int64_t tn, const float* values) {
+        for (int64_t hh = 0; hh < heads; ++hh) accumulate_head(s, hh, per_head, npad, t0, values + hh * v_dim, v_width, tn);
+      });
+    }
+    finish(it, s, rows, per_head, group, chunk_start);
+  }
+
+  // out rows from the sums, merged with a prior's shared part where there is one
+  void finish(const Item& it, const Scratch& s, int64_t rows, int64_t per_head, int64_t group, int64_t chunk_start) const {
+    auto token = [&](int64_t r) { return chunk_start + it.q0 + (r % per_head) / group; };
+    auto head = [&](int64_t r) { return (it.h0 + r / per_head) * group + r % group; };
     const bool merge = prior && prior->keys_done[it.seq] > 0;
     for (int64_t r = 0; r < rows; ++r) {
       T* dst = out + (token(r) * num_heads + head(r)) * v_dim;

@@ -245,7 +245,9 @@ def test_flex_needs_triton():
 def test_decode_graphs_with_flex_in_the_engine_loop_equal_model_generate():
     model = build_test_model("qwen3", vocab_size=512)
     prompts = random_prompts(5, 3, 200, 512, seed=3)
-    config = ContinuousBatchingConfig(block_size=128, num_blocks=10, max_batch_tokens=96, max_requests_per_batch=4)
+    # prompt chunks fill the budget (no decode-stall cap): the decodes then run steps of their own, graphs
+    config = ContinuousBatchingConfig(block_size=128, num_blocks=10, max_batch_tokens=96, max_requests_per_batch=4,
+                                      max_decode_stall=0)
     got, dispatch = run_engine(model, eager_flex(), config, prompts, (False, True))
     assert dispatch.graphs.replays > NEW
     with torch.no_grad():

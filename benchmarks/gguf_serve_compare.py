@@ -59,13 +59,15 @@ sys.path.insert(0, str(ROOT))
 
 import llama_cpp_peer  # noqa: E402
 
+from engine.config import DEFAULT_BLOCK_SIZE  # noqa: E402
+
 VOCAB = 49152  # SmolLM2's tokenizer
 INIT_STD = 0.02  # transformers' Llama init ...
 SCALE = 4.0  # ... scaled as engine/testing.build_test_model scales it
 SHARD_BYTES = 2 << 30
 RSS_BUDGET = 1.2  # peak RSS at most this times the file plus the KV cache
 LLAMA_CPP_KV_BYTES = 2  # llama-server's default cache type, F16
-BLOCK_SIZE = 16  # cbserve's CPU default, said explicitly so the context matches
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cpu"]  # cbserve's CPU default, said explicitly so the context matches
 QUANTS = ("q8_0", "q4_0", "q4_k_m")  # q4_k_m only by llama-quantize (gguf-py cannot make K-quants)
 DEFAULT_QUANTS = ("q8_0", "q4_0")
 SYSTEMS = ("cbserve", "cbserve-int8", "llama.cpp")  # cbserve-int8: --quantized-activations int8, llama.cpp's arithmetic

@@ -4,7 +4,7 @@
     python benchmarks/cpu_paths.py split [--dtype bfloat16] [--workload W1]
     python benchmarks/cpu_paths.py products [--dtype bfloat16]
     python benchmarks/cpu_paths.py steps [--dtype bfloat16] [--model embedded] [--runs 3] [--batches 1,8,16]
-                                         [--paths native] [--lone-prompt 580]
+                                         [--paths native] [--lone-prompt 580] [--context 300]
     python benchmarks/cpu_paths.py mixed [--model embedded] [--dtype float32] [--decodes 15]
                                          [--chunks 0,8,16,32,64,128,192] [--runs 6]
 
@@ -23,7 +23,10 @@ oneDNN's packed product alone (engine/backends/cpu_linear.py).
 (second of two runs) and prints, per step kind (steps with prompt tokens, decode-only steps), the
 milliseconds per step in linear layers, attention and the rest.
 
-`steps` times decode steps (`LLMEngine.step`, after the prompts' step) at batch 1 and 16 (`--batches`) with the
+Every engine here has a 65,536-token KV cache in blocks of the engine's CPU default (`--block-size`).
+
+`steps` times decode steps (`LLMEngine.step`, after the prompts' steps; `--context` tokens each, 64
+unless said) at batch 1 and 16 (`--batches`) with the
 decoder layers through transformers' modules and in one native call (engine/backends/cpu_layers.py),
 alternating (`--paths native` for one), and prints per run the milliseconds per decode step and the busy cores (the process's
 CPU seconds over the wall seconds of those steps; threads spinning at a barrier count as busy),
@@ -58,11 +61,20 @@ import torch
 import engine.backends.cpu_linear as cpu_linear
 import engine.backends.cpu_executor as cpu_executor
 from engine import ContinuousBatchingConfig, LLMEngine
+from engine.config import DEFAULT_BLOCK_SIZE
 from engine.backends.cpu_kernels import cpu_ops
 
 
+CACHE_TOKENS = 65536  # every engine's KV cache, in tokens
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cpu"]  # --block-size
+
+
+def cache(**config) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=CACHE_TOKENS // BLOCK_SIZE, **config)
+
+
 def make_engine(model, fused: bool = True, cascade: bool = True, native: bool = True) -> LLMEngine:
-    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=1024))
+    engine = LLMEngine(model, cache(max_batch_tokens=1024))
     if not native or not fused:  # the native stack runs the fused passes itself
         engine.runner.native = None
     if not fused:
@@ -155,7 +167,7 @@ def split(model, prompts, new_tokens: int) -> None:
 
 def prompt_step(model, native: bool, prompt: list[int]) -> float:
     """Milliseconds of the one step that takes a lone prompt whole (no decodes beside it)."""
-    engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=len(prompt)))
+    engine = LLMEngine(model, cache(max_batch_tokens=len(prompt)))
     if not native:
         engine.runner.native = None
     engine.add_request(engine.make_request(prompt, max_new_tokens=1, ignore_eos=True))
@@ -198,11 +210,11 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
             for native in paths:
                 engine = make_engine(model, native=native)
                 assert (engine.runner.native is not None) == native, "the native stack does not take this model"
-                reqs = [engine.make_request(p, max_new_tokens=steps + 1, ignore_eos=True) for p in prompts]
+                reqs = [engine.make_request(p, max_new_tokens=steps + 8, ignore_eos=True) for p in prompts]
                 for r in reqs:
                     engine.add_request(r)
-                engine.step()  # every prompt in one step (64 x 16 tokens fit the budget)
-                assert all(r.num_computed == prompt_len for r in reqs)
+                while not all(r.num_computed >= prompt_len for r in reqs):  # the prompts (one step at 64 x 16)
+                    engine.step()
                 call = None
                 if native:  # the native call timed inside each step
                     call = engine.runner.native = _Timed(engine.runner.native)
@@ -234,8 +246,7 @@ def mixed_steps(model, decodes: int = 15, chunks: tuple[int, ...] = (0, 8, 16, 3
     also takes a new prompt of k tokens whole, for each k of `chunks`; printed with the per-token cost."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    config = ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_decode_stall=0,
-                                      max_batch_tokens=max(decodes * context, decodes + max(chunks)))  # fmt: skip
+    config = cache(max_decode_stall=0, max_batch_tokens=max(decodes * context, decodes + max(chunks)))
     engine = LLMEngine(model, config)
     order = [k for k in chunks for _ in range(runs)]
     random.Random(0).shuffle(order)
@@ -313,12 +324,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--batches", default="1,16", help="steps: decode batch sizes (default 1,16)")
     parser.add_argument("--paths", default="python,native", help="steps: python, native or both (default both)")
+    parser.add_argument("--context", type=int, default=64, metavar="N",
+                        help="steps: prompt tokens of each decoding request (default 64)")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help=f"KV block size of every engine (default: the engine's CPU default, {BLOCK_SIZE})")
     parser.add_argument("--lone-prompt", type=int, default=0, metavar="N",
                         help="steps: also time the step of a lone N-token prompt on each path")
     parser.add_argument("--decodes", type=int, default=15, help="mixed: running decodes (default 15)")
     parser.add_argument("--chunks", default="0,8,16,32,64,128,192",
                         help="mixed: prompt tokens a step takes beside the decodes (default 0,8,16,32,64,128,192)")
     args = parser.parse_args(argv)
+    if args.block_size < 1 or args.block_size & (args.block_size - 1) or CACHE_TOKENS % args.block_size:
+        parser.error(f"--block-size must be a power of two up to {CACHE_TOKENS}, got {args.block_size}")
+    if args.context < 1:
+        parser.error(f"--context must be at least 1, got {args.context}")
     try:
         args.chunks = tuple(int(k) for k in args.chunks.split(","))
         assert all(k >= 0 for k in args.chunks) and args.decodes > 0
@@ -338,7 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
+    global BLOCK_SIZE
     args = parse_args()
+    BLOCK_SIZE = args.block_size
     torch.set_num_threads(args.threads)
     if args.mode == "products":
         return products(getattr(torch, args.dtype))
@@ -351,7 +372,8 @@ def main() -> None:
     if args.mode == "mixed":
         mixed_steps(model, args.decodes, args.chunks, args.runs)
     elif args.mode == "steps":
-        decode_steps(model, args.runs, args.batches, paths=args.paths, lone_prompt=args.lone_prompt)
+        decode_steps(model, args.runs, args.batches, prompt_len=args.context, paths=args.paths,
+                     lone_prompt=args.lone_prompt)
     elif args.mode == "ab":
         ab(model, prompts, new_tokens, args.what, args.runs)
     else:

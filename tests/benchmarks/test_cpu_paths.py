@@ -15,6 +15,9 @@ def test_step_flags_are_parsed(cpu_paths) -> None:
     args = cpu_paths.parse_args(["steps", "--paths", "native", "--batches", "1,8,16", "--lone-prompt", "580"])
     assert args.paths == (True,) and args.batches == (1, 8, 16) and args.lone_prompt == 580
     assert cpu_paths.parse_args(["steps"]).paths == (False, True)  # both, the Python path first
+    args = cpu_paths.parse_args(["steps", "--context", "300", "--block-size", "16"])
+    assert (args.context, args.block_size) == (300, 16)
+    assert cpu_paths.parse_args(["steps"]).block_size == 64  # the engine's CPU default
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -22,12 +25,21 @@ def test_step_flags_are_parsed(cpu_paths) -> None:
     (["--paths", ""], "--paths takes"),
     (["--batches", "1,x"], "--batches takes positive integers"),
     (["--batches", "0"], "--batches takes positive integers"),
+    (["--block-size", "24"], "--block-size must be a power of two"),
+    (["--context", "0"], "--context must be at least 1"),
 ])  # fmt: skip
 def test_bad_step_flags_are_one_usage_error(cpu_paths, capsys, flags, message) -> None:
     with pytest.raises(SystemExit) as exit_:
         cpu_paths.parse_args(["steps", *flags])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_decode_steps_over_a_longer_context_than_one_step_takes(cpu_paths, capsys) -> None:
+    from engine.testing import build_test_model
+
+    cpu_paths.decode_steps(build_test_model("llama"), runs=1, batches=(4,), steps=2, prompt_len=300, paths=(True,))
+    assert "batch 4: native" in capsys.readouterr().out
 
 
 def test_mixed_flags_and_a_small_run(cpu_paths, capsys) -> None:

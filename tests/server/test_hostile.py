@@ -238,16 +238,28 @@ def grammars() -> GrammarCompiler:
 
 
 def test_a_compile_past_its_budget_is_a_400_and_holds_its_slot_until_it_ends(grammars):
-    """A real llguidance compile (a 1,000-alternative grammar, tens of milliseconds) against a
-    budget of a millisecond: 400 at the budget; the one slot stays taken until the compile really
-    ends, so a second request waits for it (and gets 503 when that is longer than the budget)."""
+    """A real llguidance compile (a 1,000-alternative grammar) against a budget of a millisecond: 400
+    at the budget; the one slot stays taken until the compile really ends, so a second request waits
+    for it (and gets 503 when that is longer than the budget). The grammar's compile is held open
+    until the second request has its answer: how long a compile takes depends on the host."""
+    release = threading.Event()
+
+    def compile_held(spec):
+        try:
+            return grammars.compile(spec)
+        finally:
+            if "grammar" in spec:
+                release.wait(30)
 
     async def run() -> tuple[APIError, APIError, object]:
-        gate = ConstraintCompiler(grammars.compile, slots=1, budget=0.001)
-        with pytest.raises(APIError) as slow:
-            await gate.compile({"grammar": lark(MAX_ALTERNATIVES)}, "guided_grammar")
-        with pytest.raises(APIError) as busy:
-            await gate.compile({"regex": "[a-z]+"}, "guided_regex")
+        gate = ConstraintCompiler(compile_held, slots=1, budget=0.001)
+        try:
+            with pytest.raises(APIError) as slow:
+                await gate.compile({"grammar": lark(MAX_ALTERNATIVES)}, "guided_grammar")
+            with pytest.raises(APIError) as busy:
+                await gate.compile({"regex": "[a-z]+"}, "guided_regex")
+        finally:
+            release.set()
         gate.budget = 30
         return slow.value, busy.value, await gate.compile({"regex": "[a-z]+"}, "guided_regex")
 

@@ -61,16 +61,14 @@ import torch
 import engine.backends.cpu_linear as cpu_linear
 import engine.backends.cpu_executor as cpu_executor
 from engine import ContinuousBatchingConfig, LLMEngine
-from engine.config import DEFAULT_BLOCK_SIZE
 from engine.backends.cpu_kernels import cpu_ops
 
 
-CACHE_TOKENS = 65536  # every engine's KV cache, in tokens
-BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cpu"]  # --block-size
+BLOCK_SIZE = workloads.BLOCK_SIZE  # --block-size; every engine's cache holds workloads.CACHE_TOKENS
 
 
 def cache(**config) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=CACHE_TOKENS // BLOCK_SIZE, **config)
+    return ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=workloads.CACHE_TOKENS // BLOCK_SIZE, **config)
 
 
 def make_engine(model, fused: bool = True, cascade: bool = True, native: bool = True) -> LLMEngine:
@@ -334,8 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", default="0,8,16,32,64,128,192",
                         help="mixed: prompt tokens a step takes beside the decodes (default 0,8,16,32,64,128,192)")
     args = parser.parse_args(argv)
-    if args.block_size < 1 or args.block_size & (args.block_size - 1) or CACHE_TOKENS % args.block_size:
-        parser.error(f"--block-size must be a power of two up to {CACHE_TOKENS}, got {args.block_size}")
+    if error := workloads.block_size_error(args.block_size):
+        parser.error(error)
     if args.context < 1:
         parser.error(f"--context must be at least 1, got {args.context}")
     try:

@@ -97,6 +97,13 @@ CACHE_TOKENS = 65536  # cbserve's KV cache in every workload
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE["cpu"]  # --block-size
 
 
+def block_size_error(block_size: int) -> str | None:
+    """Why `block_size` cannot cut the CACHE_TOKENS cache into blocks, or None."""
+    if block_size < 1 or block_size & (block_size - 1) or CACHE_TOKENS % block_size:
+        return f"--block-size must be a power of two up to {CACHE_TOKENS}, got {block_size}"
+    return None
+
+
 def run_cbserve(model, prompts, tensor_parallel_size: int = 1) -> tuple[float, list[list[int]], dict]:
     # an offline batch, as generate_batch runs one: no prompt cap beside the decodes (max_decode_stall off)
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=CACHE_TOKENS // BLOCK_SIZE,
@@ -204,8 +211,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE["cpu"],
                         help=f"cbserve's KV block size (default: the engine's CPU default, {DEFAULT_BLOCK_SIZE['cpu']})")
     args = parser.parse_args()
-    if args.block_size < 1 or args.block_size & (args.block_size - 1) or CACHE_TOKENS % args.block_size:
-        parser.error(f"--block-size must be a power of two up to {CACHE_TOKENS}, got {args.block_size}")
+    if error := block_size_error(args.block_size):
+        parser.error(error)
     torch.set_num_threads(2)
     global NEW, BLOCK_SIZE
     NEW = NEW_TOKENS[args.workload]

@@ -1,5 +1,5 @@
-"""benchmarks/cpu_paths.py: its step flags are parsed, and bad values answered with one usage line; the
-mixed-step timing runs on a small model."""
+"""benchmarks/cpu_paths.py: its step flags are parsed, and bad values answered with one usage line (the
+block-size check is throughput.py's, shared); the mixed-step timing runs on a small model."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ def test_mixed_flags_and_a_small_run(cpu_paths, capsys) -> None:
     assert set(medians) == {0, 4} and min(medians.values()) > 0
     out = capsys.readouterr().out
     assert "2 decodes +    4 prompt tokens" in out and "ms a prompt token above the decodes alone" in out
+
+
+@pytest.mark.parametrize("block_size", [0, 24, 131072])
+def test_the_offline_benchmark_names_a_block_size_that_cannot_cut_its_cache(bench_script, block_size) -> None:
+    throughput = bench_script("throughput")
+    assert throughput.block_size_error(block_size) == (
+        f"--block-size must be a power of two up to {throughput.CACHE_TOKENS}, got {block_size}")
+    assert throughput.block_size_error(throughput.BLOCK_SIZE) is None and throughput.block_size_error(16) is None

@@ -252,6 +252,17 @@ void few_rows(int64_t m, const uint8_t* wp, int64_t row_bytes, const float* xp, 
 
 // ---- int8 inputs: tiles of weight rows in lanes ----
 
+// Every cache line of [p, p + bytes), from the line p starts in: a super-block (144 or 210 bytes) starts
+// anywhere in a line, and steps of 64 from p miss the last line of a third of them, whose gathers and
+// transposes then wait on memory for the whole tile (a counted loop from the aligned line measured
+// faster than the same prefetches unrolled: 1B Q4_K_M decode step 22.5 -> 20.5 ms at 1 row, 63 -> 54
+// at 16, Zen 5)
+inline void prefetch_span(const uint8_t* p, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(p) + bytes; a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+}
+
 constexpr int64_t kInt8X = 16;  // rows of x per pass over a tile (the tiles' accumulators hold 16)
 
 // 8 weight rows a tile, 256-bit, vpmaddubsw + vpmaddwd (q <= 63 and |qx| <= 127: a pair's sum fits
@@ -381,7 +392,7 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 144;
     for (int64_t i = 0; i < L::n; ++i)  // the next tile's super-block: 144 bytes of each of its rows
-      for (int c = 0; c < 144; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + (L::n + i) * row_bytes + c), _MM_HINT_T0);
+      prefetch_span(b + (L::n + i) * row_bytes, 144);
     vi hdr[4];  // d and dmin, then the 12 bytes of scales and minimums, four bytes a word (a transpose:
     L::transpose(b, row_bytes, hdr);  // cheaper than four gathers)
     const vi head = hdr[0], s0 = hdr[1], s1 = hdr[2], s2 = hdr[3];
@@ -438,8 +449,7 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
   for (int r = 0; r < R; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
     const uint8_t* b = w + sup * 210;
-    for (int64_t i = 0; i < L::n; ++i)
-      for (int c = 0; c < 210; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + (L::n + i) * row_bytes + c), _MM_HINT_T0);
+    for (int64_t i = 0; i < L::n; ++i) prefetch_span(b + (L::n + i) * row_bytes, 210);
     const vf d = L::halves(L::srl32(L::gather(offs, b + 206), 16));  // bytes 208-209 (206: no read past the end)
     vi sw[4];  // the sixteen int8 scales, four a word
     L::transpose(b + 192, row_bytes, sw);

@@ -299,63 +299,110 @@ constexpr int64_t kLaneRows = 16;  // weight rows per tile
 // groups of up to 8 whose sums are built side by side, g by g: each sum's next vpdpbusd is 8
 // instructions behind its last, not right behind it, and the group's x words and sums stay in
 // registers.
+// One block of the tile's 16 rows made ready for vpdpbusd: the quants (Q8_0's biased by 128, Q4's
+// nibbles split), the rows' scales and Q4_1's minimums
+struct LaneBlock {
+  __m512i wq[8];
+  __m512 d, m;
+};
+
+template <int64_t Q>
+__attribute__((always_inline)) inline void unpack_lane_block(const uint8_t* blk, int64_t row_bytes, __m512i rows,
+                                                             LaneBlock& o) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i head = _mm512_i32gather_epi32(rows, blk, 1);  // each row's scale (and Q4_1's minimum)
+  o.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+  if constexpr (Q == kQ8_0) {
+    transpose16x16(blk + 2, row_bytes, o.wq);
+    transpose16x16(blk + 18, row_bytes, o.wq + 4);
+    for (int g = 0; g < 8; ++g) o.wq[g] = _mm512_xor_si512(o.wq[g], bias);
+  } else {
+    __m512i nib[4];
+    transpose16x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
+    for (int g = 0; g < 4; ++g) {
+      o.wq[g] = _mm512_and_si512(nib[g], low4);
+      o.wq[4 + g] = _mm512_and_si512(_mm512_srli_epi16(nib[g], 4), low4);
+    }
+  }
+  if constexpr (Q == kQ4_1) o.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+}
+
+// block b of the tile times the R rows of x from r0, added to acc
+template <int64_t Q, int R>
+__attribute__((always_inline)) inline void accumulate_lane_block(const LaneBlock& lb, const QuantizedX& x, int64_t r0,
+                                                                 int64_t b, __m512* acc) {
+  const int64_t blocks = x.k / kBlock;
+  constexpr int G = R < 8 ? R : 8;  // rows of x a group
+#pragma GCC unroll 2
+  for (int r1 = 0; r1 < R; r1 += G) {
+    __m512i sum[G];
+#pragma GCC unroll 8
+    for (int r = 0; r < G; ++r) {
+      if (r1 + r >= R) break;
+      const int64_t i = (r0 + r1 + r) * blocks + b;
+      sum[r] = _mm512_set1_epi32(Q == kQ8_0 ? -128 * x.sq[i] : Q == kQ4_0 ? -8 * x.sq[i] : 0);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 8
+      for (int r = 0; r < G; ++r) {
+        if (r1 + r >= R) break;
+        const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r1 + r) * x.k + b * kBlock);
+        sum[r] = _mm512_dpbusd_epi32(sum[r], lb.wq[g], _mm512_set1_epi32(xq[g]));
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < G; ++r) {
+      if (r1 + r >= R) break;
+      const int64_t i = (r0 + r1 + r) * blocks + b;
+      acc[r1 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(lb.d, _mm512_set1_ps(x.d[i])), acc[r1 + r]);
+      if constexpr (Q == kQ4_1) acc[r1 + r] = _mm512_fmadd_ps(lb.m, _mm512_set1_ps(x.s[i]), acc[r1 + r]);
+    }
+  }
+}
+
+inline __m512i lane_row_offsets(int64_t row_bytes) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+}
+
 template <int64_t Q, int R>
 inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
   const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
-  const __m512i low4 = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  constexpr int G = R < 8 ? R : 8;  // rows of x a group
+  const __m512i rows = lane_row_offsets(row_bytes);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
     for (int64_t i = 0; i < kLaneRows; ++i)  // the next tile's block: its 16 rows are 16 short streams
       _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
-    const __m512i head = _mm512_i32gather_epi32(rows, blk, 1);  // each row's scale (and Q4_1's minimum)
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-    __m512i wq[8];
-    if constexpr (Q == kQ8_0) {
-      transpose16x16(blk + 2, row_bytes, wq);
-      transpose16x16(blk + 18, row_bytes, wq + 4);
-      for (int g = 0; g < 8; ++g) wq[g] = _mm512_xor_si512(wq[g], bias);
-    } else {
-      __m512i nib[4];
-      transpose16x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
-      for (int g = 0; g < 4; ++g) {
-        wq[g] = _mm512_and_si512(nib[g], low4);
-        wq[4 + g] = _mm512_and_si512(_mm512_srli_epi16(nib[g], 4), low4);
-      }
-    }
-    __m512 m;
-    if constexpr (Q == kQ4_1) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-#pragma GCC unroll 2
-    for (int r1 = 0; r1 < R; r1 += G) {
-      __m512i sum[G];
-#pragma GCC unroll 8
-      for (int r = 0; r < G; ++r) {
-        if (r1 + r >= R) break;
-        const int64_t i = (r0 + r1 + r) * blocks + b;
-        sum[r] = _mm512_set1_epi32(Q == kQ8_0 ? -128 * x.sq[i] : Q == kQ4_0 ? -8 * x.sq[i] : 0);
-      }
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {
-#pragma GCC unroll 8
-        for (int r = 0; r < G; ++r) {
-          if (r1 + r >= R) break;
-          const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r1 + r) * x.k + b * kBlock);
-          sum[r] = _mm512_dpbusd_epi32(sum[r], wq[g], _mm512_set1_epi32(xq[g]));
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < G; ++r) {
-        if (r1 + r >= R) break;
-        const int64_t i = (r0 + r1 + r) * blocks + b;
-        acc[r1 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.d[i])), acc[r1 + r]);
-        if constexpr (Q == kQ4_1) acc[r1 + r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[i]), acc[r1 + r]);
-      }
-    }
+    LaneBlock lb;
+    unpack_lane_block<Q>(blk, row_bytes, rows, lb);
+    accumulate_lane_block<Q, R>(lb, x, r0, b, acc);
   }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
+}
+
+// More than one pass of rows of x over a tile (a step with prompt tokens): the tile's blocks are
+// unpacked once into `unpacked` (640 bytes a block, in L1 or L2) and every pass reads them there,
+// instead of each pass gathering and transposing them again. The same products in the same order.
+template <int64_t Q>
+inline void unpack_tile_int8(const uint8_t* w, int64_t row_bytes, int64_t blocks, LaneBlock* unpacked) {
+  const int64_t bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const __m512i rows = lane_row_offsets(row_bytes);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * bb;
+    for (int64_t i = 0; i < kLaneRows; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    unpack_lane_block<Q>(blk, row_bytes, rows, unpacked[b]);
+  }
+}
+
+template <int64_t Q, int R>
+inline void tile_int8_unpacked(const LaneBlock* unpacked, const QuantizedX& x, int64_t r0, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.k / kBlock; ++b) accumulate_lane_block<Q, R>(unpacked[b], x, r0, b, acc);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
 }
 #endif
@@ -464,6 +511,24 @@ void tile_int8_lanes_any(int64_t rows, const uint8_t* w, int64_t row_bytes, cons
     default: return tile_int8_lanes<Q, 16>(w, row_bytes, x, r0, out);
   }
 }
+
+#if defined(__AVX512F__) && CB_VNNI
+constexpr bool kUnpackTiles = true;  // more than kLaneX rows of x: each tile unpacked once for all passes
+template <int64_t Q, int R = 1>
+void tile_int8_unpacked_any(int64_t rows, const LaneBlock* unpacked, const QuantizedX& x, int64_t r0, float* out) {
+  if constexpr (R < kLaneX) {
+    if (rows > R) return tile_int8_unpacked_any<Q, R + 1>(rows, unpacked, x, r0, out);
+  }
+  tile_int8_unpacked<Q, R>(unpacked, x, r0, out);
+}
+#else
+constexpr bool kUnpackTiles = false;
+struct LaneBlock {};
+template <int64_t Q>
+void unpack_tile_int8(const uint8_t*, int64_t, int64_t, LaneBlock*) {}
+template <int64_t Q>
+void tile_int8_unpacked_any(int64_t, const LaneBlock*, const QuantizedX&, int64_t, float*) {}
+#endif
 #endif
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
@@ -506,11 +571,14 @@ void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row
     const int64_t tiles = n / kLaneRows;
     at::parallel_for(0, tiles, std::max<int64_t>(1, grain / kLaneRows), [&](int64_t t0, int64_t t1) {
       float out[kLaneX * kLaneRows];
+      std::vector<LaneBlock> unpacked(kUnpackTiles && m > kLaneX ? x.k / kBlock : 0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j0 = t * kLaneRows;
+        if (!unpacked.empty()) unpack_tile_int8<Q>(w + j0 * row_bytes, row_bytes, x.k / kBlock, unpacked.data());
         for (int64_t r0 = 0; r0 < m; r0 += kLaneX) {
           const int64_t rows = std::min(kLaneX, m - r0);
-          tile_int8_lanes_any<Q>(rows, w + j0 * row_bytes, row_bytes, x, r0, out);
+          if (!unpacked.empty()) tile_int8_unpacked_any<Q>(rows, unpacked.data(), x, r0, out);
+          else tile_int8_lanes_any<Q>(rows, w + j0 * row_bytes, row_bytes, x, r0, out);
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = 0; j < kLaneRows; ++j)
               y[(r0 + r) * n + j0 + j] =

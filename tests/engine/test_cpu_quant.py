@@ -99,12 +99,12 @@ def test_int8_inputs_round_half_to_even(ops, n) -> None:
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
 def test_a_rows_product_does_not_depend_on_its_batch(ops, qtype, int8) -> None:
     """Each row of a batch (the 512-bit build's tiles and weight buffer above 4 rows, the int8
-    product's groups of 8 rows) gets the bits it gets alone: the engine's batched decode equals
-    `model.generate`'s one row at a time."""
+    product's groups of 8 rows, and above 16 rows its tiles unpacked once for every pass) gets the
+    bits it gets alone: the engine's batched decode equals `model.generate`'s one row at a time."""
     blocks, _ = random_blocks(qtype, 71, 576)
     x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
     batch = ops.quant_linear(x, blocks, int(qtype), None, int8)
-    for rows in ([0], [5, 6, 7], list(range(3, 9)), list(range(2, 12))):
+    for rows in ([0], [5, 6, 7], list(range(3, 9)), list(range(2, 12)), [17], list(range(10, 19))):
         assert torch.equal(ops.quant_linear(x[rows], blocks, int(qtype), None, int8), batch[rows]), rows
 
 

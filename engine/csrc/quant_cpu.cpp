@@ -50,6 +50,15 @@ using namespace cbserve;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 4;  // rows of x per unpacked weight block
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+template <int64_t Q>
+constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;  // a block's bytes
+
+// the next tile's block in each of its N rows: a tile's rows are N short streams that the hardware
+// prefetcher barely starts on before they end
+template <int64_t N>
+inline void prefetch_next_tile(const uint8_t* blk, int64_t row_bytes) {
+  for (int64_t i = 0; i < N; ++i) _mm_prefetch(reinterpret_cast<const char*>(blk + (N + i) * row_bytes), _MM_HINT_T0);
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define CB_VNNI 1
@@ -97,7 +106,7 @@ inline float hsum8(__m256 v) {
 // R rows of x (from row r0) against weight row `w` of type Q: R sums into out[0..R)
 template <int64_t Q, bool VNNI, int R>
 inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* out) {
-  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t blocks = x.k / kBlock, bb = kBlockBytes<Q>;
   __m256 acc[R];
   float extra[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), extra[r] = 0.0f;
@@ -132,7 +141,7 @@ inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* o
 // product of x and the dequantized weight up to the order of the float sums.
 template <int64_t Q, int R>
 inline void dot_rows_float(const uint8_t* w, const float* x, int64_t k, int64_t r0, float* out) {
-  const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t blocks = k / kBlock, bb = kBlockBytes<Q>;
   // two sums a row (the block's quarters 0, 2 and 1, 3): one would chain 4 dependent FMAs a block,
   // and with one row of x that chain's latency, not the unpacking, would set the pace
   __m256 acc[R][2];
@@ -199,7 +208,7 @@ inline void dequantize_block16(const uint8_t* blk, __m512& lo, __m512& hi) {
 template <int64_t Q, int R, int NJ>
 inline void tile_float16(const uint8_t* w, int64_t row_bytes, const float* wf, const float* x, int64_t k, int64_t r0,
                          float* out) {
-  const int64_t blocks = k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t blocks = k / kBlock, bb = kBlockBytes<Q>;
   __m512 acc[R][NJ];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -252,7 +261,7 @@ void tile_float16_any(int64_t rows, int64_t nj, const uint8_t* w, int64_t row_by
 // the tile's nj weight rows dequantized into wf [nj, k], for batches of more than kRows rows of x
 template <int64_t Q>
 void dequantize_tile16(const uint8_t* w, int64_t row_bytes, int64_t nj, int64_t k, float* wf) {
-  const int64_t bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t bb = kBlockBytes<Q>;
   for (int64_t j = 0; j < nj; ++j)
     for (int64_t b = 0; b < k / kBlock; ++b) {
       __m512 lo, hi;
@@ -368,14 +377,13 @@ inline __m512i lane_row_offsets(int64_t row_bytes) {
 
 template <int64_t Q, int R>
 inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
-  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t blocks = x.k / kBlock, bb = kBlockBytes<Q>;
   const __m512i rows = lane_row_offsets(row_bytes);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
-    for (int64_t i = 0; i < kLaneRows; ++i)  // the next tile's block: its 16 rows are 16 short streams
-      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    prefetch_next_tile<kLaneRows>(blk, row_bytes);
     LaneBlock lb;
     unpack_lane_block<Q>(blk, row_bytes, rows, lb);
     accumulate_lane_block<Q, R>(lb, x, r0, b, acc);
@@ -388,12 +396,11 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
 // instead of each pass gathering and transposing them again. The same products in the same order.
 template <int64_t Q>
 inline void unpack_tile_int8(const uint8_t* w, int64_t row_bytes, int64_t blocks, LaneBlock* unpacked) {
-  const int64_t bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t bb = kBlockBytes<Q>;
   const __m512i rows = lane_row_offsets(row_bytes);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
-    for (int64_t i = 0; i < kLaneRows; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    prefetch_next_tile<kLaneRows>(blk, row_bytes);
     unpack_lane_block<Q>(blk, row_bytes, rows, unpacked[b]);
   }
 }
@@ -428,14 +435,13 @@ inline __m256 halves8(const uint8_t* blk, int64_t row_bytes, int64_t at) {
 // 8 weight rows (from w) times R rows of x (from row r0): out[r * 8 + j]
 template <int64_t Q, int R>
 inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
-  const int64_t blocks = x.k / kBlock, bb = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+  const int64_t blocks = x.k / kBlock, bb = kBlockBytes<Q>;
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
-    for (int64_t i = 0; i < kLaneRows; ++i)  // the next tile's block: its 8 rows are 8 short streams
-      _mm_prefetch(reinterpret_cast<const char*>(blk + (kLaneRows + i) * row_bytes), _MM_HINT_T0);
+    prefetch_next_tile<kLaneRows>(blk, row_bytes);
     const __m256 d = halves8(blk, row_bytes, 0);
     __m256i wq[8];
     if constexpr (Q == kQ8_0) {

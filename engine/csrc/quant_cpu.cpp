@@ -304,10 +304,6 @@ void dot_rows_any(int64_t rows, const uint8_t* w, const QuantizedX& x, int64_t r
 // order of the float sums.
 constexpr int64_t kLaneRows = 16;  // weight rows per tile
 
-// 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]. The rows of x go in
-// groups of up to 8 whose sums are built side by side, g by g: each sum's next vpdpbusd is 8
-// instructions behind its last, not right behind it, and the group's x words and sums stay in
-// registers.
 // One block of the tile's 16 rows made ready for vpdpbusd: the quants (Q8_0's biased by 128, Q4's
 // nibbles split), the rows' scales and Q4_1's minimums
 struct LaneBlock {
@@ -375,6 +371,10 @@ inline __m512i lane_row_offsets(int64_t row_bytes) {
                             _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
 }
 
+// 16 weight rows (from w) times R rows of x (from row r0): out[r * 16 + j]. The rows of x go in
+// groups of up to 8 whose sums are built side by side, g by g: each sum's next vpdpbusd is 8
+// instructions behind its last, not right behind it, and the group's x words and sums stay in
+// registers.
 template <int64_t Q, int R>
 inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
   const int64_t blocks = x.k / kBlock, bb = kBlockBytes<Q>;

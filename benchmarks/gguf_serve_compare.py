@@ -30,7 +30,10 @@ decode step (time per output token, TPOT p50; at 1 user the batch-1 step; llama-
 tokens in bursts, so its inter-token p50 is no step time) is held against the weight-bandwidth
 bound: the bytes of the tensors a step reads (every one but an untied token embedding) over the
 STREAM triad bandwidth (benchmarks/machine_limits.py, measured at the start unless --limits gives
-its --json). If llama-server stops with SIGILL before it is ready (a build with ggml's AMX
+its --json), and against the compute bound of a decode step of one token a user: 2 x the weights'
+parameters x users operations at the host's 8-bit product peak (machine_limits' int8 figure; both
+cbserve-int8 and llama.cpp multiply 8-bit inputs) or, for cbserve's float inputs, its float32 peak.
+The step's bound is the larger; at 16 users of the 8B shape it is the compute. If llama-server stops with SIGILL before it is ready (a build with ggml's AMX
 kernels did on the Xeon here; llama_cpp_peer.py now leaves them out), it is restarted with
 --no-repack and the report says so.
 The table goes to reports/gguf-peer/SHAPE/gguf_serve_compare.md (and results.json) and is printed.
@@ -357,15 +360,15 @@ def requantize_q4_0(source: Path, target: Path, chunk_rows: int = 512) -> None:
     writer.close()
 
 
-def step_weight_bytes(path: Path) -> int:
-    """Bytes of the tensors a decode step reads: all of them but the token embedding when the file has
-    its own output (LM head) tensor (a lookup reads only its tokens' rows)."""
+def step_weights(path: Path) -> tuple[int, int]:
+    """Bytes and parameters of the tensors a decode step reads: all of them but the token embedding
+    when the file has its own output (LM head) tensor (a lookup reads only its tokens' rows)."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    tensors = {t.name: (int(t.n_bytes), int(t.n_elements)) for t in GGUFReader(path).tensors}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
-    return sum(tensors.values())
+    return sum(b for b, _ in tensors.values()), sum(n for _, n in tensors.values())
 
 
 # -- the arithmetic the table states ------------------------------------------------------------------------------
@@ -374,6 +377,20 @@ def step_weight_bytes(path: Path) -> int:
 def weight_bound_s(weight_bytes: int, bandwidth_gbs: float) -> float:
     """The least time of a decode step: its weights read once at the bandwidth."""
     return weight_bytes / (bandwidth_gbs * 1e9)
+
+
+def compute_bound_s(params: int, users: int, peak_gops: float) -> float:
+    """The least time of a decode step of one token for each of `users`: 2 operations a parameter a
+    token at the product peak."""
+    return 2 * params * users / (peak_gops * 1e9)
+
+
+def product_peak(limits, system: str) -> tuple[float, str] | None:
+    """The product peak a system's decode step runs at (GOP/s) and its name: cbserve's float inputs
+    multiply in float32; cbserve-int8 and llama.cpp multiply 8-bit inputs. None: not measured."""
+    if system == "cbserve":
+        return limits.peak_gflops["float32"], "float32"
+    return (limits.int8_gops, "int8") if limits.int8_gops else None
 
 
 def llama_cpp_kv_bytes(shape: Shape, users: int, ctx_per_slot: int) -> int:
@@ -537,27 +554,36 @@ def measure_system(target, kv_bytes: int | None, users: int, args: argparse.Name
             "ready_rss": ready_rss, "kv_bytes": kv_bytes or 0}  # fmt: skip
 
 
-def bandwidth(limits_path: str | None) -> tuple[float, str]:
+def host_limits(limits_path: str | None):
     import machine_limits
 
-    limits = machine_limits.load(limits_path) if limits_path else _timed(
-        "measure the memory bandwidth (machine_limits, STREAM triad)", lambda: machine_limits.measure(repeats=5))
-    return limits.triad_gbs, limits.host
+    return machine_limits.load(limits_path) if limits_path else _timed(
+        "measure the memory bandwidth and product peaks (machine_limits)", lambda: machine_limits.measure(repeats=5))
 
 
 def gib(n: float) -> str:
     return f"{n / GIB:.3g}"
 
 
+def bounds(row: dict) -> str:
+    """The bound column: the weights' read and the step's products (ms), the larger in bold."""
+    weights = 1e3 * row.get("weights_bound_s", row["bound_s"])
+    if "compute_bound_s" not in row:
+        return f"{weights:.1f}; n/a"
+    compute = 1e3 * row["compute_bound_s"]
+    w, c = f"{weights:.1f}", f"{compute:.1f} ({row['compute_peak']})"
+    return f"**{w}**; {c}" if weights >= compute else f"{w}; **{c}**"
+
+
 def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[str, str], load: str,
-             notes: list[str] | None = None) -> str:  # fmt: skip
+             notes: list[str] | None = None, peaks: str = "") -> str:  # fmt: skip
     lines = [f"## {shape.model}: cbserve against llama-server, same GGUF files", "",
-             f"host: {host}; STREAM triad {gbs:.1f} GB/s; load: {load}", ""]  # fmt: skip
+             f"host: {host}; STREAM triad {gbs:.1f} GB/s{'; ' + peaks if peaks else ''}; load: {load}", ""]  # fmt: skip
     lines += [f"- `{q}`: {tool}" for q, tool in tools.items()]
     lines += [f"- {note}" for note in notes or []]
     lines += ["", "| file | users | server | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p99 ms | "
-              "peak RSS GiB (serving) | file + KV GiB | RSS ratio (<= 1.2) | weights read GiB | bound ms | "
-              "TPOT p50 / bound |",
+              "peak RSS GiB (serving) | file + KV GiB | RSS ratio (<= 1.2) | weights read GiB | "
+              "bound ms: weights; compute | TPOT p50 / bound |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if "error" in r:
@@ -569,7 +595,7 @@ def markdown(shape: Shape, rows: list[dict], gbs: float, host: str, tools: dict[
                      f"{gib(r['peak_rss'])} ({gib(r['serving_peak_rss'])}) | "
                      f"{gib(r['file_bytes'])} + {gib(r['kv_bytes'])} | {ratio:.2f} "
                      f"{'ok' if ratio <= RSS_BUDGET else 'over'} | {gib(r['weight_bytes'])} | "
-                     f"{1e3 * r['bound_s']:.1f} | {r['tpot_p50_ms'] / (1e3 * r['bound_s']):.2f}x |")  # fmt: skip
+                     f"{bounds(r)} | {r['tpot_p50_ms'] / (1e3 * r['bound_s']):.2f}x |")  # fmt: skip
     lines += ["", "cbserve against llama.cpp (tok/s >= 1.0x, TTFT p50 and ITL p99 no worse):", ""]
     by_key: dict[tuple, dict] = {}
     for r in rows:
@@ -640,8 +666,11 @@ def main(argv: list[str]) -> int:
     files = prepare(shape, opts.quants, opts.keep_f16)
     if opts.prepare_only:
         return 0
-    gbs, host = bandwidth(opts.limits)
-    print(f"host: {host}; STREAM triad {gbs:.1f} GB/s", flush=True)
+    limits = host_limits(opts.limits)
+    gbs, host = limits.triad_gbs, limits.host
+    peaks = f"float32 {limits.peak_gflops['float32']:.0f} GFLOP/s" + (
+        f", int8 {limits.int8_gops:.0f} GOP/s" if limits.int8_gops else ", int8 not measured")
+    print(f"host: {host}; STREAM triad {gbs:.1f} GB/s; {peaks}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
@@ -653,12 +682,17 @@ def main(argv: list[str]) -> int:
     llama_extra: list[str] = []
     notes: list[str] = []
     for quant, path in files.items():
-        weight_bytes = step_weight_bytes(path)
+        weight_bytes, params = step_weights(path)
         for users in opts.users:
             for system in opts.systems:
                 print(f"\n{quant}, {users} users, {system}", flush=True)
                 row = {"quant": quant, "users": users, "system": system, "file_bytes": path.stat().st_size,
-                       "weight_bytes": weight_bytes, "bound_s": weight_bound_s(weight_bytes, gbs)}  # fmt: skip
+                       "weight_bytes": weight_bytes, "params": params,
+                       "weights_bound_s": weight_bound_s(weight_bytes, gbs)}  # fmt: skip
+                peak = product_peak(limits, system)
+                if peak:
+                    row |= {"compute_bound_s": compute_bound_s(params, users, peak[0]), "compute_peak": peak[1]}
+                row["bound_s"] = max(row["weights_bound_s"], row.get("compute_bound_s", 0.0))
                 try:
                     row |= serve_and_measure(system, path, shape, users, opts.ctx_per_slot, args,
                                              out / quant / f"u{users}" / system, llama_extra, notes)  # fmt: skip
@@ -668,10 +702,10 @@ def main(argv: list[str]) -> int:
                 if "error" not in row and not row.get("completed"):  # nothing to compare: a row, not a ratio
                     row["error"] = f"no request completed in {args.rounds} x {args.duration_s:.0f} s"
                 rows.append(row)
-                text = markdown(shape, rows, gbs, host, tools, load, notes)  # written after every run
+                text = markdown(shape, rows, gbs, host, tools, load, notes, peaks)  # written after every run
                 (out / "gguf_serve_compare.md").write_text(text)
                 (out / "results.json").write_text(json.dumps({"shape": asdict(shape), "bandwidth_gbs": gbs,
-                                                              "host": host, "tools": tools, "load": load,
+                                                              "products": peaks, "host": host, "tools": tools, "load": load,
                                                               "notes": notes, "rows": rows}, indent=2))  # fmt: skip
     print("\n" + text)
     print(f"written: {out / 'gguf_serve_compare.md'}, {out / 'results.json'}")

@@ -13,7 +13,11 @@ against oneDNN's 441 GFLOP/s on a Zen 5) of two n x n matrices, 2 n^3 flops, bes
 in float32 and in bfloat16, the source named; the bf16 line
 says whether the CPU multiplies bf16 with its own dot-product instructions (AVX-512 BF16, AMX) or
 oneDNN emulates them (then at half n, at most 512: an emulated product ran at about 1 GFLOP/s on
-an AVX2-only Zen 3 with torch 2.13, where n = 2048 took minutes).
+an AVX2-only Zen 3 with torch 2.13, where n = 2048 took minutes). And the 8-bit product peak: two
+n x n int8 matrices into int32 (torch._int_mm, oneDNN's 8-bit dot products: VNNI's vpdpbusd where the
+CPU has it, else vpmaddubsw), in GOP/s (2 a multiply-add): the floor of a step whose weights and inputs
+are both 8-bit (cbserve's GGUF blocks with --quantized-activations int8, llama.cpp's quantized dot
+products).
 
 `step_bounds` turns the figures into the least time a decode step can take: the weights it reads
 over the bandwidth, and 2 x params x tokens flops over the peak. benchmarks/throughput.py prints
@@ -50,6 +54,7 @@ class Limits:
     native: dict[str, bool]  # whether the CPU has dot-product instructions for the dtype
     matmul_n: dict[str, int]
     peak_source: dict[str, str] = field(default_factory=dict)  # "torch.matmul" or "oneDNN packed", by dtype name
+    int8_gops: float | None = None  # the 8-bit product (int8_gops); None: not measured
 
     def peak(self, dtype: str) -> float:
         """The product peak a `dtype` model can reach: its own, or float32's where that is faster (any
@@ -175,6 +180,19 @@ def product_peak(dtype: torch.dtype, n: int, repeats: int, native: bool) -> tupl
     return figures[source], source
 
 
+def int8_gops(n: int, repeats: int) -> float | None:
+    """GOP/s (2 a multiply-add) of an n x n x n product of int8 matrices into int32 (torch._int_mm),
+    or None where this torch has no CPU int8 product."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8) for _ in range(2))
+    try:
+        seconds = best_time(lambda: torch._int_mm(x, y), repeats)
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        print(f"machine_limits: the int8 product not measured ({exc})", file=sys.stderr)
+        return None
+    return 2 * n**3 / seconds / 1e9
+
+
 def measure(threads: int | None = None, array_mib: float | None = None, repeats: int = 10,
             matmul_n: int = 4096) -> Limits:  # fmt: skip
     """The host's limits with `threads` torch threads (default: what torch has now)."""
@@ -190,7 +208,8 @@ def measure(threads: int | None = None, array_mib: float | None = None, repeats:
                  for name, dtype in DTYPES.items()}  # fmt: skip
         return Limits(capabilities().describe(), torch.get_num_threads(), array_mib, copy_gbs, triad_gbs,
                       {name: p[0] for name, p in peaks.items()}, native, sizes,
-                      {name: p[1] for name, p in peaks.items()})  # fmt: skip
+                      {name: p[1] for name, p in peaks.items()},
+                      int8_gops(matmul_n, max(1, repeats // 2)))  # fmt: skip
     finally:
         torch.set_num_threads(before)
 
@@ -209,6 +228,9 @@ def describe(limits: Limits) -> str:
                        else "emulated: no bf16 dot-product instructions on this CPU; a smaller n")  # fmt: skip
         note = f" ({'; '.join(how)})" if how else ""
         lines.append(f"  {name:<9} n={limits.matmul_n[name]:<6}{gflops:8.1f} GFLOP/s{note}")
+    n = limits.matmul_n["float32"]
+    lines.append(f"  {'int8':<9} n={n:<6}{limits.int8_gops:8.1f} GOP/s (torch._int_mm: 8-bit products into int32)"
+                 if limits.int8_gops else "  int8      not measured (no CPU int8 product in this torch)")  # fmt: skip
     return "\n".join(lines)
 
 

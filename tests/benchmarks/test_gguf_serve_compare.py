@@ -118,16 +118,29 @@ def test_the_q4_0_copy_quantizes_every_2d_weight_keeps_the_rest_and_says_q4_0(gs
         assert (np.abs(back - want).reshape(-1, 32) <= scale * 1.01).all()
     # a step reads every tensor but the token embedding (the file has its own output tensor)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    assert gsc.step_weight_bytes(target) == sum(sizes.values()) - sizes["token_embd.weight"]
+    counts = {t.name: int(t.n_elements) for t in reader.tensors}
+    assert gsc.step_weights(target) == (sum(sizes.values()) - sizes["token_embd.weight"],
+                                        sum(counts.values()) - counts["token_embd.weight"])  # fmt: skip
     assert gsc.q4_0_eligible("blk.0.attn_q.weight", (64, 64))
     assert not gsc.q4_0_eligible("blk.0.attn_q.weight", (64, 48)) and not gsc.q4_0_eligible("x.bias", (8, 64))
 
 
 def test_the_bound_is_the_weights_over_the_bandwidth_and_the_kv_cache_is_f16_slots(gsc) -> None:
     assert gsc.weight_bound_s(2 * 10**9, 10.0) == pytest.approx(0.2)
+    # the products: 8e9 parameters, 16 users, 2 ops each, at 1,600 GOP/s
+    assert gsc.compute_bound_s(8 * 10**9, 16, 1600.0) == pytest.approx(0.16)
     # 8B at 16 users x 1024 tokens: 2 x 32 layers x 8 heads x 128 x 2 bytes = 128 KiB per token
     assert gsc.llama_cpp_kv_bytes(gsc.SHAPES["8b"], 16, 1024) == 2 << 30
     assert gsc.SHAPES["1b"].kv_bytes_per_token(4) == 2 * 16 * 8 * 64 * 4
+
+
+def test_each_system_is_held_against_the_product_it_runs(gsc) -> None:
+    from types import SimpleNamespace
+
+    limits = SimpleNamespace(peak_gflops={"float32": 400.0, "bfloat16": 900.0}, int8_gops=1600.0)
+    assert gsc.product_peak(limits, "cbserve") == (400.0, "float32")  # float inputs, dequantised blocks
+    assert gsc.product_peak(limits, "cbserve-int8") == gsc.product_peak(limits, "llama.cpp") == (1600.0, "int8")
+    assert gsc.product_peak(SimpleNamespace(peak_gflops={"float32": 400.0}, int8_gops=None), "llama.cpp") is None
 
 
 def test_the_rss_budget_is_1_2x_the_file_plus_the_kv_cache(gsc) -> None:
@@ -154,6 +167,12 @@ def test_the_table_has_a_row_per_run_and_a_verdict_per_pair(gsc) -> None:
                         ["a note"])  # fmt: skip
     assert text.count("| q8_0 | 1 |") == 2 and "- a note" in text
     assert "1.20x" in text  # TPOT 120 ms against a 100 ms bound
+    assert "| 100.0; n/a | 1.20x |" in text  # a row without the product bound (an older results.json)
+    sixteen = {**row, "users": 16, "weights_bound_s": 0.1, "compute_bound_s": 0.3, "compute_peak": "int8",
+               "bound_s": 0.3, "tpot_p50_ms": 600.0}  # fmt: skip
+    products = gsc.markdown(gsc.SHAPES["1b"], [{**sixteen, "system": "cbserve-int8"}], 10.0, "test CPU", {},
+                            "a load", peaks="int8 1600 GOP/s")  # fmt: skip
+    assert "| 100.0; **300.0 (int8)** | 2.00x |" in products and "10.0 GB/s; int8 1600 GOP/s;" in products
     assert "0.80x tok/s" in text and "not met (tok/s)" in text and "1 user, cbserve:" in text
     failed = {"quant": "q4_0", "users": 16, "system": "cbserve", "error": "the server exited with status 1"}
     text = gsc.markdown(gsc.SHAPES["1b"], [*rows, failed], 10.0, "test CPU", {}, "a load")

@@ -75,6 +75,18 @@ def test_a_tiny_measurement_gives_positive_figures_and_says_how_bf16_is_multipli
     assert limits.peak_source["float32"] in {"torch.matmul", "oneDNN packed"}
     assert limits.peak_source["bfloat16"] in ({"torch.matmul", "oneDNN packed"} if native else {"torch.matmul"})
     assert f"({limits.peak_source['float32']})" in text
+    assert limits.int8_gops > 0 and f"int8      n=64    {limits.int8_gops:8.1f} GOP/s" in text
+
+
+def test_a_torch_without_a_cpu_int8_product_leaves_its_peak_unmeasured(limits_module, monkeypatch) -> None:
+    def no_int8(*args):
+        raise RuntimeError("_int_mm: no CPU kernel")
+
+    monkeypatch.setattr(torch, "_int_mm", no_int8)
+    assert limits_module.int8_gops(64, 1) is None
+    limits = limits_module.measure(threads=1, array_mib=2, repeats=2, matmul_n=64)
+    assert limits.int8_gops is None and limits_module.describe(limits).endswith("int8      not measured "
+                                                                               "(no CPU int8 product in this torch)")
 
 
 def test_without_onednn_packing_the_peak_is_torch_matmul(limits_module, monkeypatch) -> None:
@@ -88,7 +100,8 @@ def test_limits_written_before_the_source_was_recorded_still_load(limits_module,
            "peak_gflops": {"float32": 100.0}, "native": {"float32": True}, "matmul_n": {"float32": 64}}  # fmt: skip
     (tmp_path / "old.json").write_text(json.dumps(old))
     limits = limits_module.load(str(tmp_path / "old.json"))
-    assert limits.peak_source == {} and "(" not in limits_module.describe(limits).splitlines()[-1]
+    assert limits.peak_source == {} and limits.int8_gops is None
+    assert "(" not in limits_module.describe(limits).splitlines()[-2]
 
 
 def test_the_script_prints_json_that_loads_back(limits_module, tmp_path) -> None:
@@ -100,6 +113,7 @@ def test_the_script_prints_json_that_loads_back(limits_module, tmp_path) -> None
     assert figures["threads"] == 1 and figures["array_mib"] == 2.0
     assert figures["copy_gbs"] > 0 and figures["triad_gbs"] > 0
     assert set(figures["peak_gflops"]) == {"float32", "bfloat16"} and min(figures["peak_gflops"].values()) > 0
+    assert figures["int8_gops"] > 0
     assert figures["host"] == capabilities().describe()  # the host line throughput.py prints
     path = tmp_path / "limits.json"
     path.write_text(run.stdout)

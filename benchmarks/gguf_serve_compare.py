@@ -33,9 +33,9 @@ STREAM triad bandwidth (benchmarks/machine_limits.py, measured at the start unle
 its --json), and against the compute bound of a decode step of one token a user: 2 x the weights'
 parameters x users operations at the host's 8-bit product peak (machine_limits' int8 figure; both
 cbserve-int8 and llama.cpp multiply 8-bit inputs) or, for cbserve's float inputs, its float32 peak.
-The step's bound is the larger; at 16 users of the 8B shape it is the compute. If llama-server stops with SIGILL before it is ready (a build with ggml's AMX
-kernels did on the Xeon here; llama_cpp_peer.py now leaves them out), it is restarted with
---no-repack and the report says so.
+The step's bound is the larger: the weights at one user, the products at 16. If llama-server stops
+with SIGILL before it is ready (a build with ggml's AMX kernels did on the Xeon here;
+llama_cpp_peer.py now leaves them out), it is restarted with --no-repack and the report says so.
 The table goes to reports/gguf-peer/SHAPE/gguf_serve_compare.md (and results.json) and is printed.
 """
 
@@ -385,7 +385,7 @@ def compute_bound_s(params: int, users: int, peak_gops: float) -> float:
     return 2 * params * users / (peak_gops * 1e9)
 
 
-def product_peak(limits, system: str) -> tuple[float, str] | None:
+def system_peak(limits, system: str) -> tuple[float, str] | None:
     """The product peak a system's decode step runs at (GOP/s) and its name: cbserve's float inputs
     multiply in float32; cbserve-int8 and llama.cpp multiply 8-bit inputs. None: not measured."""
     if system == "cbserve":
@@ -689,7 +689,7 @@ def main(argv: list[str]) -> int:
                 row = {"quant": quant, "users": users, "system": system, "file_bytes": path.stat().st_size,
                        "weight_bytes": weight_bytes, "params": params,
                        "weights_bound_s": weight_bound_s(weight_bytes, gbs)}  # fmt: skip
-                peak = product_peak(limits, system)
+                peak = system_peak(limits, system)
                 if peak:
                     row |= {"compute_bound_s": compute_bound_s(params, users, peak[0]), "compute_peak": peak[1]}
                 row["bound_s"] = max(row["weights_bound_s"], row.get("compute_bound_s", 0.0))

@@ -138,9 +138,9 @@ def test_each_system_is_held_against_the_product_it_runs(gsc) -> None:
     from types import SimpleNamespace
 
     limits = SimpleNamespace(peak_gflops={"float32": 400.0, "bfloat16": 900.0}, int8_gops=1600.0)
-    assert gsc.product_peak(limits, "cbserve") == (400.0, "float32")  # float inputs, dequantised blocks
-    assert gsc.product_peak(limits, "cbserve-int8") == gsc.product_peak(limits, "llama.cpp") == (1600.0, "int8")
-    assert gsc.product_peak(SimpleNamespace(peak_gflops={"float32": 400.0}, int8_gops=None), "llama.cpp") is None
+    assert gsc.system_peak(limits, "cbserve") == (400.0, "float32")  # float inputs, dequantised blocks
+    assert gsc.system_peak(limits, "cbserve-int8") == gsc.system_peak(limits, "llama.cpp") == (1600.0, "int8")
+    assert gsc.system_peak(SimpleNamespace(peak_gflops={"float32": 400.0}, int8_gops=None), "llama.cpp") is None
 
 
 def test_the_rss_budget_is_1_2x_the_file_plus_the_kv_cache(gsc) -> None:

@@ -12,7 +12,8 @@
 //   gcc -O3 -fopenmp -march=native -DFIXED_K=2048 benchmarks/probes/int8_tile_layouts.c -o /tmp/itl_fixed
 //   for p in rows blocks fixed; do OMP_NUM_THREADS=2 /tmp/itl_$p 2048; done
 //
-// docs/benchmarks.md (the 1B shape on Zen 5) has its figures. Not part of the build or the tests.
+// AVX512-VNNI hosts only (the tile is the VNNI one). docs/benchmarks.md (the 1B shape on Zen 5) has
+// its figures. Not part of the build or the tests.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>

@@ -24,6 +24,7 @@
 #define R 16  // rows of x
 #define G 8   // rows of x whose sums are built side by side
 
+// engine/csrc/int8_lanes.h's transpose16x16, copied: this program is plain C and builds without ATen
 static void transpose16x16(const uint8_t* base, long rb, __m512i out[4]) {
   __m512i z[4];
   for (int a = 0; a < 4; ++a) {

@@ -364,27 +364,27 @@ struct Lanes16 {
 #define CB_KQUANT_VNNI 0
 #endif
 
-// x's int8 rows, and for Q6_K the sums of each half block of 16 (sq16 [m, k / 16])
+// x's int8 rows in panels of kInt8X rows (int8_lanes.h: a pass's rows), and for Q6_K the sums of each
+// half block of 16 in the same order (sq16 [m * k / 32, 2])
 struct KX {
   QuantizedX x;
   const int32_t* sq16;
 };
 
 // One block of 32 weights of the tile (their unsigned quants wq[8], register g holding values 4g..4g+3
-// of each lane's row) against the rows r..r+G-1 of x (fewer when n_rows < G): the integer dot
+// of each lane's row) against G rows of x (fewer when n_rows < G), their blocks side by side from x: the integer dot
 // products are added to sums[i], values 0-15 into sums[i][0] and, with Halves, 16-31 into sums[i][1].
 // C groups at a time: with vpmaddubsw their pair sums (at most 2 q_max 127 each) are added in 16 bits
 // before one vpmaddwd, so C 2 q_max 127 must stay under 32768 (Q4_K, q <= 15: all 8; Q6_K, q <= 63: 2)
 template <class L, int G, bool Halves, int C>
-inline void block_sums(const typename L::vi wq[8], const KX& kx, int64_t r, int64_t block, int n_rows,
-                       typename L::vi (*sums)[2]) {
+inline void block_sums(const typename L::vi wq[8], const int8_t* x, int n_rows, typename L::vi (*sums)[2]) {
   static_assert(8 % C == 0 && (!Halves || C <= 4), "C groups a sum: whole groups, within one half");
 #pragma GCC unroll 8
   for (int g = 0; g < 8; g += C) {
 #pragma GCC unroll 8
     for (int i = 0; i < G; ++i) {
       if (i >= n_rows) break;
-      const int32_t* xq = reinterpret_cast<const int32_t*>(kx.x.q + (r + i) * kx.x.k + block * kQuantBlock);
+      const int32_t* xq = reinterpret_cast<const int32_t*>(x + i * kQuantBlock);
       const int h = Halves && g >= 4 ? 1 : 0;
       sums[i][h] = L::template dp_n<C>(sums[i][h], wq + g, xq + g);
     }
@@ -427,15 +427,15 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
           mn = L::or_(L::and_(L::srl32(s2, t + 4), 0x0f), L::sll32(L::and_(L::srl32(s1, t + 6), 3), 4));
         }
         const vf dsc = L::mul(d, L::cvt(sc)), dm = L::mul(dmin, L::cvt(mn));
-        const int64_t block = sup * 8 + j;
+        const int64_t i0 = r0 * blocks + (sup * 8 + j) * R;  // x's panel: this block of the R rows
 #pragma GCC unroll 16
         for (int r1 = 0; r1 < R; r1 += G) {
           const int n_rows = R - r1 < G ? R - r1 : G;
           vi sums[G][2];
           for (int i = 0; i < n_rows; ++i) sums[i][0] = L::set1(0);
-          block_sums<L, G, false, 8>(wq, kx, r0 + r1, block, n_rows, sums);  // 8 x 3,810
+          block_sums<L, G, false, 8>(wq, kx.x.q + (i0 + r1) * kQuantBlock, n_rows, sums);  // 8 x 3,810
           for (int i = 0; i < n_rows; ++i) {
-            const int64_t at = (r0 + r1 + i) * blocks + block;
+            const int64_t at = i0 + r1 + i;
             vf& a = acc[r1 + i];
             a = L::fmadd(L::cvt(sums[i][0]), L::mul(dsc, L::set1f(kx.x.d[at])), a);
             a = L::fnmadd(dm, L::set1f(kx.x.s[at]), a);
@@ -483,19 +483,19 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
           const int idx = 8 * half + 2 * c + e;  // a signed byte: shifted to the top, then down arithmetically
           ds[e] = L::mul(d, L::cvt(L::sra32(L::sll32(sw[idx / 4], 24 - 8 * (idx % 4)), 24)));
         }
-        const int64_t block = sup * 8 + 4 * half + c;
+        const int64_t i0 = r0 * blocks + (sup * 8 + 4 * half + c) * R;  // x's panel: this block of the R rows
 #pragma GCC unroll 16
         for (int r1 = 0; r1 < R; r1 += G) {
           const int n_rows = R - r1 < G ? R - r1 : G;
           vi sums[G][2];
           for (int i = 0; i < n_rows; ++i) {
-            const int32_t* s16 = kx.sq16 + (r0 + r1 + i) * 2 * blocks + 2 * block;
+            const int32_t* s16 = kx.sq16 + (i0 + r1 + i) * 2;
             sums[i][0] = L::set1(-32 * s16[0]);
             sums[i][1] = L::set1(-32 * s16[1]);
           }
-          block_sums<L, G, true, 2>(wq, kx, r0 + r1, block, n_rows, sums);  // 2 x 16,002
+          block_sums<L, G, true, 2>(wq, kx.x.q + (i0 + r1) * kQuantBlock, n_rows, sums);  // 2 x 16,002
           for (int i = 0; i < n_rows; ++i) {
-            const vf dx = L::set1f(kx.x.d[(r0 + r1 + i) * blocks + block]);
+            const vf dx = L::set1f(kx.x.d[i0 + r1 + i]);
             vf& a = acc[r1 + i];
             a = L::fmadd(L::cvt(sums[i][0]), L::mul(ds[0], dx), a);
             a = L::fmadd(L::cvt(sums[i][1]), L::mul(ds[1], dx), a);
@@ -575,10 +575,10 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optiona
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1), sb = super_bytes(qtype);
   if (int8) {
-    const QuantizedRows rows = quantize_rows(xf, true);
+    const QuantizedRows rows = quantize_rows(xf, true, kInt8X);
     auto sq16 = at::empty({qtype == kQ6_K ? m : 0, k / 16}, x.options().dtype(at::kInt));
     int32_t* s16 = sq16.data_ptr<int32_t>();
-    for (int64_t i = 0; i < sq16.numel(); ++i) {  // Q6_K's sums of x's halves of 16
+    for (int64_t i = 0; i < sq16.numel(); ++i) {  // Q6_K's sums of x's halves of 16, in q's order
       int32_t t = 0;
       for (int e = 0; e < 16; ++e) t += rows.view.q[16 * i + e];
       s16[i] = t;

@@ -20,7 +20,8 @@
 //   Q8_0: d * dx * sum(q * qx)         Q4_0: d * (dx * sum(q * qx) - 8 s)        Q4_1: d * dx * sum(q * qx) + m s
 // Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (AVX2: vpmaddubsw + vpmaddwd),
 // one per 32-bit lane, transposed in registers block by block, and each row of x multiplies a whole
-// tile with its 4-byte groups broadcast; the rows left over (and the AVX-512 build with VNNI off) go
+// tile with its 4-byte groups broadcast (x quantized in panels of 16 rows, int8_lanes.h: a pass's rows
+// of one block at fixed offsets from one pointer); the rows left over (and the AVX-512 build with VNNI off) go
 // one weight row at a time, 32 bytes a block, vpmaddubsw + vpmaddwd or vpdpbusd (AVX-VNNI). Both
 // multiply unsigned by signed bytes, so Q4's nibbles go in as they are and Q8_0's signed quants as
 // |q| against sign(qx, q), or in the VNNI tiles as q + 128 from -128 sum(qx).
@@ -49,6 +50,7 @@ using namespace cbserve;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 4;  // rows of x per unpacked weight block
+constexpr int64_t kXPanel = 16;  // rows of int8 x a panel (int8_lanes.h): the int8 tiles' rows a pass
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 template <int64_t Q>
 constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;  // a block's bytes
@@ -111,6 +113,8 @@ inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* o
   float extra[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), extra[r] = 0.0f;
   const __m128i low4 = _mm_set1_epi8(0x0f);
+  // x in panels: rows r0.. (within one panel) side by side in each block, `step` indexes a block
+  const int64_t first = x.at(r0, 0), step = std::min(x.panel, x.m - (r0 - r0 % x.panel));
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * bb;
     const float d = half(blk);
@@ -124,8 +128,8 @@ inline void dot_rows(const uint8_t* w, const QuantizedX& x, int64_t r0, float* o
     const __m256i wu = Q == kQ8_0 ? _mm256_sign_epi8(wq, wq) : wq;  // |q|: unsigned for the product
     const float m = Q == kQ4_1 ? half(blk + 2) : 0.0f;
     for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = row * blocks + b;
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + row * x.k + b * kBlock));
+      const int64_t i = first + b * step + r;
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kBlock));
       if constexpr (Q == kQ8_0) xq = _mm256_sign_epi8(xq, wq);
       const __m256 p = _mm256_cvtepi32_ps(dot_u8s8<VNNI>(wu, xq));
       acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[i]), acc[r]);
@@ -336,15 +340,18 @@ __attribute__((always_inline)) inline void unpack_lane_block(const uint8_t* blk,
 template <int64_t Q, int R>
 __attribute__((always_inline)) inline void accumulate_lane_block(const LaneBlock& lb, const QuantizedX& x, int64_t r0,
                                                                  int64_t b, __m512* acc) {
-  const int64_t blocks = x.k / kBlock;
   constexpr int G = R < 8 ? R : 8;  // rows of x a group
+  // x in panels of kLaneX rows (a pass: these R rows from r0), block b of each side by side, 32 bytes
+  // apart, and their scales and sums
+  const int64_t i0 = r0 * (x.k / kBlock) + b * R;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + i0 * kBlock);
 #pragma GCC unroll 2
   for (int r1 = 0; r1 < R; r1 += G) {
     __m512i sum[G];
 #pragma GCC unroll 8
     for (int r = 0; r < G; ++r) {
       if (r1 + r >= R) break;
-      const int64_t i = (r0 + r1 + r) * blocks + b;
+      const int64_t i = i0 + r1 + r;
       sum[r] = _mm512_set1_epi32(Q == kQ8_0 ? -128 * x.sq[i] : Q == kQ4_0 ? -8 * x.sq[i] : 0);
     }
 #pragma GCC unroll 8
@@ -352,14 +359,13 @@ __attribute__((always_inline)) inline void accumulate_lane_block(const LaneBlock
 #pragma GCC unroll 8
       for (int r = 0; r < G; ++r) {
         if (r1 + r >= R) break;
-        const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r1 + r) * x.k + b * kBlock);
-        sum[r] = _mm512_dpbusd_epi32(sum[r], lb.wq[g], _mm512_set1_epi32(xq[g]));
+        sum[r] = _mm512_dpbusd_epi32(sum[r], lb.wq[g], _mm512_set1_epi32(xq[(r1 + r) * 8 + g]));
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < G; ++r) {
       if (r1 + r >= R) break;
-      const int64_t i = (r0 + r1 + r) * blocks + b;
+      const int64_t i = i0 + r1 + r;
       acc[r1 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(lb.d, _mm512_set1_ps(x.d[i])), acc[r1 + r]);
       if constexpr (Q == kQ4_1) acc[r1 + r] = _mm512_fmadd_ps(lb.m, _mm512_set1_ps(x.s[i]), acc[r1 + r]);
     }
@@ -458,8 +464,8 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
     __m256 m;
     if constexpr (Q == kQ4_1) m = halves8(blk, row_bytes, 2);
     for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = row * blocks + b;
-      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + row * x.k + b * kBlock);
+      const int64_t i = r0 * blocks + b * R + r;  // x in panels of kLaneX rows, as in the AVX-512 tile
+      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + i * kBlock);
       __m256i sum;
       if constexpr (Q == kQ8_0) {
         sum = _mm256_setzero_si256();
@@ -493,7 +499,7 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
 #endif
 
 #if CB_INT8_LANES
-constexpr int64_t kLaneX = 16;  // rows of x per pass over a tile (a decode step of 16 users: one pass)
+constexpr int64_t kLaneX = kXPanel;  // rows of x per pass over a tile (a decode step of 16 users: one pass)
 
 // the tile for `rows` (1 to kLaneX) rows of x, whichever build's tile_int8_lanes above
 template <int64_t Q>
@@ -669,7 +675,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   check_weight(w, qtype, k);
   auto xf = x.to(at::kFloat).contiguous();
-  const QuantizedRows rows = quantize_rows(xf, int8);
+  const QuantizedRows rows = quantize_rows(xf, int8, kXPanel);
   const QuantizedX& qx = rows.view;
   const float* xfp = int8 ? nullptr : xf.data_ptr<float>();
   auto y = at::empty({m, n}, x.options());

@@ -10,7 +10,10 @@ the float32 input rows, so the result is the input times the dequantized weight 
 the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight for the call
 instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
-its rounding of the input makes greedy output depart from `model.generate` now and then. A `QuantizedEmbedding` holds the
+its rounding of the input makes greedy output depart from `model.generate` now and then; on a
+build with 16-lane int8 tiles (AVX512-VNNI) it also repacks each Q8_0/Q4_0/Q4_1 weight once, at that
+switch, into the tiles' own layout (`REPACKED` added to the type; quant_cpu.cpp's quant_repack: the
+same bytes, no gather or transpose left for the product). A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes. A `QuantizedLinear` with an `out_order` keeps
 its rows in the file's order and moves its outputs (Llama's q/k, whose rows llama.cpp's converter
@@ -37,6 +40,15 @@ NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 K_QUANTS = frozenset((Q4_K, Q6_K))  # super-blocks of 256 weights, engine/csrc/kquant_cpu.cpp
 SUPER = 256
+# added to a Q8_0/Q4_0/Q4_1 type: the blocks repacked for the int8 tiles (quant_cpu.cpp's quant_repack);
+# only the int8 product and the kernels' dequantization read them
+REPACKED = 256
+REPACKABLE = frozenset((Q4_0, Q4_1, Q8_0))
+
+
+def base_type(qtype: int) -> int:
+    """The GGUF type of blocks, repacked or not."""
+    return qtype & ~REPACKED
 
 
 def block_weights(qtype: int) -> int:
@@ -119,9 +131,10 @@ class QuantizedLinear(torch.nn.Module):
     def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None,
                  ops: ModuleType | None = None, out_order: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
-            raise ValueError(f"{NAMES.get(qtype, qtype)} blocks for {in_features} inputs must be uint8 "
-                             f"[rows, {row_bytes(qtype, in_features)}], got {blocks.dtype} {list(blocks.shape)}")
+        width = row_bytes(base_type(qtype), in_features)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width:
+            raise ValueError(f"{NAMES.get(base_type(qtype), qtype)} blocks for {in_features} inputs must be uint8 "
+                             f"[rows, {width}], got {blocks.dtype} {list(blocks.shape)}")
         if out_order is not None and (out_order.dtype != torch.int64 or out_order.shape != (blocks.shape[0],)):
             raise ValueError(f"out_order must be int64 [{blocks.shape[0]}], got {out_order.dtype} {list(out_order.shape)}")
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
@@ -150,26 +163,63 @@ class QuantizedLinear(torch.nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.qtype & REPACKED:  # only the kernels read that layout
+            return dequantize_rows(self.ops, self.blocks, self.qtype, self.in_features, self.out_order,
+                                   torch.empty(0, dtype=dtype))  # fmt: skip
         blocks = self.blocks if self.out_order is None else self.blocks.index_select(0, self.out_order)
         return dequantize(blocks, self.qtype, self.in_features).to(dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {NAMES[self.qtype]}, "
-                f"bias={self.bias is not None}")
+        repacked = ", repacked" if self.qtype & REPACKED else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {NAMES[base_type(self.qtype)]}"
+                f"{repacked}, bias={self.bias is not None}")
 
 
-def use_int8_activations(model: torch.nn.Module) -> int:
-    """Every `QuantizedLinear` of `model` switched to its int8 product; the count. The model's
-    placement (`cbserve_quantization`, GET /v1/models) says so."""
-    count = 0
-    for m in model.modules():
+def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
+    """Every `QuantizedLinear` of `model` switched to its int8 product; the count. With `repack` and a
+    build that has 16-lane int8 tiles, each Q8_0/Q4_0/Q4_1 weight is repacked for them (a new tensor
+    of the same size; an embedding on the same bytes, a tied LM head's, takes the repacked ones too,
+    so the bytes stay held once). The model's placement (`cbserve_quantization`, GET /v1/models)
+    says so."""
+    count, repacked = 0, {}
+    modules = list(model.modules())
+    for m in modules:
         if isinstance(m, QuantizedLinear):
             m.int8_activations = True
             count += 1
+            if repack and m.qtype in REPACKABLE and m.ops is not None and m.ops.quant_repack_available():
+                key = m.blocks.data_ptr()  # the file's bytes, or a copy the loader made
+                if key not in repacked:
+                    repacked[key] = m.ops.quant_repack(m.blocks, m.qtype, m.in_features)
+                    _page_out(m.blocks)  # read once: the file's pages need not stay beside the copy
+                m.blocks, m.qtype = repacked[key], m.qtype | REPACKED
+    for m in modules:  # an embedding on bytes that were repacked
+        if isinstance(m, QuantizedEmbedding) and m.qtype in REPACKABLE and m.blocks.data_ptr() in repacked:
+            m.blocks, m.qtype = repacked[m.blocks.data_ptr()], m.qtype | REPACKED
     if count:
         info = dict(getattr(model, "cbserve_quantization", None) or {})
-        model.cbserve_quantization = {**info, "activations": "int8"}
+        model.cbserve_quantization = {**info, "activations": "int8", **({"repacked": len(repacked)} if repacked else {})}
     return count
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Ask Linux to reclaim the resident pages wholly inside t's bytes (madvise MADV_PAGEOUT, Linux
+    5.4+; a no-op elsewhere). Nothing is lost: a page of the file mapping is read again if touched,
+    and an anonymous one without swap is left as it is. Repacking reads each weight of the mapped file
+    once; without this its pages would stay resident beside the repacked copy until the file is
+    unmapped, and the process's peak memory would be twice the file's."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)  # MADV_PAGEOUT
 
 
 class QuantizedEmbedding(torch.nn.Module):
@@ -178,7 +228,7 @@ class QuantizedEmbedding(torch.nn.Module):
     def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
                  ops: ModuleType | None = None) -> None:  # fmt: skip
         super().__init__()
-        row_bytes(qtype, embedding_dim)
+        row_bytes(base_type(qtype), embedding_dim)
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.qtype, self.embedding_dim, self.num_embeddings, self.dtype, self.ops = (
             qtype, embedding_dim, blocks.shape[0], dtype, ops)  # fmt: skip
@@ -193,7 +243,7 @@ class QuantizedEmbedding(torch.nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {NAMES[self.qtype]}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {NAMES[base_type(self.qtype)]}"
 
 
 def quantized_bytes(model: torch.nn.Module) -> int:

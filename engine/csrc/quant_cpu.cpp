@@ -25,6 +25,11 @@
 // one weight row at a time, 32 bytes a block, vpmaddubsw + vpmaddwd or vpdpbusd (AVX-VNNI). Both
 // multiply unsigned by signed bytes, so Q4's nibbles go in as they are and Q8_0's signed quants as
 // |q| against sign(qx, q), or in the VNNI tiles as q + 128 from -128 sum(qx).
+// On AVX512-VNNI builds a weight can also be repacked once, at load (`quant_repack`, as llama.cpp
+// repacks its Q4_0 for its CPU tiles): each full tile of 16 rows laid out block by block as the tile
+// reads it (the 16 scales, then the quants already transposed), so the int8 product reads one stream
+// with no gather or transpose (1.1-1.2x at 1 and 16 rows on a Zen 5); such a weight's type carries
+// kRepacked, and only the int8 product with VNNI and the dequantization read it.
 // `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
 // it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
 // difference in x (another attention kernel) can move a rounding step: greedy output then departs
@@ -54,6 +59,9 @@ constexpr int64_t kXPanel = 16;  // rows of int8 x a panel (int8_lanes.h): the i
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 template <int64_t Q>
 constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;  // a block's bytes
+// added to a type: the weight's full tiles of 16 rows repacked at load for the 16-lane int8 tiles
+// (quant_repack, below)
+constexpr int64_t kRepacked = 256;
 
 // the next tile's block in each of its N rows: a tile's rows are N short streams that the hardware
 // prefetcher barely starts on before they end
@@ -418,6 +426,86 @@ inline void tile_int8_unpacked(const LaneBlock* unpacked, const QuantizedX& x, i
   for (int64_t b = 0; b < x.k / kBlock; ++b) accumulate_lane_block<Q, R>(unpacked[b], x, r0, b, acc);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
 }
+
+// The repacked layout (llama.cpp repacks its Q4_0 for its CPU tiles the same way, at load): a full
+// tile of 16 weight rows keeps its 16 x row_bytes bytes, block after block, each block's 16 x (block
+// bytes) holding the 16 rows' float16 scales, Q4_1's 16 minimums, then the quants as
+// unpack_lane_block leaves them in registers (Q8_0: 8 x 64 bytes, biased by 128; Q4: 4 x 64 bytes of
+// nibbles, split when loaded). One tile is then one stream read straight into the registers: no
+// gather of the scales, no transpose. The rows after the last full tile stay as the file has them.
+template <int64_t Q>
+constexpr int64_t kLaneHead = Q == kQ4_1 ? 64 : 32;  // bytes of scales (and minimums) a tile's block
+
+template <int64_t Q>
+void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, uint8_t* out) {
+  const __m512i rows = lane_row_offsets(row_bytes);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes<Q>;
+    uint8_t* tb = out + b * kLaneRows * kBlockBytes<Q>;
+    const __m512i head = _mm512_i32gather_epi32(rows, blk, 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb), _mm512_cvtepi32_epi16(head));
+    if constexpr (Q == kQ4_1)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+    __m512i q[8];
+    if constexpr (Q == kQ8_0) {
+      transpose16x16(blk + 2, row_bytes, q);
+      transpose16x16(blk + 18, row_bytes, q + 4);
+      for (int g = 0; g < 8; ++g) _mm512_storeu_si512(tb + kLaneHead<Q> + 64 * g, _mm512_xor_si512(q[g], bias));
+    } else {
+      transpose16x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, q);
+      for (int g = 0; g < 4; ++g) _mm512_storeu_si512(tb + kLaneHead<Q> + 64 * g, q[g]);
+    }
+  }
+}
+
+// one block of a repacked tile (at tb) into registers: what unpack_lane_block makes from the file's rows
+template <int64_t Q>
+__attribute__((always_inline)) inline void load_lane_block(const uint8_t* tb, LaneBlock& o) {
+  o.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+  if constexpr (Q == kQ4_1) o.m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)));
+  const uint8_t* qb = tb + kLaneHead<Q>;
+  if constexpr (Q == kQ8_0) {
+    for (int g = 0; g < 8; ++g) o.wq[g] = _mm512_loadu_si512(qb + 64 * g);
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i nib = _mm512_loadu_si512(qb + 64 * g);
+      o.wq[g] = _mm512_and_si512(nib, low4);
+      o.wq[4 + g] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4);
+    }
+  }
+}
+
+// a repacked tile (from `tile`) times R rows of x from r0: out[r * 16 + j], the same sums in the same
+// order as tile_int8_lanes on the file's rows
+template <int64_t Q, int R>
+inline void tile_int8_repacked(const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
+  constexpr int64_t step = kLaneRows * kBlockBytes<Q>;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.k / kBlock; ++b) {
+    const uint8_t* tb = tile + b * step;
+    for (int64_t at = 0; at < step; at += 64) _mm_prefetch(reinterpret_cast<const char*>(tb + 4 * step + at), _MM_HINT_T0);
+    LaneBlock lb;
+    load_lane_block<Q>(tb, lb);
+    accumulate_lane_block<Q, R>(lb, x, r0, b, acc);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
+}
+
+template <int64_t Q, int R = 1>
+void tile_int8_repacked_any(int64_t rows, const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
+  if constexpr (R < kXPanel) {
+    if (rows > R) return tile_int8_repacked_any<Q, R + 1>(rows, tile, x, r0, out);
+  }
+  tile_int8_repacked<Q, R>(tile, x, r0, out);
+}
+#define CB_REPACKED 1
+#else
+#define CB_REPACKED 0
+template <int64_t Q>
+void tile_int8_repacked_any(int64_t, const uint8_t*, const QuantizedX&, int64_t, float*) {}
 #endif
 
 #if !defined(__AVX512F__)
@@ -552,7 +640,9 @@ constexpr bool defined_avx512 = false;
 
 template <int64_t Q, bool VNNI, typename T>
 void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
-             int64_t m, int64_t n) {
+             int64_t m, int64_t n, bool repacked) {
+  TORCH_CHECK(!repacked || (CB_REPACKED && VNNI && !xf), "quant_linear: a weight repacked for the 16-lane int8 "
+              "tiles (quant_repack) is multiplied by int8 x with VNNI on, not ", xf ? "float x" : "with VNNI off");
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n / (4 * threads)));
 #if defined(__AVX512F__)
@@ -583,13 +673,14 @@ void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row
     const int64_t tiles = n / kLaneRows;
     at::parallel_for(0, tiles, std::max<int64_t>(1, grain / kLaneRows), [&](int64_t t0, int64_t t1) {
       float out[kLaneX * kLaneRows];
-      std::vector<LaneBlock> unpacked(kUnpackTiles && m > kLaneX ? x.k / kBlock : 0);
+      std::vector<LaneBlock> unpacked(kUnpackTiles && m > kLaneX && !repacked ? x.k / kBlock : 0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j0 = t * kLaneRows;
         if (!unpacked.empty()) unpack_tile_int8<Q>(w + j0 * row_bytes, row_bytes, x.k / kBlock, unpacked.data());
         for (int64_t r0 = 0; r0 < m; r0 += kLaneX) {
           const int64_t rows = std::min(kLaneX, m - r0);
-          if (!unpacked.empty()) tile_int8_unpacked_any<Q>(rows, unpacked.data(), x, r0, out);
+          if (repacked) tile_int8_repacked_any<Q>(rows, w + j0 * row_bytes, x, r0, out);
+          else if (!unpacked.empty()) tile_int8_unpacked_any<Q>(rows, unpacked.data(), x, r0, out);
           else tile_int8_lanes_any<Q>(rows, w + j0 * row_bytes, row_bytes, x, r0, out);
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = 0; j < kLaneRows; ++j)
@@ -631,11 +722,11 @@ void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row
 
 template <int64_t Q, typename T>
 void product_isa(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
-                 int64_t m, int64_t n) {
+                 int64_t m, int64_t n, bool repacked) {
 #if CB_VNNI
-  if (!xf && g_vnni.load(std::memory_order_relaxed)) return product<Q, true>(x, xf, w, row_bytes, bias, y, m, n);
+  if (!xf && g_vnni.load(std::memory_order_relaxed)) return product<Q, true>(x, xf, w, row_bytes, bias, y, m, n, repacked);
 #endif
-  product<Q, false>(x, xf, w, row_bytes, bias, y, m, n);
+  product<Q, false>(x, xf, w, row_bytes, bias, y, m, n, repacked);
 }
 
 template <typename T>
@@ -658,6 +749,37 @@ void dequantize_row(const uint8_t* w, int64_t qtype, int64_t k, T* out) {
   }
 }
 
+// the tile or the row that row j of a repacked weight (n rows) is in, and its lane there (-1: a row
+// after the last full tile, as the file has it)
+inline int64_t repacked_lane(int64_t j, int64_t n) { return j < n / 16 * 16 ? j % 16 : -1; }
+
+// row j of a repacked weight, as dequantize_row reads a row of the file
+template <typename T>
+void dequantize_repacked_row(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t j, int64_t qtype, int64_t k,
+                             T* out) {
+  const int64_t lane = repacked_lane(j, n), bb = block_bytes(qtype);
+  const uint8_t* tile = w + (j - lane) * row_bytes;
+  const int64_t head = qtype == kQ4_1 ? 64 : 32, nq = qtype == kQ8_0 ? 32 : 16;
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* tb = tile + b * 16 * bb;
+    uint8_t blk[34];  // the file's block of row j: scale, Q4_1's minimum, quants (byte i: word i / 4, lane)
+    std::memcpy(blk, tb + 2 * lane, 2);
+    if (qtype == kQ4_1) std::memcpy(blk + 2, tb + 32 + 2 * lane, 2);
+    uint8_t* q = blk + (qtype == kQ4_1 ? 4 : 2);
+    for (int64_t i = 0; i < nq; ++i) {
+      const uint8_t v = tb[head + 64 * (i / 4) + 4 * lane + i % 4];
+      q[i] = qtype == kQ8_0 ? v ^ 0x80 : v;
+    }
+    dequantize_row(blk, qtype, kBlock, out + b * kBlock);
+  }
+}
+
+// the type without kRepacked; whether it was there
+inline int64_t base_type(int64_t qtype, bool& repacked) {
+  repacked = (qtype & kRepacked) != 0;
+  return qtype & ~kRepacked;
+}
+
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.is_contiguous(),
               "quantized linear: the weight must be a contiguous uint8 CPU tensor [rows, row bytes]");
@@ -670,9 +792,11 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 // x [M, K] (float32, bfloat16 or float16) times the quantized weight w [N, row bytes] of ggml type
 // `qtype`, plus `bias` (or None): [M, N] in x's dtype. `int8`: x quantized to int8 blocks and
 // integer dot products; else x in float32 against the dequantized blocks
-at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t type, c10::optional<at::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [M, K] expected");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  bool repacked;
+  const int64_t qtype = base_type(type, repacked);
   check_weight(w, qtype, k);
   auto xf = x.to(at::kFloat).contiguous();
   const QuantizedRows rows = quantize_rows(xf, int8, kXPanel);
@@ -687,16 +811,18 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
     T* yp = y.data_ptr<T>();
     switch (qtype) {
-      case kQ8_0: return product_isa<kQ8_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
-      case kQ4_0: return product_isa<kQ4_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
-      case kQ4_1: return product_isa<kQ4_1, T>(qx, xfp, wp, row_bytes, bp, yp, m, n);
+      case kQ8_0: return product_isa<kQ8_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n, repacked);
+      case kQ4_0: return product_isa<kQ4_0, T>(qx, xfp, wp, row_bytes, bp, yp, m, n, repacked);
+      case kQ4_1: return product_isa<kQ4_1, T>(qx, xfp, wp, row_bytes, bp, yp, m, n, repacked);
     }
   });
   return y;
 }
 
 // the rows `rows` (int64 [R], or all when None) of w [N, row bytes] as [R, k] in `like`'s dtype
-at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like) {
+at::Tensor quant_dequantize(at::Tensor w, int64_t type, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like) {
+  bool repacked;
+  const int64_t qtype = base_type(type, repacked);
   check_weight(w, qtype, k);
   at::Tensor idx = rows.has_value() ? rows->to(at::kLong).contiguous() : at::Tensor();
   const int64_t r = idx.defined() ? idx.numel() : w.size(0), n = w.size(0), row_bytes = w.size(1);
@@ -711,7 +837,8 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optiona
     at::parallel_for(0, r, 8, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t j = idx.defined() ? idx.data_ptr<int64_t>()[i] : i;
-        dequantize_row(wp + j * row_bytes, qtype, k, op + i * k);
+        if (repacked && repacked_lane(j, n) >= 0) dequantize_repacked_row(wp, row_bytes, n, j, qtype, k, op + i * k);
+        else dequantize_row(wp + j * row_bytes, qtype, k, op + i * k);
       }
     });
   });
@@ -721,5 +848,32 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optiona
 // whether this build has VNNI's byte dot products; `on` turns them on or off (off: vpmaddubsw),
 // returning the previous state
 bool quant_vnni_available() { return CB_VNNI != 0; }
+
+// whether this build runs weights repacked for the 16-lane int8 tiles (AVX512-VNNI builds)
+bool quant_repack_available() { return CB_REPACKED != 0; }
+
+// w [N, row bytes] of ggml type `qtype` with its full tiles of 16 rows repacked for the 16-lane int8
+// tiles (a new tensor of the same shape; multiply it as type qtype + 256 with int8 x)
+at::Tensor quant_repack(at::Tensor w, int64_t qtype, int64_t k) {
+  check_weight(w, qtype, k);
+  TORCH_CHECK(CB_REPACKED, "quant_repack: this build has no 16-lane int8 tiles (AVX512-VNNI)");
+  at::Tensor out = w.clone();
+#if CB_REPACKED
+  const int64_t row_bytes = w.size(1), tiles = w.size(0) / kLaneRows;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t at = t * kLaneRows * row_bytes;
+      switch (qtype) {
+        case kQ8_0: repack_tile<kQ8_0>(wp + at, row_bytes, k / kBlock, op + at); break;
+        case kQ4_0: repack_tile<kQ4_0>(wp + at, row_bytes, k / kBlock, op + at); break;
+        case kQ4_1: repack_tile<kQ4_1>(wp + at, row_bytes, k / kBlock, op + at); break;
+      }
+    }
+  });
+#endif
+  return out;
+}
 bool cbserve::quant_vnni_on() { return g_vnni.load(std::memory_order_relaxed); }
 bool set_quant_vnni(bool on) { return g_vnni.exchange(on && CB_VNNI != 0); }

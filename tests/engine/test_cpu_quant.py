@@ -127,6 +127,92 @@ def test_vnni_and_maddubs_agree(ops, qtype) -> None:
     assert float(((fast.double() - slow.double()).abs() / scale).max()) <= EXACT
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [*SHAPES, (40, 50, 256)], ids=str)
+def test_a_repacked_weight_gives_the_same_bits(ops, qtype, shape) -> None:
+    """quant_repack lays a weight's full tiles of 16 rows out for the 16-lane int8 tiles (AVX512-VNNI
+    builds): the int8 product on it is the product on the file's blocks, bit for bit (the same block
+    values reach the same sums in the same order), at one pass and several; its rows dequantize to
+    the file's; the rows after the last full tile are left as they were. A build without those tiles
+    refuses to repack."""
+    m, n, k = shape
+    blocks, _ = random_blocks(qtype, n, k)
+    if not ops.quant_repack_available():
+        with pytest.raises(RuntimeError, match="no 16-lane int8 tiles"):
+            ops.quant_repack(blocks, int(qtype), k)
+        return
+    packed = ops.quant_repack(blocks, int(qtype), k)
+    full = n // 16 * 16
+    assert packed.shape == blocks.shape and torch.equal(packed[full:], blocks[full:])
+    assert full == 0 or not torch.equal(packed[:full], blocks[:full])
+    t = int(qtype) | cpu_quant.REPACKED
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(n) if m % 2 else None
+    assert torch.equal(ops.quant_linear(x, packed, t, bias, int8=True), ops.quant_linear(x, blocks, int(qtype), bias, int8=True))
+    like = torch.empty(0)
+    assert torch.equal(ops.quant_dequantize(packed, t, k, None, like), ops.quant_dequantize(blocks, int(qtype), k, None, like))
+    rows = torch.tensor([n - 1, 0, n // 2, min(17, n - 1)])
+    assert torch.equal(ops.quant_dequantize(packed, t, k, rows, like), ops.quant_dequantize(blocks, int(qtype), k, rows, like))
+
+
+def test_a_repacked_weight_refuses_the_other_products(ops) -> None:
+    """Only the int8 product with VNNI reads the repacked layout: float x, VNNI turned off, or a build
+    without the 16-lane tiles is a clear error, never a product of scrambled bytes."""
+    blocks, _ = random_blocks(T.Q4_0, 32, 64)
+    t = int(T.Q4_0) | cpu_quant.REPACKED
+    x = torch.randn(3, 64)
+    if not ops.quant_repack_available():
+        with pytest.raises(RuntimeError, match="repacked for the 16-lane int8 tiles"):
+            ops.quant_linear(x, blocks, t, None, True)
+        return
+    packed = ops.quant_repack(blocks, int(T.Q4_0), 64)
+    with pytest.raises(RuntimeError, match="repacked .* not float x"):
+        ops.quant_linear(x, packed, t, None, False)
+    before = ops.set_quant_vnni(False)
+    try:
+        with pytest.raises(RuntimeError, match="not with VNNI off"):
+            ops.quant_linear(x, packed, t, None, True)
+    finally:
+        ops.set_quant_vnni(before)
+
+
+def test_int8_activations_repack_a_tied_head_and_its_embedding_once(ops) -> None:
+    """use_int8_activations repacks each Q8_0/Q4_0/Q4_1 weight where the build has the 16-lane tiles
+    (not a K-quant, not without the tiles): an embedding on the same bytes (a tied LM head's) takes
+    the repacked tensor too, so the bytes are held once, and both give what the file's blocks give."""
+    blocks, _ = random_blocks(T.Q8_0, 48, 64)
+    head = QuantizedLinear(blocks, int(T.Q8_0), 64, None, ops)
+    embed = QuantizedEmbedding(blocks, int(T.Q8_0), 64, torch.float32, ops)
+    model = torch.nn.ModuleList([embed, head])
+    ids = torch.tensor([[3, 47, 16, 0]])
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    before_rows = embed(ids)
+    head.int8_activations = True
+    before_y = head(x)
+    assert cpu_quant.use_int8_activations(model) == 1 and model.cbserve_quantization["activations"] == "int8"
+    repacked = ops.quant_repack_available()
+    assert (head.qtype, embed.qtype) == ((int(T.Q8_0) | cpu_quant.REPACKED,) * 2 if repacked else (int(T.Q8_0),) * 2)
+    assert head.blocks.data_ptr() == embed.blocks.data_ptr()
+    assert (head.blocks.data_ptr() != blocks.data_ptr()) == repacked
+    assert model.cbserve_quantization.get("repacked", 0) == int(repacked)
+    assert torch.equal(embed(ids), before_rows) and torch.equal(head(x), before_y)
+    assert torch.equal(head.dequantized(), dequantize(blocks, int(T.Q8_0), 64))
+    assert ("repacked" in head.extra_repr()) == repacked
+
+
+def test_paging_out_a_read_weight_loses_nothing(tmp_path) -> None:
+    """After repacking, the file's pages are handed back (MADV_PAGEOUT): a tensor on a mapped file or
+    in anonymous memory still reads the same bytes afterwards."""
+    data = np.random.default_rng(7).integers(0, 256, size=3 * 4096 + 100, dtype=np.uint8)
+    (tmp_path / "w.bin").write_bytes(data.tobytes())
+    mapped = torch.from_numpy(np.memmap(tmp_path / "w.bin", dtype=np.uint8, mode="r+"))
+    anonymous = torch.from_numpy(data.copy())
+    for t in (mapped, anonymous):
+        assert int(t.sum()) == int(data.sum())  # every page read in
+        cpu_quant._page_out(t)
+        assert torch.equal(t, torch.from_numpy(data))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs_give_outputs_of_their_dtype(ops, dtype) -> None:
     blocks, w = random_blocks(T.Q8_0, 40, 128)

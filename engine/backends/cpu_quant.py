@@ -11,8 +11,8 @@ the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight 
 instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
 its rounding of the input makes greedy output depart from `model.generate` now and then; on a
-build with 16-lane int8 tiles (AVX512-VNNI) it also repacks each Q8_0/Q4_0/Q4_1 weight once, at that
-switch, into the tiles' own layout (`REPACKED` added to the type; quant_cpu.cpp's quant_repack: the
+build with int8 tiles (AVX512-VNNI: 16 rows a tile; AVX2: 8) it also repacks each Q8_0/Q4_0/Q4_1
+weight once, at that switch, into the tiles' own layout (`REPACKED` added to the type; quant_cpu.cpp's quant_repack: the
 same bytes, no gather or transpose left for the product). A `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes. A `QuantizedLinear` with an `out_order` keeps
@@ -177,7 +177,7 @@ class QuantizedLinear(torch.nn.Module):
 
 def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
     """Every `QuantizedLinear` of `model` switched to its int8 product; the count. With `repack` and a
-    build that has 16-lane int8 tiles, each Q8_0/Q4_0/Q4_1 weight is repacked for them (a new tensor
+    build that has int8 tiles, each Q8_0/Q4_0/Q4_1 weight is repacked for them (a new tensor
     of the same size; an embedding on the same bytes, a tied LM head's, takes the repacked ones too,
     so the bytes stay held once). The model's placement (`cbserve_quantization`, GET /v1/models)
     says so."""
@@ -187,7 +187,7 @@ def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
         if isinstance(m, QuantizedLinear):
             m.int8_activations = True
             count += 1
-            if repack and m.qtype in REPACKABLE and m.ops is not None and m.ops.quant_repack_available():
+            if repack and m.qtype in REPACKABLE and m.ops is not None and m.ops.quant_repack_rows():
                 key = m.blocks.data_ptr()  # the file's bytes, or a copy the loader made
                 if key not in repacked:
                     repacked[key] = m.ops.quant_repack(m.blocks, m.qtype, m.in_features)

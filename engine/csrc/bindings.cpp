@@ -17,7 +17,7 @@ int64_t linear_panel_width();
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
 at::Tensor quant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
 bool quant_vnni_available();
-bool quant_repack_available();
+int64_t quant_repack_rows();
 at::Tensor quant_repack(at::Tensor w, int64_t qtype, int64_t k);
 at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
 at::Tensor kquant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
@@ -49,8 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_dequantize", &kquant_dequantize, "Rows of a K-quant weight as floats of like's dtype (CPU)",
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("rows"), py::arg("like"), NoGil());
   m.def("quant_vnni_available", &quant_vnni_available, "Whether this build has VNNI byte dot products");
-  m.def("quant_repack_available", &quant_repack_available, "Whether this build runs weights repacked for its 16-lane int8 tiles");
-  m.def("quant_repack", &quant_repack, "A GGUF weight (Q8_0, Q4_0, Q4_1) with its tiles of 16 rows repacked for the int8 "
+  m.def("quant_repack_rows", &quant_repack_rows, "Rows a tile of a weight repacked for this build's int8 tiles: 16, 8, or 0 (none)");
+  m.def("quant_repack", &quant_repack, "A GGUF weight (Q8_0, Q4_0, Q4_1) with its tiles of rows repacked for the int8 "
         "tiles: multiply it as type + 256 (CPU)", py::arg("w"), py::arg("qtype"), py::arg("k"), NoGil());
   m.def("set_quant_vnni", &set_quant_vnni, "Turn VNNI in quant_linear on or off; returns the previous state",
         py::arg("on"));

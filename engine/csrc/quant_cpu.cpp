@@ -25,11 +25,11 @@
 // one weight row at a time, 32 bytes a block, vpmaddubsw + vpmaddwd or vpdpbusd (AVX-VNNI). Both
 // multiply unsigned by signed bytes, so Q4's nibbles go in as they are and Q8_0's signed quants as
 // |q| against sign(qx, q), or in the VNNI tiles as q + 128 from -128 sum(qx).
-// On AVX512-VNNI builds a weight can also be repacked once, at load (`quant_repack`, as llama.cpp
-// repacks its Q4_0 for its CPU tiles): each full tile of 16 rows laid out block by block as the tile
-// reads it (the 16 scales, then the quants already transposed), so the int8 product reads one stream
-// with no gather or transpose (1.1-1.2x at 1 and 16 rows on a Zen 5); such a weight's type carries
-// kRepacked, and only the int8 product with VNNI and the dequantization read it.
+// Where the build has int8 tiles (AVX512-VNNI, AVX2) a weight can also be repacked once, at load
+// (`quant_repack`, as llama.cpp repacks its Q4_0 for its CPU tiles): each full tile of 16 (8) rows
+// laid out block by block as the tile reads it (the scales, then the quants already transposed), so
+// the int8 product reads one stream with no gather or transpose (1.1-1.2x at 1 and 16 rows on a Zen
+// 5); such a weight's type carries kRepacked, and only the int8 tiles and the dequantization read it.
 // `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
 // it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
 // difference in x (another attention kernel) can move a rounding step: greedy output then departs
@@ -59,7 +59,7 @@ constexpr int64_t kXPanel = 16;  // rows of int8 x a panel (int8_lanes.h): the i
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 template <int64_t Q>
 constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;  // a block's bytes
-// added to a type: the weight's full tiles of 16 rows repacked at load for the 16-lane int8 tiles
+// added to a type: the weight's full tiles of rows repacked at load for the build's int8 tiles
 // (quant_repack, below)
 constexpr int64_t kRepacked = 256;
 
@@ -434,7 +434,7 @@ inline void tile_int8_unpacked(const LaneBlock* unpacked, const QuantizedX& x, i
 // nibbles, split when loaded). One tile is then one stream read straight into the registers: no
 // gather of the scales, no transpose. The rows after the last full tile stay as the file has them.
 template <int64_t Q>
-constexpr int64_t kLaneHead = Q == kQ4_1 ? 64 : 32;  // bytes of scales (and minimums) a tile's block
+constexpr int64_t kLaneHead = kLaneRows * 2 * (Q == kQ4_1 ? 2 : 1);  // bytes of scales (and minimums) a tile's block
 
 template <int64_t Q>
 void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, uint8_t* out) {
@@ -486,7 +486,8 @@ inline void tile_int8_repacked(const uint8_t* tile, const QuantizedX& x, int64_t
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.k / kBlock; ++b) {
     const uint8_t* tb = tile + b * step;
-    for (int64_t at = 0; at < step; at += 64) _mm_prefetch(reinterpret_cast<const char*>(tb + 4 * step + at), _MM_HINT_T0);
+    // 16 blocks (4.5-8.5 KiB) ahead: 4 blocks ahead the 16-row product was 1.2-1.35x slower on a Zen 5; 32 the same
+    for (int64_t at = 0; at < step; at += 64) _mm_prefetch(reinterpret_cast<const char*>(tb + 16 * step + at), _MM_HINT_T0);
     LaneBlock lb;
     load_lane_block<Q>(tb, lb);
     accumulate_lane_block<Q, R>(lb, x, r0, b, acc);
@@ -501,11 +502,6 @@ void tile_int8_repacked_any(int64_t rows, const uint8_t* tile, const QuantizedX&
   }
   tile_int8_repacked<Q, R>(tile, x, r0, out);
 }
-#define CB_REPACKED 1
-#else
-#define CB_REPACKED 0
-template <int64_t Q>
-void tile_int8_repacked_any(int64_t, const uint8_t*, const QuantizedX&, int64_t, float*) {}
 #endif
 
 #if !defined(__AVX512F__)
@@ -526,31 +522,78 @@ inline __m256 halves8(const uint8_t* blk, int64_t row_bytes, int64_t at) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
-// 8 weight rows (from w) times R rows of x (from row r0): out[r * 8 + j]
-template <int64_t Q, int R>
+// The repacked layout of this build (quant_repack; the AVX-512 build's, above, in 8 lanes): a tile's
+// block is the 8 rows' float16 scales, Q4_1's 8 minimums, then the quants transposed as the tile
+// takes them (Q8_0: 8 x 32 bytes, signed as in the file; Q4: 4 x 32 bytes of nibbles)
+template <int64_t Q>
+constexpr int64_t kLaneHead = kLaneRows * 2 * (Q == kQ4_1 ? 2 : 1);
+
+template <int64_t Q>
+void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, uint8_t* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes<Q>;
+    uint8_t* tb = out + b * kLaneRows * kBlockBytes<Q>;
+    for (int i = 0; i < kLaneRows; ++i) {
+      std::memcpy(tb + 2 * i, blk + i * row_bytes, 2);
+      if constexpr (Q == kQ4_1) std::memcpy(tb + 2 * kLaneRows + 2 * i, blk + i * row_bytes + 2, 2);
+    }
+    __m256i q[8];
+    if constexpr (Q == kQ8_0) {
+      transpose8x16(blk + 2, row_bytes, q);
+      transpose8x16(blk + 18, row_bytes, q + 4);
+    } else {
+      transpose8x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, q);
+    }
+    for (int g = 0; g < (Q == kQ8_0 ? 8 : 4); ++g)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb + kLaneHead<Q> + 32 * g), q[g]);
+  }
+}
+
+// 8 weight rows (from w: the file's rows, `row_bytes` apart, or with Repacked a repacked tile) times R
+// rows of x (from row r0): out[r * 8 + j], the same sums either way
+template <int64_t Q, int R, bool Repacked = false>
 inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t r0, float* out) {
   const int64_t blocks = x.k / kBlock, bb = kBlockBytes<Q>;
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + b * bb;
-    prefetch_next_tile<kLaneRows>(blk, row_bytes);
-    const __m256 d = halves8(blk, row_bytes, 0);
+    __m256 d, m;
     __m256i wq[8];
-    if constexpr (Q == kQ8_0) {
-      transpose8x16(blk + 2, row_bytes, wq);
-      transpose8x16(blk + 18, row_bytes, wq + 4);
-    } else {
-      __m256i nib[4];
-      transpose8x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
-      for (int g = 0; g < 4; ++g) {
-        wq[g] = _mm256_and_si256(nib[g], low4);
-        wq[4 + g] = _mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4);
+    if constexpr (Repacked) {
+      constexpr int64_t step = kLaneRows * kBlockBytes<Q>;
+      const uint8_t* tb = w + b * step;
+      // 32 blocks (the AVX-512 tile's distance in bytes) ahead: 8 left one row of the 2048 x 8192 product 0.87x the file's
+      for (int64_t at = 0; at < step; at += 64) _mm_prefetch(reinterpret_cast<const char*>(tb + 32 * step + at), _MM_HINT_T0);
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb)));
+      if constexpr (Q == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 16)));
+      const uint8_t* qb = tb + kLaneHead<Q>;
+      if constexpr (Q == kQ8_0) {
+        for (int g = 0; g < 8; ++g) wq[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
+          wq[g] = _mm256_and_si256(nib, low4);
+          wq[4 + g] = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
+        }
       }
+    } else {
+      const uint8_t* blk = w + b * bb;
+      prefetch_next_tile<kLaneRows>(blk, row_bytes);
+      d = halves8(blk, row_bytes, 0);
+      if constexpr (Q == kQ8_0) {
+        transpose8x16(blk + 2, row_bytes, wq);
+        transpose8x16(blk + 18, row_bytes, wq + 4);
+      } else {
+        __m256i nib[4];
+        transpose8x16(blk + (Q == kQ4_1 ? 4 : 2), row_bytes, nib);
+        for (int g = 0; g < 4; ++g) {
+          wq[g] = _mm256_and_si256(nib[g], low4);
+          wq[4 + g] = _mm256_and_si256(_mm256_srli_epi16(nib[g], 4), low4);
+        }
+      }
+      if constexpr (Q == kQ4_1) m = halves8(blk, row_bytes, 2);
     }
-    __m256 m;
-    if constexpr (Q == kQ4_1) m = halves8(blk, row_bytes, 2);
     for (int r = 0; r < R; ++r) {
       const int64_t i = r0 * blocks + b * R + r;  // x in panels of kLaneX rows, as in the AVX-512 tile
       const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + i * kBlock);
@@ -579,11 +622,32 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLaneRows, acc[r]);
 }
 
+template <int64_t Q, int R = 1>
+void tile_int8_repacked_any(int64_t rows, const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
+  if constexpr (R < kXPanel) {
+    if (rows > R) return tile_int8_repacked_any<Q, R + 1>(rows, tile, x, r0, out);
+  }
+  tile_int8_lanes<Q, R, true>(tile, 0, x, r0, out);
+}
+
 #define CB_INT8_LANES 1
 #elif CB_VNNI
 #define CB_INT8_LANES 1
 #else
 #define CB_INT8_LANES 0
+#endif
+#if defined(__AVX512F__)
+constexpr bool defined_avx512 = true;
+#else
+constexpr bool defined_avx512 = false;
+#endif
+#define CB_REPACKED CB_INT8_LANES  // the builds with int8 tiles multiply weights repacked for them
+#if CB_REPACKED
+constexpr int64_t kRepackRows = kLaneRows;  // rows a repacked tile: 16 (AVX512-VNNI) or 8 (AVX2)
+constexpr uint8_t kRepackQ8Bias = defined_avx512 ? 0x80 : 0;  // Q8_0's quants stored as q + 128 (VNNI) or q
+#else
+constexpr int64_t kRepackRows = 16;  // none are made by this build
+constexpr uint8_t kRepackQ8Bias = 0x80;
 #endif
 
 #if CB_INT8_LANES
@@ -632,17 +696,14 @@ void tile_int8_unpacked_any(int64_t, const LaneBlock*, const QuantizedX&, int64_
 #endif
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
-#if defined(__AVX512F__)
-constexpr bool defined_avx512 = true;
-#else
-constexpr bool defined_avx512 = false;
-#endif
 
 template <int64_t Q, bool VNNI, typename T>
 void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
              int64_t m, int64_t n, bool repacked) {
-  TORCH_CHECK(!repacked || (CB_REPACKED && VNNI && !xf), "quant_linear: a weight repacked for the 16-lane int8 "
-              "tiles (quant_repack) is multiplied by int8 x with VNNI on, not ", xf ? "float x" : "with VNNI off");
+  // the int8 tiles: AVX-512 with VNNI on; AVX2 always
+  TORCH_CHECK(!repacked || (CB_REPACKED && !xf && (VNNI || !defined_avx512)), "quant_linear: a weight repacked for "
+              "the int8 tiles (quant_repack) is multiplied by int8 x with VNNI on, not ",
+              xf ? "float x" : "with VNNI off");
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n / (4 * threads)));
 #if defined(__AVX512F__)
@@ -751,24 +812,25 @@ void dequantize_row(const uint8_t* w, int64_t qtype, int64_t k, T* out) {
 
 // the tile or the row that row j of a repacked weight (n rows) is in, and its lane there (-1: a row
 // after the last full tile, as the file has it)
-inline int64_t repacked_lane(int64_t j, int64_t n) { return j < n / 16 * 16 ? j % 16 : -1; }
+inline int64_t repacked_lane(int64_t j, int64_t n) { return j < n / kRepackRows * kRepackRows ? j % kRepackRows : -1; }
 
 // row j of a repacked weight, as dequantize_row reads a row of the file
 template <typename T>
 void dequantize_repacked_row(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t j, int64_t qtype, int64_t k,
                              T* out) {
+  constexpr int64_t L = kRepackRows;
   const int64_t lane = repacked_lane(j, n), bb = block_bytes(qtype);
   const uint8_t* tile = w + (j - lane) * row_bytes;
-  const int64_t head = qtype == kQ4_1 ? 64 : 32, nq = qtype == kQ8_0 ? 32 : 16;
+  const int64_t head = L * 2 * (qtype == kQ4_1 ? 2 : 1), nq = qtype == kQ8_0 ? 32 : 16;
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* tb = tile + b * 16 * bb;
+    const uint8_t* tb = tile + b * L * bb;
     uint8_t blk[34];  // the file's block of row j: scale, Q4_1's minimum, quants (byte i: word i / 4, lane)
     std::memcpy(blk, tb + 2 * lane, 2);
-    if (qtype == kQ4_1) std::memcpy(blk + 2, tb + 32 + 2 * lane, 2);
+    if (qtype == kQ4_1) std::memcpy(blk + 2, tb + 2 * L + 2 * lane, 2);
     uint8_t* q = blk + (qtype == kQ4_1 ? 4 : 2);
     for (int64_t i = 0; i < nq; ++i) {
-      const uint8_t v = tb[head + 64 * (i / 4) + 4 * lane + i % 4];
-      q[i] = qtype == kQ8_0 ? v ^ 0x80 : v;
+      const uint8_t v = tb[head + 4 * L * (i / 4) + 4 * lane + i % 4];
+      q[i] = qtype == kQ8_0 ? v ^ kRepackQ8Bias : v;
     }
     dequantize_row(blk, qtype, kBlock, out + b * kBlock);
   }
@@ -849,14 +911,15 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t type, int64_t k, c10::optional
 // returning the previous state
 bool quant_vnni_available() { return CB_VNNI != 0; }
 
-// whether this build runs weights repacked for the 16-lane int8 tiles (AVX512-VNNI builds)
-bool quant_repack_available() { return CB_REPACKED != 0; }
+// the rows of a tile this build's int8 tiles read repacked (quant_repack): 16 (AVX512-VNNI), 8 (AVX2),
+// 0 (AVX-512 without VNNI: no tiles, no repacking)
+int64_t quant_repack_rows() { return CB_REPACKED ? kRepackRows : 0; }
 
-// w [N, row bytes] of ggml type `qtype` with its full tiles of 16 rows repacked for the 16-lane int8
+// w [N, row bytes] of ggml type `qtype` with its full tiles of rows repacked for this build's int8
 // tiles (a new tensor of the same shape; multiply it as type qtype + 256 with int8 x)
 at::Tensor quant_repack(at::Tensor w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
-  TORCH_CHECK(CB_REPACKED, "quant_repack: this build has no 16-lane int8 tiles (AVX512-VNNI)");
+  TORCH_CHECK(CB_REPACKED, "quant_repack: this build has no int8 tiles (AVX-512 without VNNI)");
   at::Tensor out = w.clone();
 #if CB_REPACKED
   const int64_t row_bytes = w.size(1), tiles = w.size(0) / kLaneRows;

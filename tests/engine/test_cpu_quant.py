@@ -22,6 +22,13 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from engine.backends import cpu_quant  # noqa: E402
 from engine.backends.cpu_quant import QuantizedEmbedding, QuantizedLinear, dequantize  # noqa: E402
+
+
+def cpu_isa_of(ops) -> str:
+    """The ISA of the loaded kernel build: its cache folder's name starts with it."""
+    from pathlib import Path
+
+    return Path(ops.__file__).parent.name.split("-")[0]
 from tests.engine.forced_isa import run_with_isa  # noqa: E402
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
@@ -130,19 +137,21 @@ def test_vnni_and_maddubs_agree(ops, qtype) -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [*SHAPES, (40, 50, 256)], ids=str)
 def test_a_repacked_weight_gives_the_same_bits(ops, qtype, shape) -> None:
-    """quant_repack lays a weight's full tiles of 16 rows out for the 16-lane int8 tiles (AVX512-VNNI
-    builds): the int8 product on it is the product on the file's blocks, bit for bit (the same block
-    values reach the same sums in the same order), at one pass and several; its rows dequantize to
-    the file's; the rows after the last full tile are left as they were. A build without those tiles
-    refuses to repack."""
+    """quant_repack lays a weight's full tiles of rows out for the build's int8 tiles (16 rows a tile
+    on AVX512-VNNI, 8 on AVX2): the int8 product on it is the product on the file's blocks, bit for
+    bit (the same block values reach the same sums in the same order), at one pass and several; its
+    rows dequantize to the file's; the rows after the last full tile are left as they were. A build
+    without int8 tiles (AVX-512 without VNNI) refuses to repack."""
     m, n, k = shape
     blocks, _ = random_blocks(qtype, n, k)
-    if not ops.quant_repack_available():
-        with pytest.raises(RuntimeError, match="no 16-lane int8 tiles"):
+    tile = ops.quant_repack_rows()
+    if not tile:
+        with pytest.raises(RuntimeError, match="no int8 tiles"):
             ops.quant_repack(blocks, int(qtype), k)
         return
+    assert tile == (16 if ops.quant_vnni_available() and cpu_isa_of(ops) == "avx512" else 8)
     packed = ops.quant_repack(blocks, int(qtype), k)
-    full = n // 16 * 16
+    full = n // tile * tile
     assert packed.shape == blocks.shape and torch.equal(packed[full:], blocks[full:])
     assert full == 0 or not torch.equal(packed[:full], blocks[:full])
     t = int(qtype) | cpu_quant.REPACKED
@@ -156,28 +165,33 @@ def test_a_repacked_weight_gives_the_same_bits(ops, qtype, shape) -> None:
 
 
 def test_a_repacked_weight_refuses_the_other_products(ops) -> None:
-    """Only the int8 product with VNNI reads the repacked layout: float x, VNNI turned off, or a build
-    without the 16-lane tiles is a clear error, never a product of scrambled bytes."""
+    """Only the int8 tiles read the repacked layout: float x, the AVX-512 build with VNNI turned off
+    (its one-row path), or a build without int8 tiles is a clear error, never a product of scrambled
+    bytes; the AVX2 build's tiles do not use VNNI, so turning it off changes nothing there."""
     blocks, _ = random_blocks(T.Q4_0, 32, 64)
     t = int(T.Q4_0) | cpu_quant.REPACKED
     x = torch.randn(3, 64)
-    if not ops.quant_repack_available():
-        with pytest.raises(RuntimeError, match="repacked for the 16-lane int8 tiles"):
+    if not ops.quant_repack_rows():
+        with pytest.raises(RuntimeError, match="repacked for the int8 tiles"):
             ops.quant_linear(x, blocks, t, None, True)
         return
     packed = ops.quant_repack(blocks, int(T.Q4_0), 64)
     with pytest.raises(RuntimeError, match="repacked .* not float x"):
         ops.quant_linear(x, packed, t, None, False)
+    expected = ops.quant_linear(x, blocks, int(T.Q4_0), None, True)
     before = ops.set_quant_vnni(False)
     try:
-        with pytest.raises(RuntimeError, match="not with VNNI off"):
-            ops.quant_linear(x, packed, t, None, True)
+        if ops.quant_repack_rows() == 16:
+            with pytest.raises(RuntimeError, match="not with VNNI off"):
+                ops.quant_linear(x, packed, t, None, True)
+        else:
+            assert torch.equal(ops.quant_linear(x, packed, t, None, True), expected)
     finally:
         ops.set_quant_vnni(before)
 
 
 def test_int8_activations_repack_a_tied_head_and_its_embedding_once(ops) -> None:
-    """use_int8_activations repacks each Q8_0/Q4_0/Q4_1 weight where the build has the 16-lane tiles
+    """use_int8_activations repacks each Q8_0/Q4_0/Q4_1 weight where the build has int8 tiles
     (not a K-quant, not without the tiles): an embedding on the same bytes (a tied LM head's) takes
     the repacked tensor too, so the bytes are held once, and both give what the file's blocks give."""
     blocks, _ = random_blocks(T.Q8_0, 48, 64)
@@ -190,7 +204,7 @@ def test_int8_activations_repack_a_tied_head_and_its_embedding_once(ops) -> None
     head.int8_activations = True
     before_y = head(x)
     assert cpu_quant.use_int8_activations(model) == 1 and model.cbserve_quantization["activations"] == "int8"
-    repacked = ops.quant_repack_available()
+    repacked = ops.quant_repack_rows() > 0
     assert (head.qtype, embed.qtype) == ((int(T.Q8_0) | cpu_quant.REPACKED,) * 2 if repacked else (int(T.Q8_0),) * 2)
     assert head.blocks.data_ptr() == embed.blocks.data_ptr()
     assert (head.blocks.data_ptr() != blocks.data_ptr()) == repacked

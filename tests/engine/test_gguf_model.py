@@ -235,12 +235,12 @@ def test_int8_activations_are_a_setting_for_the_weights_in_blocks() -> None:
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert linears and all(m.int8_activations for m in linears)
     assert loaded.model.cbserve_quantization["activations"] == "int8"
-    # a build with the 16-lane int8 tiles repacks the Q4_1 blocks for them, the tied LM head and the
+    # a build with int8 tiles repacks the Q4_1 blocks for them, the tied LM head and the
     # embedding on the same repacked bytes (test_cpu_quant.py: the same products bit for bit)
     from engine.backends.cpu_kernels import cpu_ops
     from engine.backends.cpu_quant import REPACKED
 
-    repacked = cpu_ops().quant_repack_available()
+    repacked = cpu_ops().quant_repack_rows() > 0
     assert all(bool(m.qtype & REPACKED) == repacked for m in linears)
     embed = loaded.model.model.embed_tokens
     assert embed.blocks.data_ptr() == loaded.model.lm_head.blocks.data_ptr()

@@ -12,8 +12,9 @@ instead and run torch's product (the same result up to the order of sums). `int8
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
 its rounding of the input makes greedy output depart from `model.generate` now and then; on a
 build with int8 tiles (AVX512-VNNI: 16 rows a tile; AVX2: 8) it also repacks each Q8_0/Q4_0/Q4_1
-weight once, at that switch, into the tiles' own layout (`REPACKED` added to the type; quant_cpu.cpp's quant_repack: the
-same bytes, no gather or transpose left for the product). A `QuantizedEmbedding` holds the
+weight once, at that switch, into the tiles' own layout (`REPACKED` added to the type;
+quant_cpu.cpp's quant_repack: the same size, no gather or transpose left for the product). A
+`QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes. A `QuantizedLinear` with an `out_order` keeps
 its rows in the file's order and moves its outputs (Llama's q/k, whose rows llama.cpp's converter

@@ -192,7 +192,7 @@ def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
                 key = m.blocks.data_ptr()  # the file's bytes, or a copy the loader made
                 if key not in repacked:
                     repacked[key] = m.ops.quant_repack(m.blocks, m.qtype, m.in_features)
-                    _page_out(m.blocks)  # read once: the file's pages need not stay beside the copy
+                    _unmap_file_pages(m.blocks)  # read once: the file's pages need not stay beside the copy
                 m.blocks, m.qtype = repacked[key], m.qtype | REPACKED
     for m in modules:  # an embedding on bytes that were repacked
         if isinstance(m, QuantizedEmbedding) and m.qtype in REPACKABLE and m.blocks.data_ptr() in repacked:
@@ -203,24 +203,33 @@ def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
     return count
 
 
-def _page_out(t: torch.Tensor) -> None:
-    """Ask Linux to reclaim the resident pages wholly inside t's bytes (madvise MADV_PAGEOUT, Linux
-    5.4+; a no-op elsewhere). Nothing is lost: a page of the file mapping is read again if touched,
-    and an anonymous one without swap is left as it is. Repacking reads each weight of the mapped file
+def _unmap_file_pages(t: torch.Tensor) -> None:
+    """Where t's bytes are a read-only mapping of a file (a GGUF weight in place), drop this process's
+    hold on the pages wholly inside them (madvise MADV_DONTNEED): they stay in the page cache for other
+    readers (another server, the next start), a page touched again is read back from the file, and the
+    process's resident memory no longer counts them. Repacking reads each weight of the mapped file
     once; without this its pages would stay resident beside the repacked copy until the file is
-    unmapped, and the process's peak memory would be twice the file's."""
+    unmapped, and the process's peak memory would be twice the file's. Anything else (anonymous
+    memory, where MADV_DONTNEED would zero the pages) is left alone."""
     import ctypes
     import mmap
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return
     page = mmap.PAGESIZE
     start = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)  # MADV_PAGEOUT
+    if end <= start:
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                if low <= start and end <= high:
+                    if len(fields) >= 6 and fields[5].startswith("/") and "w" not in fields[1]:
+                        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+                    return
+    except OSError:  # no /proc (not Linux): nothing dropped
+        return
 
 
 class QuantizedEmbedding(torch.nn.Module):

@@ -176,9 +176,9 @@ class QuantizedLinear(torch.nn.Module):
                 f"{repacked}, bias={self.bias is not None}")
 
 
-def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
-    """Every `QuantizedLinear` of `model` switched to its int8 product; the count. With `repack` and a
-    build that has int8 tiles, each Q8_0/Q4_0/Q4_1 weight is repacked for them (a new tensor
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """Every `QuantizedLinear` of `model` switched to its int8 product; the count. On a build that has
+    int8 tiles, each Q8_0/Q4_0/Q4_1 weight is repacked for them (a new tensor
     of the same size; an embedding on the same bytes, a tied LM head's, takes the repacked ones too,
     so the bytes stay held once). The model's placement (`cbserve_quantization`, GET /v1/models)
     says so."""
@@ -188,7 +188,7 @@ def use_int8_activations(model: torch.nn.Module, repack: bool = True) -> int:
         if isinstance(m, QuantizedLinear):
             m.int8_activations = True
             count += 1
-            if repack and m.qtype in REPACKABLE and m.ops is not None and m.ops.quant_repack_rows():
+            if m.qtype in REPACKABLE and m.ops is not None and m.ops.quant_repack_rows():
                 key = m.blocks.data_ptr()  # the file's bytes, or a copy the loader made
                 if key not in repacked:
                     repacked[key] = m.ops.quant_repack(m.blocks, m.qtype, m.in_features)

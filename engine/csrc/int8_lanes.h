@@ -16,23 +16,22 @@ namespace cbserve {
 
 constexpr int64_t kQuantBlock = 32;  // values of x per int8 block
 
-// Rows of x as int8 blocks, laid out by row (q [m, k], d/s/sq [m, k / 32]) or in panels of `panel`
-// rows, each panel by block: block b of the panel's rows side by side (q [m / panel][k / 32][panel
-// rows][32], d/s/sq [m / panel][k / 32][panel rows]; the last panel may have fewer rows). The int8
-// tiles take up to a panel of rows a pass: its rows of one block are then one pointer and offsets
-// known when compiled, and the next block is a fixed step on. By row, each row of a pass was its own
-// pointer (16 of them spill out of the registers): a standalone probe
-// (benchmarks/probes/int8_tile_layouts.c) measured the 16-row Q4_0 tile 1.17x faster by block.
+// Rows of x as int8 blocks in panels of `panel` rows, each panel by block: block b of the panel's
+// rows side by side (q [m / panel][k / 32][panel rows][32], d/s/sq [m / panel][k / 32][panel rows];
+// the last panel may have fewer rows). The int8 tiles take up to a panel of rows a pass: its rows of
+// one block are then one pointer and offsets known when compiled, and the next block is a fixed step
+// on. By row, each row of a pass was its own pointer (16 of them spill out of the registers): a
+// standalone probe (benchmarks/probes/int8_tile_layouts.c) measured the 16-row Q4_0 tile 1.17x faster
+// by block.
 struct QuantizedX {
   const int8_t* q;
   const float* d;    // scales dx
   const float* s;    // dx * sum(qx)
   const int32_t* sq; // sum(qx)
   int64_t k, m;
-  int64_t panel;     // rows a panel; 0: by row
+  int64_t panel;     // rows a panel
   // the index of row r's block b (its scale and sums; its bytes at q + 32 at(r, b))
   int64_t at(int64_t r, int64_t b) const {
-    if (panel == 0) return r * (k / kQuantBlock) + b;
     const int64_t p0 = r - r % panel;
     return p0 * (k / kQuantBlock) + b * std::min(panel, m - p0) + (r - p0);
   }
@@ -73,7 +72,7 @@ inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* 
   }
 }
 
-// Every row of xf (float32 [m, k], contiguous) as int8 blocks, by row or in panels (above), rows split
+// Every row of xf (float32 [m, k], contiguous) as int8 blocks in panels (above), rows split
 // over the threads in chunks of at least 32k inputs (fewer: one thread, no wake-up). With `on` false,
 // nothing is quantized (the view has its k and no rows).
 struct QuantizedRows {
@@ -81,7 +80,7 @@ struct QuantizedRows {
   QuantizedX view;
 };
 
-inline QuantizedRows quantize_rows(const at::Tensor& xf, bool on, int64_t panel = 0) {
+inline QuantizedRows quantize_rows(const at::Tensor& xf, bool on, int64_t panel) {
   const int64_t m = on ? xf.size(0) : 0, k = xf.size(1), blocks = k / kQuantBlock;
   QuantizedRows out;
   out.q = at::empty({m, k}, xf.options().dtype(at::kChar));

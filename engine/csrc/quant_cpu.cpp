@@ -28,8 +28,9 @@
 // Where the build has int8 tiles (AVX512-VNNI, AVX2) a weight can also be repacked once, at load
 // (`quant_repack`, as llama.cpp repacks its Q4_0 for its CPU tiles): each full tile of 16 (8) rows
 // laid out block by block as the tile reads it (the scales, then the quants already transposed), so
-// the int8 product reads one stream with no gather or transpose (1.1-1.2x at 1 and 16 rows on a Zen
-// 5); such a weight's type carries kRepacked, and only the int8 tiles and the dequantization read it.
+// the int8 product reads one stream with no gather or transpose (1.3-1.6x at 16 rows on a Zen 5,
+// docs/engine.md); such a weight's type carries kRepacked, and only the int8 tiles and the
+// dequantization read it.
 // `set_quant_vnni(false)` turns VNNI off at run time (tests prove both paths on a host that has
 // it). Its results differ from the float product by x's rounding to 8 bits, and a float-rounding
 // difference in x (another attention kernel) can move a rounding step: greedy output then departs
@@ -62,6 +63,8 @@ constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;  // a bl
 // added to a type: the weight's full tiles of rows repacked at load for the build's int8 tiles
 // (quant_repack, below)
 constexpr int64_t kRepacked = 256;
+// bytes at the head of a repacked tile's block: its `rows` rows' float16 scales (and Q4_1's minimums)
+constexpr int64_t repacked_head(int64_t rows, int64_t qtype) { return rows * 2 * (qtype == kQ4_1 ? 2 : 1); }
 
 // the next tile's block in each of its N rows: a tile's rows are N short streams that the hardware
 // prefetcher barely starts on before they end
@@ -434,7 +437,7 @@ inline void tile_int8_unpacked(const LaneBlock* unpacked, const QuantizedX& x, i
 // nibbles, split when loaded). One tile is then one stream read straight into the registers: no
 // gather of the scales, no transpose. The rows after the last full tile stay as the file has them.
 template <int64_t Q>
-constexpr int64_t kLaneHead = kLaneRows * 2 * (Q == kQ4_1 ? 2 : 1);  // bytes of scales (and minimums) a tile's block
+constexpr int64_t kLaneHead = repacked_head(kLaneRows, Q);
 
 template <int64_t Q>
 void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, uint8_t* out) {
@@ -494,14 +497,6 @@ inline void tile_int8_repacked(const uint8_t* tile, const QuantizedX& x, int64_t
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLaneRows, acc[r]);
 }
-
-template <int64_t Q, int R = 1>
-void tile_int8_repacked_any(int64_t rows, const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
-  if constexpr (R < kXPanel) {
-    if (rows > R) return tile_int8_repacked_any<Q, R + 1>(rows, tile, x, r0, out);
-  }
-  tile_int8_repacked<Q, R>(tile, x, r0, out);
-}
 #endif
 
 #if !defined(__AVX512F__)
@@ -526,7 +521,7 @@ inline __m256 halves8(const uint8_t* blk, int64_t row_bytes, int64_t at) {
 // block is the 8 rows' float16 scales, Q4_1's 8 minimums, then the quants transposed as the tile
 // takes them (Q8_0: 8 x 32 bytes, signed as in the file; Q4: 4 x 32 bytes of nibbles)
 template <int64_t Q>
-constexpr int64_t kLaneHead = kLaneRows * 2 * (Q == kQ4_1 ? 2 : 1);
+constexpr int64_t kLaneHead = repacked_head(kLaneRows, Q);
 
 template <int64_t Q>
 void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, uint8_t* out) {
@@ -622,11 +617,8 @@ inline void tile_int8_lanes(const uint8_t* w, int64_t row_bytes, const Quantized
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLaneRows, acc[r]);
 }
 
-template <int64_t Q, int R = 1>
-void tile_int8_repacked_any(int64_t rows, const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
-  if constexpr (R < kXPanel) {
-    if (rows > R) return tile_int8_repacked_any<Q, R + 1>(rows, tile, x, r0, out);
-  }
+template <int64_t Q, int R>
+inline void tile_int8_repacked(const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
   tile_int8_lanes<Q, R, true>(tile, 0, x, r0, out);
 }
 
@@ -652,6 +644,15 @@ constexpr uint8_t kRepackQ8Bias = 0x80;
 
 #if CB_INT8_LANES
 constexpr int64_t kLaneX = kXPanel;  // rows of x per pass over a tile (a decode step of 16 users: one pass)
+
+// a repacked tile for `rows` (1 to kLaneX) rows of x, whichever build's tile_int8_repacked above
+template <int64_t Q, int R = 1>
+void tile_int8_repacked_any(int64_t rows, const uint8_t* tile, const QuantizedX& x, int64_t r0, float* out) {
+  if constexpr (R < kLaneX) {
+    if (rows > R) return tile_int8_repacked_any<Q, R + 1>(rows, tile, x, r0, out);
+  }
+  tile_int8_repacked<Q, R>(tile, x, r0, out);
+}
 
 // the tile for `rows` (1 to kLaneX) rows of x, whichever build's tile_int8_lanes above
 template <int64_t Q>
@@ -696,7 +697,6 @@ void tile_int8_unpacked_any(int64_t, const LaneBlock*, const QuantizedX&, int64_
 #endif
 
 // x (float rows `xf`, or int8 blocks `x` when xf is null) times the weight rows
-
 template <int64_t Q, bool VNNI, typename T>
 void product(const QuantizedX& x, const float* xf, const uint8_t* w, int64_t row_bytes, const T* bias, T* y,
              int64_t m, int64_t n, bool repacked) {
@@ -821,7 +821,7 @@ void dequantize_repacked_row(const uint8_t* w, int64_t row_bytes, int64_t n, int
   constexpr int64_t L = kRepackRows;
   const int64_t lane = repacked_lane(j, n), bb = block_bytes(qtype);
   const uint8_t* tile = w + (j - lane) * row_bytes;
-  const int64_t head = L * 2 * (qtype == kQ4_1 ? 2 : 1), nq = qtype == kQ8_0 ? 32 : 16;
+  const int64_t head = repacked_head(L, qtype), nq = qtype == kQ8_0 ? 32 : 16;
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* tb = tile + b * L * bb;
     uint8_t blk[34];  // the file's block of row j: scale, Q4_1's minimum, quants (byte i: word i / 4, lane)
@@ -886,6 +886,7 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t type, int64_t k, c10::optional
   bool repacked;
   const int64_t qtype = base_type(type, repacked);
   check_weight(w, qtype, k);
+  TORCH_CHECK(!repacked || CB_REPACKED, "quant_dequantize: this build makes no repacked weights (no int8 tiles)");
   at::Tensor idx = rows.has_value() ? rows->to(at::kLong).contiguous() : at::Tensor();
   const int64_t r = idx.defined() ? idx.numel() : w.size(0), n = w.size(0), row_bytes = w.size(1);
   if (idx.defined() && r > 0) {

@@ -44,29 +44,41 @@ def token_buckets(max_len: int) -> list[float]:
         exponent += 1
 
 
+ENGINE_GAUGES = (
+    ("num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1)."),
+    ("prefill_token_cap", "Prompt tokens the last step with running decodes could take (max_decode_stall)."),
+)
+ENGINE_COUNTERS = (  # (name, key in the engine's stats, doc)
+    ("num_preemptions", "num_preemptions_total", "Preemptions of running requests."),
+    ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+)
+
+
 class _EngineCollector:
     def __init__(self, stats: Callable[[], dict], model_name: str) -> None:
         self.stats, self.model_name = stats, model_name
 
+    def describe(self):
+        """The families without values: the registry learns the names (a scrape restricted by name finds them)."""
+        return self._families(None)
+
     def collect(self):
-        s = self.stats()
-        for name, doc in (
-            ("num_requests_running", "Requests in the running batch."),
-            ("num_requests_waiting", "Requests waiting to be scheduled."),
-            ("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1)."),
-            ("prefill_token_cap", "Prompt tokens the last step with running decodes could take (max_decode_stall)."),
-        ):
+        return self._families(self.stats())
+
+    def _families(self, s: dict | None):
+        for name, doc in ENGINE_GAUGES:
             for full_name in (P + name, *PICKER_NAMES.get(name, ())):
                 g = GaugeMetricFamily(full_name, doc, labels=["model_name"])
-                g.add_metric([self.model_name], float(s[name]))
+                if s is not None:
+                    g.add_metric([self.model_name], float(s[name]))
                 yield g
-        for name, key, doc in (
-            ("num_preemptions", "num_preemptions_total", "Preemptions of running requests."),
-            ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
-            ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
-        ):
+        for name, key, doc in ENGINE_COUNTERS:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(s[key]))
+            if s is not None:
+                c.add_metric([self.model_name], float(s[key]))
             yield c
 
 

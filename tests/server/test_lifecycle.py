@@ -93,6 +93,31 @@ def test_endpoint_pickers_read_the_live_gauges_under_vllms_names(server) -> None
     assert {v: m[v] for v in pairs} == {v: m[cb] for v, cb in pairs.items()}
 
 
+def test_metrics_page_restricted_by_name_and_in_openmetrics_on_request(server) -> None:
+    """As prometheus_client's own exposition: `name[]` query parameters keep only the samples they name
+    (the load test's once-a-second sampler reads three gauges, not every histogram), none keeps all;
+    an OpenMetrics Accept header gets OpenMetrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loadtest.metrics_scrape import GAUGES, scrape
+
+    def names(text: str) -> set[str]:
+        return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+    httpx.post(server.url + "/v1/completions", json={"prompt": "a b", "max_tokens": 2}, timeout=60).raise_for_status()
+    asked = ["cbserve:num_requests_running", "vllm:kv_cache_usage_perc"]
+    r = httpx.get(server.url + "/metrics", params={"name[]": asked})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert names(r.text) == set(asked)
+    full = httpx.get(server.url + "/metrics").text
+    assert len(full) > 20 * len(r.text) and "cbserve:time_to_first_token_seconds_bucket" in names(full)
+    assert set(scrape(server.url, only=GAUGES)) == {
+        "cbserve:num_requests_running", "cbserve:num_requests_waiting", "cbserve:kv_cache_usage_perc",
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}  # fmt: skip
+    om = httpx.get(server.url + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
+
+
 def test_overload_gets_503_with_retry_after_and_admitted_requests_complete(model_dir, tmp_path) -> None:
     srv = Server(model_dir, tmp_path, {"block_size": 16, "num_blocks": 256, "max_queue_size": 2,
                                        "max_requests_per_batch": 1})

@@ -11,9 +11,9 @@ the float sums. Steps of more than `DEQUANTIZE_ROWS` rows dequantise the weight 
 instead and run torch's product (the same result up to the order of sums). `int8_activations` (off by default) takes llama.cpp's way instead: the input rows
 quantized to int8 blocks of 32 and integer dot products (VNNI where the build has it), faster, but
 its rounding of the input makes greedy output depart from `model.generate` now and then; on a
-build with int8 tiles (AVX512-VNNI: 16 rows a tile; AVX2: 8) it also repacks each Q8_0/Q4_0/Q4_1
-weight once, at that switch, into the tiles' own layout (`REPACKED` added to the type;
-quant_cpu.cpp's quant_repack: the same size, no gather or transpose left for the product). A
+build with int8 tiles (AVX512-VNNI: 16 rows a tile; AVX2: 8) it also repacks each weight once, at
+that switch, into the tiles' own layout (`REPACKED` added to the type; quant_cpu.cpp's quant_repack,
+kquant_cpu.cpp's for Q4_K/Q6_K: the same size, no gather or transpose left for the product). A
 `QuantizedEmbedding` holds the
 token embedding the same way and dequantizes the rows it looks up; a model with tied embeddings
 gets a `QuantizedLinear` LM head on the same bytes. A `QuantizedLinear` with an `out_order` keeps
@@ -41,10 +41,10 @@ NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 K_QUANTS = frozenset((Q4_K, Q6_K))  # super-blocks of 256 weights, engine/csrc/kquant_cpu.cpp
 SUPER = 256
-# added to a Q8_0/Q4_0/Q4_1 type: the blocks repacked for the int8 tiles (quant_cpu.cpp's quant_repack);
-# only the int8 product and the kernels' dequantization read them
+# added to a type: the blocks repacked for the int8 tiles (quant_cpu.cpp's quant_repack); only the
+# int8 product and the kernels' dequantization read them
 REPACKED = 256
-REPACKABLE = frozenset((Q4_0, Q4_1, Q8_0))
+REPACKABLE = frozenset((Q4_0, Q4_1, Q8_0, Q4_K, Q6_K))
 
 
 def base_type(qtype: int) -> int:
@@ -113,7 +113,7 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 def linear(ops: ModuleType, x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
            int8: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] times the blocks' weight, by cbserve's kernel for the type."""
-    if qtype in K_QUANTS:
+    if base_type(qtype) in K_QUANTS:
         return ops.kquant_linear(x, blocks, qtype, bias, int8)
     return ops.quant_linear(x, blocks, qtype, bias, int8)
 
@@ -121,7 +121,7 @@ def linear(ops: ModuleType, x: torch.Tensor, blocks: torch.Tensor, qtype: int, b
 def dequantize_rows(ops: ModuleType, blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None,
                     like: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Rows of the blocks' weight (all when `rows` is None) in `like`'s dtype, by cbserve's kernel."""
-    if qtype in K_QUANTS:
+    if base_type(qtype) in K_QUANTS:
         return ops.kquant_dequantize(blocks, qtype, k, rows, like)
     return ops.quant_dequantize(blocks, qtype, k, rows, like)
 
@@ -178,7 +178,7 @@ class QuantizedLinear(torch.nn.Module):
 
 def use_int8_activations(model: torch.nn.Module) -> int:
     """Every `QuantizedLinear` of `model` switched to its int8 product; the count. On a build that has
-    int8 tiles, each Q8_0/Q4_0/Q4_1 weight is repacked for them (a new tensor
+    int8 tiles, each weight is repacked for them (a new tensor
     of the same size; an embedding on the same bytes, a tied LM head's, takes the repacked ones too,
     so the bytes stay held once). The model's placement (`cbserve_quantization`, GET /v1/models)
     says so."""

@@ -50,7 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("rows"), py::arg("like"), NoGil());
   m.def("quant_vnni_available", &quant_vnni_available, "Whether this build has VNNI byte dot products");
   m.def("quant_repack_rows", &quant_repack_rows, "Rows a tile of a weight repacked for this build's int8 tiles: 16, 8, or 0 (none)");
-  m.def("quant_repack", &quant_repack, "A GGUF weight (Q8_0, Q4_0, Q4_1) with its tiles of rows repacked for the int8 "
+  m.def("quant_repack", &quant_repack, "A GGUF weight (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) with its tiles of rows repacked for the int8 "
         "tiles: multiply it as type + 256 (CPU)", py::arg("w"), py::arg("qtype"), py::arg("k"), NoGil());
   m.def("set_quant_vnni", &set_quant_vnni, "Turn VNNI in quant_linear on or off; returns the previous state",
         py::arg("on"));

@@ -45,7 +45,8 @@ constexpr int64_t kQ4_K = 12, kQ6_K = 14;  // ggml's K-quant type numbers (kquan
 at::Tensor block_linear(const PackedLinear& l, const at::Tensor& x) {
   const c10::optional<at::Tensor> bias = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   const c10::optional<at::Tensor> order = l.out_order.defined() ? c10::optional<at::Tensor>(l.out_order) : c10::nullopt;
-  const bool kquant = l.qtype == kQ4_K || l.qtype == kQ6_K;
+  const int64_t base = l.qtype & ~int64_t{256};  // without the repacked flag (quant_cpu.cpp's kRepacked)
+  const bool kquant = base == kQ4_K || base == kQ6_K;
   if (x.size(0) <= l.dense_rows || l.int8) {
     const auto product = [&](const c10::optional<at::Tensor>& b) {
       return kquant ? kquant_linear(x, l.blocks, l.qtype, b, l.int8) : quant_linear(x, l.blocks, l.qtype, b, l.int8);

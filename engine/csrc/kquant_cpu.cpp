@@ -289,6 +289,8 @@ struct Lanes8 {
   }
   static vi gather(vi offs, const uint8_t* p) { return _mm256_i32gather_epi32(reinterpret_cast<const int*>(p), offs, 1); }
   static void transpose(const uint8_t* base, int64_t row_bytes, vi out[4]) { transpose8x16(base, row_bytes, out); }
+  static vi load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static vf load_halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static vf halves(vi words) {  // the float16 in each lane's low 16 bits
     const vi low = _mm256_and_si256(words, _mm256_set1_epi32(0xffff));
     return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
@@ -336,6 +338,8 @@ struct Lanes16 {
   }
   static vi gather(vi offs, const uint8_t* p) { return _mm512_i32gather_epi32(offs, p, 1); }
   static void transpose(const uint8_t* base, int64_t row_bytes, vi out[4]) { transpose16x16(base, row_bytes, out); }
+  static vi load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static vf load_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static vf halves(vi words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
   static vi dp(vi acc, vi w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
   template <int C>
@@ -371,6 +375,37 @@ struct KX {
   const int32_t* sq16;
 };
 
+// A repacked weight (kquant_repack, made once at load for the int8 tiles, as quant_cpu.cpp's
+// quant_repack does for Q8_0/Q4_0/Q4_1): each full tile of L::n rows keeps its bytes where they were,
+// super-block by super-block, each super-block's 4-byte words in word-major order (word w of lane r at
+// 4 (w L::n + r)) and Q6_K's last two bytes (its d) after them, 2 a lane: what the tiles otherwise make
+// with a transpose per 16 bytes is a plain load, and a tile's bytes are one stream. Same size; the
+// rows after the last full tile stay as the file has them.
+inline int64_t repacked_words(int64_t sb) { return sb / 4; }
+
+// The 16 bytes at `off` of each of the tile's rows, four words a lane (out[g]: bytes off + 4g..4g+3):
+// transposed from the file's rows (`b` the first row's super-block, `row_bytes` apart), or with
+// Repacked loaded as they lie (`b` the tile's super-block)
+template <class L, bool Repacked>
+inline void words(const uint8_t* b, int64_t off, int64_t row_bytes, typename L::vi out[4]) {
+  if constexpr (Repacked) {
+    for (int g = 0; g < 4; ++g) out[g] = L::load(b + (off + 4 * g) * L::n);
+  } else {
+    L::transpose(b + off, row_bytes, out);
+  }
+}
+
+// The super-block a tile reads next: with Repacked two super-blocks ahead in its one stream (the
+// next tile's first ones after its last), else the next tile's same super-block, row by row
+template <class L, bool Repacked>
+inline void prefetch_next(const uint8_t* b, int64_t row_bytes, int64_t sb) {
+  if constexpr (Repacked) {
+    prefetch_span(b + 2 * sb * L::n, sb * L::n);
+  } else {
+    for (int64_t i = 0; i < L::n; ++i) prefetch_super<L>(b + (L::n + i) * row_bytes, sb);
+  }
+}
+
 // One block of 32 weights of the tile (their unsigned quants wq[8], register g holding values 4g..4g+3
 // of each lane's row) against G rows of x (fewer when n_rows < G), their blocks side by side from x: the integer dot
 // products are added to sums[i], values 0-15 into sums[i][0] and, with Halves, 16-31 into sums[i][1].
@@ -393,7 +428,7 @@ inline void block_sums(const typename L::vi wq[8], const int8_t* x, int n_rows, 
 
 // A tile of L::n weight rows of Q4_K times R rows of x from r0 (R at most kInt8X, known when
 // compiled, so the accumulators and the group loops stay in registers): out[r * L::n + lane]
-template <class L, int R>
+template <class L, int R, bool Repacked>
 void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, float* out) {
   using vi = typename L::vi;
   using vf = typename L::vf;
@@ -402,17 +437,16 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
-    const uint8_t* b = w + sup * 144;
-    for (int64_t i = 0; i < L::n; ++i)  // the next tile's super-block: 144 bytes of each of its rows
-      prefetch_super<L>(b + (L::n + i) * row_bytes, 144);
+    const uint8_t* b = w + sup * 144 * (Repacked ? L::n : 1);
+    prefetch_next<L, Repacked>(b, row_bytes, 144);
     vi hdr[4];  // d and dmin, then the 12 bytes of scales and minimums, four bytes a word (a transpose:
-    L::transpose(b, row_bytes, hdr);  // cheaper than four gathers)
+    words<L, Repacked>(b, 0, row_bytes, hdr);  // cheaper than four gathers)
     const vi head = hdr[0], s0 = hdr[1], s1 = hdr[2], s2 = hdr[3];
     const vf d = L::halves(head), dmin = L::halves(L::srl32(head, 16));
     for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
       vi nib[8];
-      L::transpose(b + 16 + 32 * pair, row_bytes, nib);
-      L::transpose(b + 32 + 32 * pair, row_bytes, nib + 4);
+      words<L, Repacked>(b, 16 + 32 * pair, row_bytes, nib);
+      words<L, Repacked>(b, 32 + 32 * pair, row_bytes, nib + 4);
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * pair + h;
         vi wq[8];
@@ -450,7 +484,7 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
 // The same for Q6_K: in each half of 128 weights, quarter c (x block 4 half + c) takes the low
 // (c < 2) or high nibbles of ql[l] (c even) or ql[l + 32] (c odd), with bits 2c, 2c + 1 of qh[l] on
 // top, and scales 8 half + 2c (values 0-15) and 8 half + 2c + 1 (16-31)
-template <class L, int R>
+template <class L, int R, bool Repacked>
 void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, float* out) {
   using vi = typename L::vi;
   using vf = typename L::vf;
@@ -460,19 +494,21 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = L::zerof();
   for (int64_t sup = 0; sup < supers; ++sup) {
-    const uint8_t* b = w + sup * 210;
-    for (int64_t i = 0; i < L::n; ++i) prefetch_super<L>(b + (L::n + i) * row_bytes, 210);
-    const vf d = L::halves(L::srl32(L::gather(offs, b + 206), 16));  // bytes 208-209 (206: no read past the end)
+    const uint8_t* b = w + sup * 210 * (Repacked ? L::n : 1);
+    prefetch_next<L, Repacked>(b, row_bytes, 210);
+    vf d;  // bytes 208-209 (206: no read past the end)
+    if constexpr (Repacked) d = L::load_halves(b + 4 * repacked_words(210) * L::n);
+    else d = L::halves(L::srl32(L::gather(offs, b + 206), 16));
     vi sw[4];  // the sixteen int8 scales, four a word
-    L::transpose(b + 192, row_bytes, sw);
+    words<L, Repacked>(b, 192, row_bytes, sw);
     for (int half = 0; half < 2; ++half) {
       vi l0[8], l1[8], hb[8];
-      L::transpose(b + 64 * half, row_bytes, l0);
-      L::transpose(b + 64 * half + 16, row_bytes, l0 + 4);
-      L::transpose(b + 64 * half + 32, row_bytes, l1);
-      L::transpose(b + 64 * half + 48, row_bytes, l1 + 4);
-      L::transpose(b + 128 + 32 * half, row_bytes, hb);
-      L::transpose(b + 128 + 32 * half + 16, row_bytes, hb + 4);
+      words<L, Repacked>(b, 64 * half, row_bytes, l0);
+      words<L, Repacked>(b, 64 * half + 16, row_bytes, l0 + 4);
+      words<L, Repacked>(b, 64 * half + 32, row_bytes, l1);
+      words<L, Repacked>(b, 64 * half + 48, row_bytes, l1 + 4);
+      words<L, Repacked>(b, 128 + 32 * half, row_bytes, hb);
+      words<L, Repacked>(b, 128 + 32 * half + 16, row_bytes, hb + 4);
       for (int c = 0; c < 4; ++c) {
         vi wq[8];
         const vi* low = c & 1 ? l1 : l0;
@@ -507,23 +543,27 @@ void q6_k_tile(const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, fl
   for (int r = 0; r < R; ++r) L::store(out + r * L::n, acc[r]);
 }
 
-// the tile for `rows` (1 to kInt8X) rows of x
+// the tile for `rows` (1 to kInt8X) rows of x; `repacked`: the tile's bytes are a repacked tile's
 template <class L, int R = 1>
-void k_tile_any(int64_t qtype, int64_t rows, const uint8_t* w, int64_t row_bytes, const KX& kx, int64_t r0, float* out) {
+void k_tile_any(int64_t qtype, int64_t rows, bool repacked, const uint8_t* w, int64_t row_bytes, const KX& kx,
+                int64_t r0, float* out) {
   if constexpr (R < kInt8X) {
-    if (rows > R) return k_tile_any<L, R + 1>(qtype, rows, w, row_bytes, kx, r0, out);
+    if (rows > R) return k_tile_any<L, R + 1>(qtype, rows, repacked, w, row_bytes, kx, r0, out);
   }
   if (qtype == kQ4_K) {
-    q4_k_tile<L, R>(w, row_bytes, kx, r0, out);
+    if (repacked) q4_k_tile<L, R, true>(w, row_bytes, kx, r0, out);
+    else q4_k_tile<L, R, false>(w, row_bytes, kx, r0, out);
   } else {
-    q6_k_tile<L, R>(w, row_bytes, kx, r0, out);
+    if (repacked) q6_k_tile<L, R, true>(w, row_bytes, kx, r0, out);
+    else q6_k_tile<L, R, false>(w, row_bytes, kx, r0, out);
   }
 }
 
 // y [m, n] (float32) = x (int8 rows) times the weight, tiles of L::n weight rows over the threads
+// (`repacked`: its full tiles repacked for L, kquant_repack)
 template <class L>
 void int8_product(int64_t qtype, const KX& kx, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
-                  int64_t m, int64_t n) {
+                  int64_t m, int64_t n, bool repacked) {
   const int64_t tiles = (n + L::n - 1) / L::n, full = n / L::n;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(4, tiles / (4 * threads)));
@@ -540,7 +580,7 @@ void int8_product(int64_t qtype, const KX& kx, const uint8_t* w, int64_t row_byt
       }
       for (int64_t r0 = 0; r0 < m; r0 += kInt8X) {
         const int64_t rows = std::min(kInt8X, m - r0);
-        k_tile_any<L>(qtype, rows, tile, row_bytes, kx, r0, out);
+        k_tile_any<L>(qtype, rows, repacked && t < full, tile, row_bytes, kx, r0, out);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < nj; ++j) y[(r0 + r) * n + j0 + j] = out[r * L::n + j] + (bias ? bias[j0 + j] : 0.0f);
       }
@@ -549,6 +589,43 @@ void int8_product(int64_t qtype, const KX& kx, const uint8_t* w, int64_t row_byt
 }
 
 constexpr int64_t kRegisterRows = 4;  // up to this many rows of x: weights dequantized in registers
+
+// rows a repacked tile: the int8 tiles' lanes, 16 (AVX512-VNNI) or 8 (the AVX2 build); 0: this build
+// repacks nothing (AVX-512 without VNNI), as quant_cpu.cpp's quant_repack_rows
+#if CB_KQUANT_VNNI
+constexpr int64_t kRepackRows = 16;
+#elif defined(__AVX512F__)
+constexpr int64_t kRepackRows = 0;
+#else
+constexpr int64_t kRepackRows = 8;
+#endif
+constexpr int64_t kRepacked = 256;  // added to a type: the weight's full tiles repacked (quant_cpu.cpp's)
+
+// Tile `t`'s super-blocks from the file's rows (`w` its first row) into the repacked layout at `out`
+void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t sb, uint8_t* out) {
+  const int64_t n = kRepackRows, nw = repacked_words(sb), tail = sb - 4 * nw;
+  for (int64_t s = 0; s < row_bytes / sb; ++s) {
+    uint8_t* o = out + s * sb * n;
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* src = w + r * row_bytes + s * sb;
+      for (int64_t v = 0; v < nw; ++v) std::memcpy(o + 4 * (v * n + r), src + 4 * v, 4);
+      std::memcpy(o + 4 * nw * n + tail * r, src + 4 * nw, tail);
+    }
+  }
+}
+
+// super-block s of row j (of n) of a weight: where the file keeps it, or gathered back from its
+// repacked tile into buf
+const uint8_t* super_of(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t j, int64_t s, int64_t sb,
+                        bool repacked, uint8_t* buf) {
+  const int64_t L = kRepackRows;
+  if (!repacked || L == 0 || j >= n / L * L) return w + j * row_bytes + s * sb;
+  const int64_t nw = repacked_words(sb), tail = sb - 4 * nw, r = j % L;
+  const uint8_t* o = w + (j - r) * row_bytes + s * sb * L;
+  for (int64_t v = 0; v < nw; ++v) std::memcpy(buf + 4 * v, o + 4 * (v * L + r), 4);
+  std::memcpy(buf + 4 * nw, o + 4 * nw * L + tail * r, tail);
+  return buf;
+}
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.is_contiguous(),
@@ -562,10 +639,15 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 // x [M, K] (float32, bfloat16 or float16) times the K-quant weight w [N, row bytes] of ggml type
 // `qtype`, plus `bias` (or None): [M, N] in x's dtype. `int8`: x quantized to int8 blocks and integer
 // dot products; else x in float32 against the dequantized blocks
-at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8) {
+at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t type, c10::optional<at::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2, "kquant_linear: x [M, K] expected");
+  const bool repacked = (type & kRepacked) != 0;
+  const int64_t qtype = type & ~kRepacked;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), supers = k / kSuper;
   check_weight(w, qtype, k);
+  TORCH_CHECK(!repacked || (kRepackRows && int8 && (kRepackRows == 8 || quant_vnni_on())), "kquant_linear: a weight "
+              "repacked for the int8 tiles (quant_repack) is multiplied by int8 x with VNNI on, not ",
+              int8 ? "with VNNI off" : "by float x");
   auto xf = x.to(at::kFloat).contiguous();
   auto y32 = at::empty({m, n}, x.options().dtype(at::kFloat));
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -586,11 +668,11 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optiona
     const KX kx{rows.view, s16};
 #if CB_KQUANT_VNNI
     if (quant_vnni_on()) {
-      int8_product<Lanes16>(qtype, kx, wp, row_bytes, bp, yp, m, n);
+      int8_product<Lanes16>(qtype, kx, wp, row_bytes, bp, yp, m, n, repacked);
       return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
     }
 #endif
-    int8_product<Lanes8>(qtype, kx, wp, row_bytes, bp, yp, m, n);
+    int8_product<Lanes8>(qtype, kx, wp, row_bytes, bp, yp, m, n, repacked);
     return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
   }
   at::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
@@ -639,8 +721,11 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optiona
 }
 
 // the rows `rows` (int64 [R], or all when None) of w [N, row bytes] as [R, k] in `like`'s dtype
-at::Tensor kquant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like) {
+at::Tensor kquant_dequantize(at::Tensor w, int64_t type, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like) {
+  const bool repacked = (type & kRepacked) != 0;
+  const int64_t qtype = type & ~kRepacked;
   check_weight(w, qtype, k);
+  TORCH_CHECK(!repacked || kRepackRows, "kquant_dequantize: this build makes no repacked weights (no int8 tiles)");
   at::Tensor idx = rows.has_value() ? rows->to(at::kLong).contiguous() : at::Tensor();
   const int64_t r = idx.defined() ? idx.numel() : w.size(0), n = w.size(0), row_bytes = w.size(1);
   if (idx.defined() && r > 0) {
@@ -654,15 +739,32 @@ at::Tensor kquant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::option
     T* op = out.data_ptr<T>();
     at::parallel_for(0, r, 8, [&](int64_t i0, int64_t i1) {
       alignas(64) float buf[kSuper];
+      uint8_t gathered[210];
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t j = idx.defined() ? idx.data_ptr<int64_t>()[i] : i;
         for (int64_t s = 0; s < k / kSuper; ++s) {
-          dequantize_super(qtype, wp + j * row_bytes + s * sb, buf);
+          dequantize_super(qtype, super_of(wp, row_bytes, n, j, s, sb, repacked, gathered), buf);
           T* o = op + i * k + s * kSuper;
           for (int64_t e = 0; e < kSuper; ++e) o[e] = static_cast<T>(buf[e]);
         }
       }
     });
+  });
+  return out;
+}
+
+// w [N, row bytes] of Q4_K or Q6_K with its full tiles of rows repacked for this build's int8 tiles (a
+// new tensor of the same shape; multiply it as type qtype + 256 with int8 x); quant_repack's K-quants
+at::Tensor kquant_repack(at::Tensor w, int64_t qtype, int64_t k) {
+  check_weight(w, qtype, k);
+  TORCH_CHECK(kRepackRows, "quant_repack: this build has no int8 tiles (AVX-512 without VNNI)");
+  at::Tensor out = w.clone();
+  if (kRepackRows == 0) return out;
+  const int64_t row_bytes = w.size(1), tiles = w.size(0) / kRepackRows, sb = super_bytes(qtype);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) repack_tile(wp + t * kRepackRows * row_bytes, row_bytes, sb, op + t * kRepackRows * row_bytes);
   });
   return out;
 }

@@ -918,7 +918,10 @@ int64_t quant_repack_rows() { return CB_REPACKED ? kRepackRows : 0; }
 
 // w [N, row bytes] of ggml type `qtype` with its full tiles of rows repacked for this build's int8
 // tiles (a new tensor of the same shape; multiply it as type qtype + 256 with int8 x)
+at::Tensor kquant_repack(at::Tensor w, int64_t qtype, int64_t k);  // kquant_cpu.cpp: Q4_K, Q6_K
+
 at::Tensor quant_repack(at::Tensor w, int64_t qtype, int64_t k) {
+  if (qtype == 12 || qtype == 14) return kquant_repack(w, qtype, k);  // ggml's Q4_K, Q6_K
   check_weight(w, qtype, k);
   TORCH_CHECK(CB_REPACKED, "quant_repack: this build has no int8 tiles (AVX-512 without VNNI)");
   at::Tensor out = w.clone();

@@ -191,8 +191,8 @@ def test_a_repacked_weight_refuses_the_other_products(ops) -> None:
 
 
 def test_int8_activations_repack_a_tied_head_and_its_embedding_once(ops) -> None:
-    """use_int8_activations repacks each Q8_0/Q4_0/Q4_1 weight where the build has int8 tiles
-    (not a K-quant, not without the tiles): an embedding on the same bytes (a tied LM head's) takes
+    """use_int8_activations repacks each weight where the build has int8 tiles (not without the
+    tiles; the K-quants too: tests/engine/test_kquants.py): an embedding on the same bytes (a tied LM head's) takes
     the repacked tensor too, so the bytes are held once, and both give what the file's blocks give."""
     blocks, _ = random_blocks(T.Q8_0, 48, 64)
     head = QuantizedLinear(blocks, int(T.Q8_0), 64, None, ops)

@@ -116,11 +116,73 @@ def test_bad_blocks_are_refused(ops) -> None:
         QuantizedLinear(blocks[:, :-1], int(T.Q4_K), 512)
 
 
+REPACK_SHAPES = [(1, 40, 512), (16, 33, 768), (31, 64, 256), (40, 17, 512), (3, 7, 256)]  # (x rows, outputs, inputs)
+
+
+def check_repacked_same_bits(ops, qtype, m: int, n: int, k: int) -> None:
+    """quant_repack's K-quant layout (kquant_cpu.cpp: a full tile's super-blocks word-major, Q6_K's d
+    after them) gives the int8 product of the file's blocks bit for bit, its rows dequantize to the
+    file's, and the rows after the last full tile stay as they were."""
+    blocks, _ = random_blocks(qtype, n, k)
+    tile = ops.quant_repack_rows()
+    packed = ops.quant_repack(blocks, int(qtype), k)
+    full = n // tile * tile
+    assert packed.shape == blocks.shape and torch.equal(packed[full:], blocks[full:])
+    assert full == 0 or not torch.equal(packed[:full], blocks[:full])
+    t = int(qtype) | cpu_quant.REPACKED
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n) if m % 2 else None
+    want = ops.kquant_linear(x, blocks, int(qtype), bias, int8=True)
+    assert torch.equal(ops.kquant_linear(x, packed, t, bias, int8=True), want), (qtype, m, n, k)
+    like = torch.empty(0)
+    assert torch.equal(ops.kquant_dequantize(packed, t, k, None, like), ops.kquant_dequantize(blocks, int(qtype), k, None, like))
+    rows = torch.tensor([n - 1, 0, n // 2, min(17, n - 1)])
+    assert torch.equal(ops.kquant_dequantize(packed, t, k, rows, like), ops.kquant_dequantize(blocks, int(qtype), k, rows, like))
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS), ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", REPACK_SHAPES, ids=str)
+def test_a_repacked_k_quant_weight_gives_the_same_bits(ops, qtype, shape) -> None:
+    """As Q8_0/Q4_0/Q4_1's (tests/engine/test_cpu_quant.py): 16 rows a tile on AVX512-VNNI, 8 on the
+    AVX2 build (its child test below); a build without int8 tiles refuses to repack."""
+    if not ops.quant_repack_rows():
+        with pytest.raises(RuntimeError, match="no int8 tiles"):
+            ops.quant_repack(random_blocks(qtype, 16, 256)[0], int(qtype), 256)
+        return
+    check_repacked_same_bits(ops, qtype, *shape)
+
+
+def test_a_repacked_k_quant_weight_refuses_the_other_products(ops) -> None:
+    """Float x, or the AVX-512 build's 8-lane tiles (VNNI turned off) on a 16-row layout, is a clear
+    error; the AVX2 build's tiles are the 8-lane ones whatever the setting."""
+    blocks, _ = random_blocks(T.Q6_K, 32, 512)
+    t = int(T.Q6_K) | cpu_quant.REPACKED
+    x = torch.randn(3, 512)
+    if not ops.quant_repack_rows():
+        with pytest.raises(RuntimeError, match="repacked for the int8 tiles"):
+            ops.kquant_linear(x, blocks, t, None, True)
+        return
+    packed = ops.quant_repack(blocks, int(T.Q6_K), 512)
+    with pytest.raises(RuntimeError, match="repacked .* not by float x"):
+        ops.kquant_linear(x, packed, t, None, False)
+    expected = ops.kquant_linear(x, blocks, int(T.Q6_K), None, True)
+    before = ops.set_quant_vnni(False)
+    try:
+        if ops.quant_repack_rows() == 16:
+            with pytest.raises(RuntimeError, match="not with VNNI off"):
+                ops.kquant_linear(x, packed, t, None, True)
+        else:
+            assert torch.equal(ops.kquant_linear(x, packed, t, None, True), expected)
+    finally:
+        ops.set_quant_vnni(before)
+
+
 AVX2_CHECK = """
 import numpy as np, torch, gguf
 from engine.backends.cpu_kernels import cpu_ops
 from tests.engine.test_kquants import ENCODERS, SHAPES, EXACT, random_blocks, relative_error
 from tests.engine.test_kquants import INT8_SHAPES, QUANTIZED, int8_errors, signed_blocks
+from tests.engine.test_kquants import REPACK_SHAPES, check_repacked_same_bits
 from tests.engine.test_kquants import test_int8_sums_at_the_largest_quants_do_not_overflow as largest_quants_do_not_overflow
 ops = cpu_ops()
 torch.manual_seed(0)
@@ -142,6 +204,9 @@ for qtype in ENCODERS:
         assert exact <= EXACT and plain <= QUANTIZED, (qtype, m, n, k, exact, plain)
         assert torch.equal(ops.kquant_linear(x[-3:], blocks, int(qtype), None, int8=True), y[-3:])
     largest_quants_do_not_overflow(ops, qtype)  # the 16-bit sums at their bound
+    assert ops.quant_repack_rows() == 8
+    for m, n, k in REPACK_SHAPES:  # repacked for the 8-row tiles
+        check_repacked_same_bits(ops, qtype, m, n, k)
 print("ok")
 """
 
@@ -188,6 +253,9 @@ def test_a_file_with_k_quants_keeps_them_in_blocks_and_generates_as_transformers
     from engine.backends.cpu_quant import use_int8_activations
 
     assert use_int8_activations(native.model) >= len(downs) and all(d.int8_activations for d in downs)
+    if native.model.model.layers[0].mlp.down_proj.ops.quant_repack_rows():  # repacked for the int8 tiles
+        assert all(d.qtype & cpu_quant.REPACKED for d in downs)
+        assert native.model.cbserve_quantization["repacked"] >= len(downs)
     out = generate_batch(native.model, [prompt], max_new_tokens=10, ignore_eos=True, progress_bar=False, warmup=False)
     x = torch.tensor([prompt])
     mine = native.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,

@@ -281,8 +281,8 @@ SETTINGS: tuple[Setting, ...] = (
             "blocks, int8) multiply: float keeps each input row in float32 against the dequantised blocks (the "
             "result is the product with the dequantised weight up to float rounding: greedy output as "
             "model.generate gives); int8 quantizes each input row to int8 blocks of 32 and takes integer dot "
-            "products (llama.cpp's arithmetic; VNNI where the CPU has it; the Q8_0, Q4_0 and Q4_1 blocks are "
-            "repacked once at load for its int8 tiles, the same size): faster, and greedy output departs from "
+            "products (llama.cpp's arithmetic; VNNI where the CPU has it; the blocks are repacked once at load "
+            "for its int8 tiles, the same size): faster, and greedy output departs from "
             "model.generate now and then",
             section="server", choices=("float", "int8"), operator=True),
     Setting("compile", "bool", False, "torch.compile both step kinds with default compile configs", section="server",

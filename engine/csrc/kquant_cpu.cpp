@@ -649,7 +649,7 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t type, c10::optional
   check_weight(w, qtype, k);
   TORCH_CHECK(!repacked || (kRepackRows && int8 && (kRepackRows == 8 || quant_vnni_on())), "kquant_linear: a weight "
               "repacked for the int8 tiles (quant_repack) is multiplied by int8 x with VNNI on, not ",
-              int8 ? "with VNNI off" : "by float x");
+              int8 ? "with VNNI off" : "float x");
   auto xf = x.to(at::kFloat).contiguous();
   auto y32 = at::empty({m, n}, x.options().dtype(at::kFloat));
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();

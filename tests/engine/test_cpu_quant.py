@@ -164,30 +164,34 @@ def test_a_repacked_weight_gives_the_same_bits(ops, qtype, shape) -> None:
     assert torch.equal(ops.quant_dequantize(packed, t, k, rows, like), ops.quant_dequantize(blocks, int(qtype), k, rows, like))
 
 
-def test_a_repacked_weight_refuses_the_other_products(ops) -> None:
-    """Only the int8 tiles read the repacked layout: float x, the AVX-512 build with VNNI turned off
-    (its one-row path), or a build without int8 tiles is a clear error, never a product of scrambled
-    bytes; the AVX2 build's tiles do not use VNNI, so turning it off changes nothing there."""
-    blocks, _ = random_blocks(T.Q4_0, 32, 64)
-    t = int(T.Q4_0) | cpu_quant.REPACKED
-    x = torch.randn(3, 64)
+def check_repacked_refusals(ops, product, blocks: torch.Tensor, qtype: int, k: int) -> None:
+    """Only the int8 tiles read the repacked layout: `product` (quant_linear, kquant_linear) with float
+    x, on the AVX-512 build with VNNI turned off (its 8-lane path), or on a build without int8 tiles
+    is a clear error, never a product of scrambled bytes; the AVX2 build's tiles do not use VNNI, so
+    turning it off changes nothing there."""
+    t = qtype | cpu_quant.REPACKED
+    x = torch.randn(3, k)
     if not ops.quant_repack_rows():
         with pytest.raises(RuntimeError, match="repacked for the int8 tiles"):
-            ops.quant_linear(x, blocks, t, None, True)
+            product(x, blocks, t, None, True)
         return
-    packed = ops.quant_repack(blocks, int(T.Q4_0), 64)
+    packed = ops.quant_repack(blocks, qtype, k)
     with pytest.raises(RuntimeError, match="repacked .* not float x"):
-        ops.quant_linear(x, packed, t, None, False)
-    expected = ops.quant_linear(x, blocks, int(T.Q4_0), None, True)
+        product(x, packed, t, None, False)
+    expected = product(x, blocks, qtype, None, True)
     before = ops.set_quant_vnni(False)
     try:
         if ops.quant_repack_rows() == 16:
             with pytest.raises(RuntimeError, match="not with VNNI off"):
-                ops.quant_linear(x, packed, t, None, True)
+                product(x, packed, t, None, True)
         else:
-            assert torch.equal(ops.quant_linear(x, packed, t, None, True), expected)
+            assert torch.equal(product(x, packed, t, None, True), expected)
     finally:
         ops.set_quant_vnni(before)
+
+
+def test_a_repacked_weight_refuses_the_other_products(ops) -> None:
+    check_repacked_refusals(ops, ops.quant_linear, random_blocks(T.Q4_0, 32, 64)[0], int(T.Q4_0), 64)
 
 
 def test_int8_activations_repack_a_tied_head_and_its_embedding_once(ops) -> None:

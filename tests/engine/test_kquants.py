@@ -28,7 +28,7 @@ from engine.backends import cpu_quant  # noqa: E402
 from engine.backends.cpu_quant import DEQUANTIZE_ROWS, QuantizedLinear, dequantize  # noqa: E402
 from tests.engine.forced_isa import run_with_isa  # noqa: E402
 from tests.engine.kquants import kquant_copy, q4_k, q6_k  # noqa: E402
-from tests.engine.test_cpu_quant import on_each_int8_path  # noqa: E402
+from tests.engine.test_cpu_quant import check_repacked_refusals, on_each_int8_path  # noqa: E402
 
 ENCODERS = {T.Q4_K: q4_k, T.Q6_K: q6_k}
 SHAPES = [(1, 37, 256), (3, 129, 512), (7, 64, 1536), (33, 5, 768)]  # (rows of x, outputs, inputs)
@@ -153,28 +153,8 @@ def test_a_repacked_k_quant_weight_gives_the_same_bits(ops, qtype, shape) -> Non
 
 
 def test_a_repacked_k_quant_weight_refuses_the_other_products(ops) -> None:
-    """Float x, or the AVX-512 build's 8-lane tiles (VNNI turned off) on a 16-row layout, is a clear
-    error; the AVX2 build's tiles are the 8-lane ones whatever the setting."""
-    blocks, _ = random_blocks(T.Q6_K, 32, 512)
-    t = int(T.Q6_K) | cpu_quant.REPACKED
-    x = torch.randn(3, 512)
-    if not ops.quant_repack_rows():
-        with pytest.raises(RuntimeError, match="repacked for the int8 tiles"):
-            ops.kquant_linear(x, blocks, t, None, True)
-        return
-    packed = ops.quant_repack(blocks, int(T.Q6_K), 512)
-    with pytest.raises(RuntimeError, match="repacked .* not by float x"):
-        ops.kquant_linear(x, packed, t, None, False)
-    expected = ops.kquant_linear(x, blocks, int(T.Q6_K), None, True)
-    before = ops.set_quant_vnni(False)
-    try:
-        if ops.quant_repack_rows() == 16:
-            with pytest.raises(RuntimeError, match="not with VNNI off"):
-                ops.kquant_linear(x, packed, t, None, True)
-        else:
-            assert torch.equal(ops.kquant_linear(x, packed, t, None, True), expected)
-    finally:
-        ops.set_quant_vnni(before)
+    """As Q8_0/Q4_0/Q4_1's (check_repacked_refusals)."""
+    check_repacked_refusals(ops, ops.kquant_linear, random_blocks(T.Q6_K, 32, 512)[0], int(T.Q6_K), 512)
 
 
 AVX2_CHECK = """

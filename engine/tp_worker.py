@@ -120,6 +120,8 @@ def exit_with_parent(rank: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name=f"cbserve-tp-rank-{rank}-parent", daemon=True).start()
+    logger.info("cbserve: tensor-parallel rank %d started; it ends with the process that started it (pid %s)",
+                rank, parent.pid)
 
 
 def spawned(source, config, rank: int, world: int, addr: str, port: int, device_type: str,

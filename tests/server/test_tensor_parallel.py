@@ -112,9 +112,11 @@ def test_a_worker_killed_while_its_rank_waits_for_rank_0_takes_the_rank_with_it(
     _, worker, log = start_worker(model_dir, tmp_path)  # no server: rank 0 never listens
     try:
         deadline = time.monotonic() + EXIT_WAIT_S
-        while not (ranks := spawned_ranks(worker.pid)):  # the worker starts its rank as its first step
+        # the worker starts its rank as its first step; killed before the rank has read its start-up data
+        # from the pipe, the rank ends too, but of that pipe's EOF, before it watches its parent
+        while not ((ranks := spawned_ranks(worker.pid)) and "rank 1 started" in log.read_text()):
             assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling a child's log, with a deadline
         worker.kill()
         worker.wait()
         ranks[0].wait(EXIT_WAIT_S)  # psutil.TimeoutExpired if it outlives its parent; its status is the line

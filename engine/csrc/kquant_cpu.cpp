@@ -1,6 +1,7 @@
 // Linear layers on GGUF K-quant weights, multiplied in their super-blocks: Q4_K and Q6_K.
 //
-// A weight row is the file's bytes, unchanged: super-blocks of 256 weights.
+// A weight row is the file's bytes, unchanged (but with int8 inputs: repacked, below at KX):
+// super-blocks of 256 weights.
 //   Q4_K (144 bytes, 4.5 bits a weight): float16 d and dmin, 12 bytes holding eight 6-bit scales
 //     sc_j and eight 6-bit minimums m_j (one per sub-block of 32), then 128 bytes of nibbles. Each
 //     64 weights share 32 bytes: the low nibbles are sub-block 2i, the high ones sub-block 2i+1.
@@ -29,7 +30,8 @@
 //   Q6_K, group g of 16: d sc_g dx (sum(q qx) - 32 sum(qx))        (q = the 6-bit value, 0..63)
 // Weight rows go in tiles of 16 (AVX-512 with VNNI: vpdpbusd) or 8 (vpmaddubsw + vpmaddwd: the AVX2
 // build, and the AVX-512 one with VNNI off), one per 32-bit lane, the super-block's bytes transposed
-// in registers and its scales unpacked for all the tile's rows at once from transposed words; each row
+// in registers (or, repacked at load, loaded as they lie) and its scales unpacked for all the tile's
+// rows at once from transposed words; each row
 // of x multiplies the whole tile with its 4-byte groups broadcast; a tile is compiled for each count of
 // rows of x (1 to 16), so its accumulators and loops stay in registers (1.3x at one row of x against
 // a run-time count, on a Zen 3; docs/engine.md). The last rows of a weight that

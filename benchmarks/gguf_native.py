@@ -197,7 +197,7 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
     from engine.backends.cpu_isa import onednn_native
     from engine.backends.cpu_kernels import cpu_ops, ops_of_build
     from engine.backends.cpu_linear import packing_available
-    from engine.backends.cpu_quant import K_QUANTS, NAMES, SUPER, dequantize_rows, linear
+    from engine.backends.cpu_quant import K_QUANTS, NAMES, REPACKED, SUPER, dequantize_rows, linear
 
     ops = cpu_ops() if build is None else ops_of_build(build)
     # an earlier build (--build) may predate the K-quants' int8 product: then its int8 lines are left
@@ -219,6 +219,13 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
             continue
         blocks = {q: random_blocks(codes[q], n, k, rng) for q in fits}
         turns = {q: _Rotating(b, cold) for q, b in blocks.items()}
+        repacked = {}  # the weights as --quantized-activations int8 multiplies them: repacked at load
+        for q, b in blocks.items():
+            if kquant_int8 and getattr(ops, "quant_repack_rows", lambda: 0)():
+                try:
+                    repacked[q] = _Rotating(ops.quant_repack(b, codes[q], k), cold)
+                except RuntimeError:  # an earlier build that does not repack this type
+                    pass
         panels = onednn = onednn_bf16 = None
         if dense and not cold:
             wf = dequantize_rows(ops, blocks[fits[0]], codes[fits[0]], k, None, torch.empty(0))
@@ -238,6 +245,9 @@ def kernels(rows: list[int], repeats: int, shapes: str = "smollm2", types: list[
                 paths[f"{q} bf16 x"] = (weight_bytes, lambda w=w, c=c: linear(ops, xb, w(), c, None))
                 if c not in K_QUANTS or kquant_int8:
                     paths[f"{q} int8 x"] = (weight_bytes, lambda w=w, c=c: linear(ops, x, w(), c, None, int8=True))
+                if q in repacked:
+                    paths[f"{q} int8 x repacked"] = (weight_bytes, lambda w=repacked[q], c=c | REPACKED: linear(
+                        ops, x, w(), c, None, int8=True))  # fmt: skip
                 if dense and not cold:
                     paths[f"{q} dequantise + torch"] = (weight_bytes, lambda b=b, c=c: torch.nn.functional.linear(
                         x, dequantize_rows(ops, b, c, k, None, x)))

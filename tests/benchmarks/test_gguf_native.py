@@ -16,6 +16,13 @@ def native(bench_script):
     return bench_script("gguf_native")
 
 
+def native_ops_repack() -> bool:
+    """Whether this tree's kernel build repacks weights for its int8 tiles (not AVX-512 without VNNI)."""
+    from engine.backends.cpu_kernels import cpu_ops
+
+    return cpu_ops().quant_repack_rows() > 0
+
+
 @pytest.fixture(scope="module")
 def ops():
     from engine.backends.cpu_kernels import cpu_ops
@@ -42,11 +49,15 @@ def test_kernels_times_k_quants_with_each_input_kind_and_leaves_out_shapes_they_
     monkeypatch.setitem(native.SHAPES, "test", {"fits": (32, 512), "odd": (32, 96)})
     rows = native.kernels([1, 2], 1, "test", ["Q4_0", "Q4_K", "Q6_K"], [1], dense=False)
     paths = {(r["shape"], r["rows"], r["path"]) for r in rows}
+    # the weights repacked as --quantized-activations int8 multiplies them, where the build repacks
+    repacked = " int8 x repacked" if native_ops_repack() else None
     for m in (1, 2):
         assert {p for s, r, p in paths if s == "fits" and r == m} == {
             "Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x", "Q4_K float x", "Q4_K bf16 x", "Q4_K int8 x",
-            "Q6_K float x", "Q6_K bf16 x", "Q6_K int8 x"}  # fmt: skip
-        assert {p for s, r, p in paths if s == "odd" and r == m} == {"Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x"}
+            "Q6_K float x", "Q6_K bf16 x", "Q6_K int8 x",
+            *([q + repacked for q in ("Q4_0", "Q4_K", "Q6_K")] if repacked else [])}  # fmt: skip
+        assert {p for s, r, p in paths if s == "odd" and r == m} == {
+            "Q4_0 float x", "Q4_0 bf16 x", "Q4_0 int8 x", *(["Q4_0" + repacked] if repacked else [])}  # fmt: skip
     assert "odd: 96 inputs are not whole K-quant super-blocks of 256: Q4_K, Q6_K left out" in capsys.readouterr().out
     assert all(r["best_us"] > 0 for r in rows)
 
@@ -56,7 +67,9 @@ def test_kernels_can_time_a_build_of_the_cache_by_name_and_an_unknown_one_is_a_c
 
     monkeypatch.setitem(native.SHAPES, "test_build", {"fits": (32, 512)})
     rows = native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build=build_directory().name)
-    assert [r["path"] for r in rows] == ["Q4_K float x", "Q4_K bf16 x", "Q4_K int8 x"] and all(r["best_us"] > 0 for r in rows)
+    repacked = ["Q4_K int8 x repacked"] if native_ops_repack() else []
+    assert [r["path"] for r in rows] == ["Q4_K float x", "Q4_K bf16 x", "Q4_K int8 x", *repacked]
+    assert all(r["best_us"] > 0 for r in rows)
     with pytest.raises(FileNotFoundError, match="no kernel build 'avx512-000000000000'"):
         native.kernels([1], 1, "test_build", ["Q4_K"], [1], dense=False, build="avx512-000000000000")
 
@@ -101,6 +114,7 @@ def test_cold_calls_take_a_weight_copy_not_read_since_the_others(native, monkeyp
     assert native._Rotating(w, cold=False)() is w
     monkeypatch.setitem(native.SHAPES, "test", {"fits": (32, 512)})
     rows = native.kernels([1], 1, "test", ["Q8_0"], [1], dense=True, cold=True)
-    assert {r["path"] for r in rows} == {"Q8_0 float x", "Q8_0 bf16 x", "Q8_0 int8 x"}
+    assert {r["path"] for r in rows} == {"Q8_0 float x", "Q8_0 bf16 x", "Q8_0 int8 x",
+                                         *(["Q8_0 int8 x repacked"] if native_ops_repack() else [])}  # fmt: skip
     assert all(r["weights from"] == "memory" for r in rows)
 

@@ -18,6 +18,7 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 
+#include "int8_lanes.h"
 #include "vec.h"
 
 #include <cstring>
@@ -45,7 +46,7 @@ constexpr int64_t kQ4_K = 12, kQ6_K = 14;  // ggml's K-quant type numbers (kquan
 at::Tensor block_linear(const PackedLinear& l, const at::Tensor& x) {
   const c10::optional<at::Tensor> bias = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   const c10::optional<at::Tensor> order = l.out_order.defined() ? c10::optional<at::Tensor>(l.out_order) : c10::nullopt;
-  const int64_t base = l.qtype & ~int64_t{256};  // without the repacked flag (quant_cpu.cpp's kRepacked)
+  const int64_t base = l.qtype & ~kRepacked;
   const bool kquant = base == kQ4_K || base == kQ6_K;
   if (x.size(0) <= l.dense_rows || l.int8) {
     const auto product = [&](const c10::optional<at::Tensor>& b) {

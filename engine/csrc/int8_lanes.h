@@ -139,4 +139,14 @@ inline void transpose8x16(const uint8_t* base, int64_t row_bytes, __m256i out[4]
 // (quant_cpu.cpp)
 bool quant_vnni_on();
 
+// added to a ggml type: the weight's full tiles of rows repacked at load for the build's int8 tiles
+// (quant_cpu.cpp's quant_repack; kquant_cpu.cpp's for Q4_K/Q6_K)
+constexpr int64_t kRepacked = 256;
+
+// the type without kRepacked; whether it was there
+inline int64_t base_type(int64_t qtype, bool& repacked) {
+  repacked = (qtype & kRepacked) != 0;
+  return qtype & ~kRepacked;
+}
+
 }  // namespace cbserve

@@ -603,7 +603,6 @@ constexpr int64_t kRepackRows = 0;
 #else
 constexpr int64_t kRepackRows = 8;
 #endif
-constexpr int64_t kRepacked = 256;  // added to a type: the weight's full tiles repacked (quant_cpu.cpp's)
 
 // Tile `t`'s super-blocks from the file's rows (`w` its first row) into the repacked layout at `out`
 void repack_tile(const uint8_t* w, int64_t row_bytes, int64_t sb, uint8_t* out) {
@@ -645,8 +644,8 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 // dot products; else x in float32 against the dequantized blocks
 at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t type, c10::optional<at::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2, "kquant_linear: x [M, K] expected");
-  const bool repacked = (type & kRepacked) != 0;
-  const int64_t qtype = type & ~kRepacked;
+  bool repacked;
+  const int64_t qtype = base_type(type, repacked);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), supers = k / kSuper;
   check_weight(w, qtype, k);
   TORCH_CHECK(!repacked || (kRepackRows && int8 && (kRepackRows == 8 || quant_vnni_on())), "kquant_linear: a weight "
@@ -726,8 +725,8 @@ at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t type, c10::optional
 
 // the rows `rows` (int64 [R], or all when None) of w [N, row bytes] as [R, k] in `like`'s dtype
 at::Tensor kquant_dequantize(at::Tensor w, int64_t type, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like) {
-  const bool repacked = (type & kRepacked) != 0;
-  const int64_t qtype = type & ~kRepacked;
+  bool repacked;
+  const int64_t qtype = base_type(type, repacked);
   check_weight(w, qtype, k);
   TORCH_CHECK(!repacked || kRepackRows, "kquant_dequantize: this build makes no repacked weights (no int8 tiles)");
   at::Tensor idx = rows.has_value() ? rows->to(at::kLong).contiguous() : at::Tensor();

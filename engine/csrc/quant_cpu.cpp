@@ -60,9 +60,6 @@ constexpr int64_t kXPanel = 16;  // rows of int8 x a panel (int8_lanes.h): the i
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 template <int64_t Q>
 constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;  // a block's bytes
-// added to a type: the weight's full tiles of rows repacked at load for the build's int8 tiles
-// (quant_repack, below)
-constexpr int64_t kRepacked = 256;
 // bytes at the head of a repacked tile's block: its `rows` rows' float16 scales (and Q4_1's minimums)
 constexpr int64_t repacked_head(int64_t rows, int64_t qtype) { return rows * 2 * (qtype == kQ4_1 ? 2 : 1); }
 
@@ -834,12 +831,6 @@ void dequantize_repacked_row(const uint8_t* w, int64_t row_bytes, int64_t n, int
     }
     dequantize_row(blk, qtype, kBlock, out + b * kBlock);
   }
-}
-
-// the type without kRepacked; whether it was there
-inline int64_t base_type(int64_t qtype, bool& repacked) {
-  repacked = (qtype & kRepacked) != 0;
-  return qtype & ~kRepacked;
 }
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {

@@ -32,6 +32,7 @@ from engine.structured import Grammar, GrammarCompiler, StructuredOutput
 from engine.swap import HostSwapPool
 from engine.tp_group import Launch, TPGroup
 from engine.tp_worker import start_tensor_parallel
+from engine.weights_watch import WeightsWatch
 
 logger = logging.getLogger("cbserve.engine")
 
@@ -172,8 +173,8 @@ class LLMEngine:
         self.requests = self.scheduler.requests  # every unfinished request, by id
         self.scheduler.step_log = step_log
         # in-place weight updates (an RL trainer's step) make cached prefixes stale: watched per step
-        self._params = list(model.parameters())
-        self._weights_seen = self._weights_version()
+        self._watch = WeightsWatch(model.parameters(), getattr(ex.backend, "ops", None))
+        self._weights_seen = self._watch.version()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # wall time per phase of step(); "prepare" is the step's metadata (slots, block tables, ids)
@@ -376,18 +377,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step -------------------------------------------------------------------------------
-    def _weights_version(self) -> int | None:
-        try:
-            return sum(p._version for p in self._params)
-        except RuntimeError:  # inference tensors keep no version counter: nothing to watch
-            return None
-
     def reset_prefix_cache(self) -> None:
         """Call after replacing the model's weights by new tensors (changes made in place are noticed
         by the engine itself): forgets every cached prefix block, packs the CPU's linear weights
         again, and watches the new parameters from then on."""
-        self._params = list(self.model.parameters())
-        self._weights_seen = self._weights_version()
+        self._watch = WeightsWatch(self.model.parameters(), getattr(self.executor.backend, "ops", None))
+        self._weights_seen = self._watch.version()
         self.block_manager.reset_prefix_cache()
         self.executor.weights_replaced()
 
@@ -396,7 +391,7 @@ class LLMEngine:
         requests that got a token (some of them finished by it), after those that end_at ended."""
         t0 = time.perf_counter()
         ended = self.apply_ends() if self._ends else []
-        if self._weights_version() != self._weights_seen or self.executor.weights_moved():
+        if self._watch.version() != self._weights_seen or self.executor.weights_moved():
             if self.tp:
                 raise RuntimeError("the model's weights changed, but tensor-parallel ranks hold their own copies: "
                                    "build a new engine for new weights (tensor_parallel_size > 1)")

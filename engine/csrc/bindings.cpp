@@ -4,6 +4,7 @@
 
 #include "decoder_cpu.h"
 #include "vec.h"
+#include "version_watch.h"
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor k_lens, at::Tensor q_start, double scale, int64_t window, int64_t cascade_min_seqs);
@@ -90,5 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &cbserve::DecoderStack::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
            py::arg("k_caches"), py::arg("v_caches"), py::arg("block_tables"), py::arg("k_lens"), py::arg("q_start"),
            py::arg("slot_mapping"), py::arg("logits_rows"), py::arg("cascade_min_seqs"), NoGil());
+  py::class_<cbserve::VersionWatch>(m, "VersionWatch", "The version counters of a list of tensors, summed in one call")
+      .def(py::init<const std::vector<at::Tensor>&>(), py::arg("tensors"))
+      .def("sum", &cbserve::VersionWatch::sum)
+      .def("__len__", &cbserve::VersionWatch::size);
   m.def("lanes", [] { return cbserve::kLanes; }, "Float lanes per vector of this build: 16 (AVX-512) or 8 (AVX2)");
 }

@@ -232,15 +232,20 @@ def test_packed_weights_leave_the_model_untouched() -> None:
 
 
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("how", ["in place", "replaced"])
+@pytest.mark.parametrize("how", ["in place", "in place, watched from Python", "replaced"])
 def test_changed_weights_are_used_by_the_next_round(packed: bool, how: str) -> None:
     """An RL trainer updates the weights between rounds: the next round must use the new ones, though
     the same prompts sit in the prefix cache and (packed) in oneDNN's copies. In place the engine
-    notices by itself; new tensors are announced with reset_prefix_cache()."""
+    notices by itself (by the kernels' read of the version counters, or Python's where they are not
+    loaded); new tensors are announced with reset_prefix_cache()."""
     from engine.testing import build_test_model
+    from engine.weights_watch import WeightsWatch
 
     model = build_test_model("qwen2", vocab_size=512, seed=1)
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=16, num_blocks=256, cpu_packed_weights=packed))
+    assert engine._watch.native is not None  # the CPU kernels are loaded here
+    if how == "in place, watched from Python":
+        engine._watch = WeightsWatch(model.parameters())
     prompts = [list(p) for p in prompts_for()[:4]]
 
     def engine_round():
@@ -265,7 +270,7 @@ def test_changed_weights_are_used_by_the_next_round(packed: bool, how: str) -> N
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.endswith("mlp.down_proj"):
-                if how == "in place":  # an optimizer step
+                if how.startswith("in place"):  # an optimizer step
                     module.weight.mul_(-1.5)
                 else:
                     module.weight = torch.nn.Parameter(module.weight * -1.5)

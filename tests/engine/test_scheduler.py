@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request, SamplingParams
 from engine.sampler import SampleResult
 from engine.scheduler import Scheduler
-from engine.step_cost import MIN_SAMPLES, StepCostModel
+from engine.step_cost import MIN_SAMPLES, REFIT_EVERY, StepCostModel
 
 BLOCK = 16
 BUDGET = 512
@@ -273,6 +273,22 @@ def test_the_cost_model_keeps_prompt_steps_through_a_long_run_of_decodes() -> No
         model.observe(1 + i % 16, 0, 0.01 + 0.002 * (1 + i % 16))
     a, b, c, _ = model.coefficients()
     assert c == pytest.approx(0.001, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+
+
+def test_the_cost_model_fits_again_every_few_steps() -> None:
+    """Fitted once both kinds of step are seen, then again after every REFIT_EVERY steps observed: a
+    line that changed shows after REFIT_EVERY steps of it, not before."""
+    model = StepCostModel(window=REFIT_EVERY)
+    for p in (100, 200, 400, 800):
+        model.observe(0, p, 0.01 + 0.001 * p)
+    for i in range(MIN_SAMPLES):
+        model.observe(1 + i, 0, 0.01 + 0.002 * (1 + i))
+    assert model.coefficients()[1] == pytest.approx(0.002, rel=1e-6)  # fitted at once
+    for i in range(REFIT_EVERY - 1):  # decode rows now cost 0.004
+        model.observe(1 + i % 4, 0, 0.01 + 0.004 * (1 + i % 4))
+        assert model.coefficients()[1] == pytest.approx(0.002, rel=1e-6)
+    model.observe(2, 0, 0.01 + 0.004 * 2)  # the window's decode steps are all the new line's now
+    assert model.coefficients()[1] == pytest.approx(0.004, rel=1e-6)
 
 
 def test_the_step_log_has_a_line_a_step_with_what_it_carried(tmp_path) -> None:

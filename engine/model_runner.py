@@ -1,6 +1,6 @@
 """Runs one step: packs every scheduled token into a ragged [1, T] batch and calls the model once.
 
-The step's metadata (positions, slots, lengths, block tables) is built with tensor ops; the only
+The step's metadata (positions, slots, lengths, block tables) is built with numpy array ops; the only
 Python loops are per sequence, never per token. The LM head runs on the last position of each
 sequence that samples this step.
 """
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine import attention
@@ -108,27 +109,33 @@ class ModelRunner:
         copy from a pinned buffer (engine/staging.py), never as a blocking copy per tensor."""
         q_lens, starts, token_ids = step.q_lens, step.starts, step.token_ids
         k_lens = [s + n for s, n in zip(starts, q_lens)]
-
+        # numpy, then one zero-copy torch.from_numpy each: a step's small integer arrays cost a
+        # microsecond an op in numpy against several in torch's dispatcher, whose structures the
+        # forward has evicted from the caches by the time the next step is built
         num_seqs = len(q_lens)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
-        cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
-        torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+        q = np.array(q_lens, dtype=np.int64)
+        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q, out=cu[1:])
         total = len(token_ids)
-        offset_in_seq = torch.arange(total) - cu_seqlens_q[:-1].long()[seq_idx]
-        positions = torch.tensor(starts, dtype=torch.long)[seq_idx] + offset_in_seq
-
-        max_blocks = max(map(len, step.block_tables))
-        block_tables = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in step.block_tables], dtype=torch.int32
-        )  # one tensor from padded lists: cheaper than a small tensor per sequence
         bs = self.block_size
-        blocks = block_tables[seq_idx, torch.div(positions, bs, rounding_mode="floor")].long()
-        slot_mapping = blocks * bs + positions % bs
-        input_ids = torch.tensor(token_ids, dtype=torch.long)
-        seq_lens_k = torch.tensor(k_lens, dtype=torch.int32)
-        last = (cu_seqlens_q[1:] - 1).long()
-        logits_rows = last[torch.tensor(step.sample_rows, dtype=torch.long)]
+        max_blocks = max(map(len, step.block_tables))
+        tables = np.array([t + [0] * (max_blocks - len(t)) for t in step.block_tables], dtype=np.int32)
+        if total == num_seqs:  # decodes only: a token a sequence, at its start
+            positions = np.array(starts, dtype=np.int64)
+            blocks = tables[np.arange(num_seqs), positions // bs]
+        else:
+            seq_idx = np.repeat(np.arange(num_seqs), q)
+            positions = np.array(starts, dtype=np.int64)[seq_idx] + (np.arange(total) - cu[:-1][seq_idx])
+            blocks = tables[seq_idx, positions // bs]
+        slot_mapping = blocks.astype(np.int64) * bs + positions % bs
+        logits_rows = (cu[1:].astype(np.int64) - 1)[np.array(step.sample_rows, dtype=np.int64)]
+        input_ids = torch.from_numpy(np.array(token_ids, dtype=np.int64))
+        positions = torch.from_numpy(positions)
+        slot_mapping = torch.from_numpy(slot_mapping)
+        cu_seqlens_q = torch.from_numpy(cu)
+        seq_lens_k = torch.from_numpy(np.array(k_lens, dtype=np.int32))
+        block_tables = torch.from_numpy(tables)
+        logits_rows = torch.from_numpy(logits_rows)
         if self.staging is not None:
             moved = self.staging.send(
                 [input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_rows]

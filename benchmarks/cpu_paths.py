@@ -224,7 +224,8 @@ def decode_steps(model, runs: int, batches=(1, 16), steps: int = 32, prompt_len:
                     continue
                 results.setdefault((batch, native), []).append((1e3 * wall / steps, cpu / wall))
                 tokens[(batch, native)] = [r.generated_ids for r in reqs]
-                inside = f", {1e3 * call.seconds / steps:.2f} ms of it in the native call" if call else ""
+                inside = (f", {1e3 * call.seconds / steps:.2f} ms of it in the native call and "
+                          f"{1e3 * (wall - call.seconds) / steps:.2f} outside it" if call else "")  # fmt: skip
                 print(f"run {i} batch {batch:2d} {'native' if native else 'python'}: {1e3 * wall / steps:.2f} ms per "
                       f"decode step{inside}, {cpu / wall:.2f} cores busy", flush=True)  # fmt: skip
     print()

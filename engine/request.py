@@ -147,7 +147,15 @@ def child_id(request_id: str, index: int) -> str:
 class Request:
     """One sequence in the engine: its tokens, how many are in the KV cache, its blocks."""
 
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "sampling", "eos_token_ids", "stop_token_ids", "streaming", "timestamps", "status", "num_computed", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions", "finish_reason", "error", "logprobs", "top_logprobs", "generator", "num_streamed", "text_streamed", "num_children", "text_stream", "text_deferred", "output_done", "matcher", "otel_context", "created_time", "scheduled_time", "first_token_time", "finished_time")
+    # slots: each attribute sits in the object itself, not in a dict beside it; the scheduler reads a few
+    # of every running request right after a forward has pushed them out of the caches
+    __slots__ = (
+        "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "sampling", "eos_token_ids",
+        "stop_token_ids", "streaming", "timestamps", "status", "num_computed", "block_ids", "block_hashes",
+        "num_cached_tokens", "num_preemptions", "finish_reason", "error", "logprobs", "top_logprobs", "generator",
+        "num_streamed", "text_streamed", "num_children", "text_stream", "text_deferred", "output_done", "matcher",
+        "otel_context", "created_time", "scheduled_time", "first_token_time", "finished_time",
+    )
 
     def __init__(
         self,

@@ -7,8 +7,9 @@ tuning per host or model.
 `a` is the fixed cost of a step (Python, dispatch, sampling), `b` a decode row's, `c` a prompt token's
 and `e` what a step with prompt tokens costs beyond that (another attention path). The fit is least
 squares of the relative error over the last `window` steps without prompt tokens and, kept apart so a
-long stretch of decodes does not forget what prompts cost, the last `window` steps with them. Once
-fitted, the line is fitted again every REFIT_EVERY steps, not every step: the fit (numpy's lstsq) takes
+long stretch of decodes does not forget what prompts cost, the last `window` steps with them. A step
+that is slower than the line (a cold kernel, another process on the core) weighs less the slower it is.
+Once fitted, the line is fitted again every REFIT_EVERY steps, not every step: the fit (numpy's lstsq) takes
 0.25 ms when the step's weights have just pushed its code and data out of the caches, 1% of a 16-row
 decode step of SmolLM2, and the line moves slowly.
 """

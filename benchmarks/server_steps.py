@@ -7,7 +7,7 @@ Starts one `cbserve serve` per variant (the default one, plus each --variant wit
 each writing its step log (CBSERVE_STEP_LOG), and builds an `LLMEngine` in this process from the same
 model, dtype (what the first server reports in /v1/models), quantization and activations. Then, round
 after round and one at a time, each runs a single request of --tokens tokens: the engine here by
-calling `step()` in a loop, each server through one streamed completion. Printed per round: the median
+calling `step()` in a loop, each server through one completion (streamed unless --no-stream). Printed per round: the median
 decode step of each, in milliseconds (the servers' from their step logs, the steps inside that
 request's time span). The host's speed moves by a fifth within minutes; the rounds alternate so that
 each row compares runs seconds apart.
@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="another server, with these environment variables")  # fmt: skip
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=300, help="tokens each request generates")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="every request's (the OpenAI default, 1.0, samples; 0 is greedy)")  # fmt: skip
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="ask for the whole completion at the end instead of a stream of tokens")  # fmt: skip
     args = p.parse_args(argv)
     if args.rounds < 1 or args.tokens < 8:
         p.error("--rounds takes 1 or more and --tokens 8 or more")
@@ -64,9 +68,10 @@ def window_median(log: Path, start: float, end: float) -> float | None:
     return statistics.median(seconds) if seconds else None
 
 
-def stream(target: Target, tokens: int, prompt: str) -> None:
-    body = {"model": target.model_name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
-    with requests.post(target.url + "/v1/completions", json=body, stream=True, timeout=600) as r:
+def complete(target: Target, tokens: int, prompt: str, stream: bool, temperature: float) -> None:
+    body = {"model": target.model_name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": stream,
+            "temperature": temperature}
+    with requests.post(target.url + "/v1/completions", json=body, stream=stream, timeout=600) as r:
         r.raise_for_status()
         for _ in r.iter_lines():
             pass
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for i in range(args.rounds):
             req = engine.make_request([rng.randrange(100, engine.vocab_size) for _ in range(8)],
-                                      max_new_tokens=args.tokens, ignore_eos=True)  # fmt: skip
+                                      max_new_tokens=args.tokens, ignore_eos=True, temperature=args.temperature,
+                                      do_sample=args.temperature > 0)  # fmt: skip
             engine.add_request(req)
             steps = []
             while engine.has_unfinished():
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"engine": 1e3 * statistics.median(steps[8:])}
             for target, log in servers:
                 start = time.time()
-                stream(target, args.tokens, f"round {i} of {target.name}")
+                complete(target, args.tokens, f"round {i} of {target.name}", args.stream, args.temperature)
                 median = window_median(log, start, time.time())
                 row[target.name] = None if median is None else 1e3 * median
             rows.append(row)

@@ -5,8 +5,9 @@ processing, the argmax is taken on them as they are (the CPU backend's kernel re
 place); otherwise they are converted to float32 first. Greedy rows take the argmax. Sampled rows go
 through temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with
 q ~ Exp(1). When every sampled row has a top-k, only the batch's largest k candidates per row are
-taken (`topk`) and the rest works on them; the vocabulary is sorted only when a step with a
-sampled row without top-k asks for top-p or top-k. The noise is drawn on the logits' device: a request with a seed
+taken (`topk`) and the rest works on them; when every sampled row asks for top-p without a top-k,
+the nucleus is looked for among each row's NUCLEUS_CANDIDATES largest first; the vocabulary is sorted
+only when neither holds (or a row's nucleus is wider). The noise is drawn on the logits' device: a request with a seed
 draws q from its own generator there (seeded at its first sample), in a shape of its own (k values
 with a top-k, the vocabulary's without), so its tokens do not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits), or with
@@ -26,6 +27,10 @@ import torch
 
 from engine.request import Request
 from engine.structured import allocate_bitmask, apply_bitmask
+
+# top-p's candidates before the vocabulary is sorted: enough for the nucleus of a trained model's
+# distribution at the usual top_p (0.9-0.95); a row whose nucleus is wider sorts everything
+NUCLEUS_CANDIDATES = 256
 
 
 @dataclass
@@ -186,11 +191,14 @@ class Sampler:
         top_p = [r.sampling.top_p if s else 1.0 for r, s in zip(reqs, sampled)]
         min_p = [r.sampling.min_p if s else 0.0 for r, s in zip(reqs, sampled)]
         ids: torch.Tensor | None = None
+        scaled = None  # logits / temperature over the whole vocabulary, where top-p reads its probabilities
         if all(k for k, s in zip(top_k, sampled) if s):  # every sampled row has a top-k
             values, ids = _ranked_top(logits, max(top_k))  # a temperature keeps the order: scale k values only
             values = values / temperature[:, None]
         elif any(top_k) or any(p < 1.0 for p in top_p):
-            values, ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+            scaled = logits / temperature[:, None]
+            top = None if any(top_k) else _nucleus_candidates(scaled, _on(device, top_p, torch.float32), sampled)
+            values, ids = top if top is not None else scaled.sort(dim=-1, descending=True, stable=True)
         else:
             values = logits / temperature[:, None]
         width = values.shape[1]
@@ -198,7 +206,9 @@ class Sampler:
             k = _on(device, [k or width for k in top_k], torch.long)
             values.masked_fill_(torch.arange(width, device=device)[None, :] >= k[:, None], float("-inf"))
         if any(p < 1.0 for p in top_p):
-            probs = torch.softmax(values, dim=-1)
+            # without a top-k the mass is the whole row's, taken from its own softmax whatever the candidates
+            # (all of it sorted, or its top): the same bits either way, so the same nucleus
+            probs = torch.softmax(values, dim=-1) if any(top_k) else torch.softmax(scaled, dim=-1).gather(1, ids)
             before = torch.cumsum(probs, dim=-1).sub_(probs)  # the mass ranked above each candidate
             remove = before >= _on(device, top_p, torch.float32)[:, None]
             remove[:, 0] = False
@@ -208,7 +218,7 @@ class Sampler:
         if any(m > 0 for m in min_p):
             threshold = _on(device, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs.masked_fill_(probs < threshold, 0.0)
-        noise = self._noise(reqs, sampled, top_k, ids, width, device)
+        noise = self._noise(reqs, sampled, top_k, ids, width, vocab, device)
         choice = torch.div(probs, noise, out=noise).argmax(dim=-1)
         tokens = choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
         if not any(greedy):
@@ -216,10 +226,11 @@ class Sampler:
         return torch.where(_on(device, greedy, torch.bool), logits.argmax(dim=-1), tokens), probs, ids
 
     def _noise(self, reqs: list[Request], sampled: list[bool], top_k: list[int], ids: torch.Tensor | None,
-               width: int, device: torch.device) -> torch.Tensor:  # fmt: skip
+               width: int, vocab: int, device: torch.device) -> torch.Tensor:  # fmt: skip
         """Exp(1) noise over the candidates, drawn on the device. Unseeded rows draw together from
         the sampler's stream. A seeded row draws from its own stream a shape of its own: its top-k
-        candidates' k values, by rank; without a top-k, the vocabulary's, by token id."""
+        candidates' k values, by rank; without a top-k, the vocabulary's, by token id (also when the
+        candidates are only the vocabulary's top, `_nucleus_candidates`)."""
         unseeded = [row for row, (r, s) in enumerate(zip(reqs, sampled)) if s and r.sampling.seed is None]
         if len(unseeded) == len(reqs):  # every row draws from the sampler's stream: the draw is the noise
             return _exp_noise(torch.rand(len(reqs), width, device=device, generator=self._generator(device)))
@@ -236,9 +247,32 @@ class Sampler:
                 noise[row, : top_k[row]] = _exponential(top_k[row], req.generator, device)
             elif ids is None:  # no top-k: the candidates are the whole vocabulary (width), by token id
                 noise[row] = _exponential(width, req.generator, device)
-            else:  # the whole vocabulary ranked: each token id's noise, in rank order
-                noise[row] = _exponential(width, req.generator, device)[ids[row]]
+            else:  # the vocabulary ranked (or its top): each candidate token id's noise, in rank order
+                noise[row] = _exponential(vocab, req.generator, device)[ids[row]]
         return noise
+
+
+def _nucleus_candidates(scaled: torch.Tensor, top_p: torch.Tensor, sampled: list[bool]
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """Top-p without sorting the vocabulary: each row's NUCLEUS_CANDIDATES largest scaled logits and their
+    ids, ranked as the full sort ranks them (by value, ties by id); None (sort it all) unless every
+    sampled row's nucleus ends within them, before the tokens that tie with the first one left out:
+    the full sort's top-p cut (the mass ranked above a candidate, computed as the cut computes it,
+    reaching the row's top_p) removes the first of them. The nucleus, and so the token, are then the
+    full sort's; seeded rows draw their noise by token id either way."""
+    k = min(NUCLEUS_CANDIDATES, scaled.shape[1] - 1)
+    if k < 1:
+        return None
+    values, ids = _ranked_top(scaled, k + 1)
+    probs = torch.softmax(scaled, dim=-1).gather(1, ids)
+    before = torch.cumsum(probs, dim=-1).sub_(probs)  # the mass ranked above each candidate, as the cut has it
+    # the first candidate as large as the last one: from there on `topk` may have picked other tokens of
+    # the same value than the sort would (bfloat16 logits tie often); the cut must remove all of them
+    edge = (values == values[:, k : k + 1]).int().argmax(dim=-1, keepdim=True)
+    rows = _on(scaled.device, sampled, torch.bool)
+    if not bool(((before.gather(1, edge).squeeze(1) >= top_p) | ~rows).all()):
+        return None
+    return values[:, :k], ids[:, :k]
 
 
 def _ranked_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

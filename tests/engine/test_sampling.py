@@ -265,3 +265,59 @@ def test_top_k_rows_sort_only_their_candidates(monkeypatch) -> None:
     reqs = [_request(seed=3, top_k=20, top_p=0.9), _request(top_k=50, min_p=0.05), _request(top_k=7)]
     Sampler(seed=0)(_tied_logits(1, 3, vocab=4096)[0], reqs)
     assert widths and max(widths) == 50
+
+
+@pytest.mark.parametrize("candidates", [4, 16, 256])
+def test_top_p_over_the_vocabularys_top_draws_what_the_full_sort_draws(monkeypatch, candidates) -> None:
+    """Top-p rows take their nucleus from the vocabulary's top NUCLEUS_CANDIDATES when it ends there
+    (engine/sampler.py, _nucleus_candidates), else sort it all: the same tokens as with the full sort
+    always, for bfloat16 logits whose ties fall across the candidates' edge too."""
+    import engine.sampler as sampler_module
+    from engine.sampler import Sampler
+
+    g = torch.Generator().manual_seed(3)
+    steps = [(torch.randn(6, 1000, generator=g) * scale).bfloat16().float() for scale in (1, 3, 6, 9) for _ in range(5)]
+
+    def draw(n: int) -> tuple[list[list[int]], int]:
+        monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", n)
+        taken = 0
+        real = sampler_module._nucleus_candidates
+
+        def counted(*args):
+            nonlocal taken
+            out = real(*args)
+            taken += out is not None
+            return out
+
+        monkeypatch.setattr(sampler_module, "_nucleus_candidates", counted)
+        reqs = [_request(seed=i, top_p=p) for i, p in enumerate([0.9, 0.5, 0.95, 0.8, 0.99, 0.3])]
+        sampler = Sampler(seed=4)
+        tokens = [sampler(step, reqs).tokens for step in steps]
+        monkeypatch.setattr(sampler_module, "_nucleus_candidates", real)
+        return tokens, taken
+
+    full, taken = draw(0)
+    assert taken == 0
+    top, taken = draw(candidates)
+    assert top == full
+    assert 0 < taken < len(steps) or candidates == 256  # some steps end within the candidates, some not
+    assert taken > 0
+
+
+def test_the_vocabularys_top_is_declined_when_the_nucleus_reaches_tokens_tied_at_its_edge(monkeypatch) -> None:
+    """Which of several tied tokens `topk` keeps at its edge is not defined: when the nucleus may reach
+    into them, the whole vocabulary is sorted instead."""
+    import engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 4)
+    logits = torch.full((1, 20), -4.0)
+    logits[0, [0, 1, 2]] = torch.tensor([5.0, 4.0, 3.0])
+    logits[0, [10, 11, 12, 13]] = 2.0  # ranks 4-7, across the edge of the top 4
+    probs = torch.softmax(logits, dim=-1)[0]
+    above_rank_4 = probs[[0, 1, 2]].sum().item()  # the mass ranked above the first tied token
+
+    def candidates(top_p: float):
+        return sampler_module._nucleus_candidates(logits, torch.tensor([top_p]), [True])
+
+    assert candidates(above_rank_4 - 0.01) is not None  # the nucleus ends before the tied tokens
+    assert candidates(above_rank_4 + 0.01) is None  # it takes one of them: which one, only the sort says

@@ -191,13 +191,18 @@ class Sampler:
         top_p = [r.sampling.top_p if s else 1.0 for r, s in zip(reqs, sampled)]
         min_p = [r.sampling.min_p if s else 0.0 for r, s in zip(reqs, sampled)]
         ids: torch.Tensor | None = None
-        scaled = None  # logits / temperature over the whole vocabulary, where top-p reads its probabilities
+        # without a top-k, top-p's mass is the whole row's, from its own softmax whatever the candidates (all of
+        # it sorted, or its top): the same bits either way, so the same nucleus
+        row_probs: torch.Tensor | None = None
         if all(k for k, s in zip(top_k, sampled) if s):  # every sampled row has a top-k
             values, ids = _ranked_top(logits, max(top_k))  # a temperature keeps the order: scale k values only
             values = values / temperature[:, None]
         elif any(top_k) or any(p < 1.0 for p in top_p):
             scaled = logits / temperature[:, None]
-            top = None if any(top_k) else _nucleus_candidates(scaled, _on(device, top_p, torch.float32), sampled)
+            top = None
+            if not any(top_k):
+                row_probs = torch.softmax(scaled, dim=-1)
+                top = _nucleus_candidates(scaled, row_probs, _on(device, top_p, torch.float32), sampled)
             values, ids = top if top is not None else scaled.sort(dim=-1, descending=True, stable=True)
         else:
             values = logits / temperature[:, None]
@@ -206,9 +211,7 @@ class Sampler:
             k = _on(device, [k or width for k in top_k], torch.long)
             values.masked_fill_(torch.arange(width, device=device)[None, :] >= k[:, None], float("-inf"))
         if any(p < 1.0 for p in top_p):
-            # without a top-k the mass is the whole row's, taken from its own softmax whatever the candidates
-            # (all of it sorted, or its top): the same bits either way, so the same nucleus
-            probs = torch.softmax(values, dim=-1) if any(top_k) else torch.softmax(scaled, dim=-1).gather(1, ids)
+            probs = torch.softmax(values, dim=-1) if row_probs is None else row_probs.gather(1, ids)
             before = torch.cumsum(probs, dim=-1).sub_(probs)  # the mass ranked above each candidate
             remove = before >= _on(device, top_p, torch.float32)[:, None]
             remove[:, 0] = False
@@ -252,7 +255,7 @@ class Sampler:
         return noise
 
 
-def _nucleus_candidates(scaled: torch.Tensor, top_p: torch.Tensor, sampled: list[bool]
+def _nucleus_candidates(scaled: torch.Tensor, row_probs: torch.Tensor, top_p: torch.Tensor, sampled: list[bool]
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """Top-p without sorting the vocabulary: each row's NUCLEUS_CANDIDATES largest scaled logits and their
     ids, ranked as the full sort ranks them (by value, ties by id); None (sort it all) unless every
@@ -264,7 +267,7 @@ def _nucleus_candidates(scaled: torch.Tensor, top_p: torch.Tensor, sampled: list
     if k < 1:
         return None
     values, ids = _ranked_top(scaled, k + 1)
-    probs = torch.softmax(scaled, dim=-1).gather(1, ids)
+    probs = row_probs.gather(1, ids)  # `row_probs`: softmax(scaled), as top-p takes them
     before = torch.cumsum(probs, dim=-1).sub_(probs)  # the mass ranked above each candidate, as the cut has it
     # the first candidate as large as the last one: from there on `topk` may have picked other tokens of
     # the same value than the sort would (bfloat16 logits tie often); the cut must remove all of them

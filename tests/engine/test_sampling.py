@@ -317,7 +317,7 @@ def test_the_vocabularys_top_is_declined_when_the_nucleus_reaches_tokens_tied_at
     above_rank_4 = probs[[0, 1, 2]].sum().item()  # the mass ranked above the first tied token
 
     def candidates(top_p: float):
-        return sampler_module._nucleus_candidates(logits, torch.tensor([top_p]), [True])
+        return sampler_module._nucleus_candidates(logits, torch.softmax(logits, dim=-1), torch.tensor([top_p]), [True])
 
     assert candidates(above_rank_4 - 0.01) is not None  # the nucleus ends before the tied tokens
     assert candidates(above_rank_4 + 0.01) is None  # it takes one of them: which one, only the sort says

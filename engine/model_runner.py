@@ -120,13 +120,9 @@ class ModelRunner:
         bs = self.block_size
         max_blocks = max(map(len, step.block_tables))
         tables = np.array([t + [0] * (max_blocks - len(t)) for t in step.block_tables], dtype=np.int32)
-        if total == num_seqs:  # decodes only: a token a sequence, at its start
-            positions = np.array(starts, dtype=np.int64)
-            blocks = tables[np.arange(num_seqs), positions // bs]
-        else:
-            seq_idx = np.repeat(np.arange(num_seqs), q)
-            positions = np.array(starts, dtype=np.int64)[seq_idx] + (np.arange(total) - cu[:-1][seq_idx])
-            blocks = tables[seq_idx, positions // bs]
+        seq_idx = np.repeat(np.arange(num_seqs), q)
+        positions = np.array(starts, dtype=np.int64)[seq_idx] + (np.arange(total) - cu[:-1][seq_idx])
+        blocks = tables[seq_idx, positions // bs]
         slot_mapping = blocks.astype(np.int64) * bs + positions % bs
         logits_rows = (cu[1:].astype(np.int64) - 1)[np.array(step.sample_rows, dtype=np.int64)]
         input_ids = torch.from_numpy(np.array(token_ids, dtype=np.int64))

@@ -22,7 +22,7 @@ class WeightsWatch:
         self.params = list(params)
         self.tracked = not any(p.is_inference() for p in self.params)
         self.native = None  # the kernels' VersionWatch over the same counters, when they are loaded
-        if self.tracked and ops is not None and hasattr(ops, "VersionWatch"):
+        if self.tracked and ops is not None:
             self.native = ops.VersionWatch(self.params)
 
     def version(self) -> int | None:

@@ -2,8 +2,11 @@
 
 Logits arrive in the model's dtype. When every row is greedy and nothing asks for logprobs or
 processing, the argmax is taken on them as they are (the CPU backend's kernel reads bfloat16 in
-place); otherwise they are converted to float32 first. Greedy rows take the argmax. Sampled rows go
-through temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with
+place). With a backend's race (the CPU kernels' `sample_race`), greedy rows and rows sampled at a
+plain temperature (no top-k, top-p or min-p) are chosen by it in one pass over their logits, with
+uniforms of a counter-based generator keyed by the row's seed (or the sampler's own key), and only
+the other rows take the paths below (`_race`). Otherwise logits are converted to float32 first.
+Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with
 q ~ Exp(1). When every sampled row has a top-k, only the batch's largest k candidates per row are
 taken (`topk`) and the rest works on them; when every sampled row asks for top-p without a top-k,
 the nucleus is looked for among each row's NUCLEUS_CANDIDATES largest first; the vocabulary is sorted
@@ -31,6 +34,12 @@ from engine.structured import allocate_bitmask, apply_bitmask
 # top-p's candidates before the vocabulary is sorted: enough for the nucleus of a trained model's
 # distribution at the usual top_p (0.9-0.95); a row whose nucleus is wider sorts everything
 NUCLEUS_CANDIDATES = 256
+# the race's counters of a seeded row: this plus the index of the token drawn (an unseeded row's
+# counters count up from 0 with the sampler's own key: the two never meet)
+RACE_SEEDED = -(2**63)
+# (logits [rows, vocab], temperature float32 [rows] (0: greedy), keys int64 [rows], counters int64
+# [rows]) -> int64 tokens [rows], or None where it cannot take them (a backend's `sample_race`)
+Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass
@@ -71,8 +80,9 @@ def _needs_processing(req: Request) -> bool:
 
 class Sampler:
     def __init__(self, seed: int | None = None, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:  # fmt: skip
+                 logprobs_mode: str = "raw_logprobs", race: Race | None = None) -> None:  # fmt: skip
         self.argmax = argmax or _argmax  # [rows, vocab] -> int64 [rows]: the backend's, when it has one
+        self.race = race  # the backend's one-pass race (`Race`), when it has one
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.generator = torch.Generator()
         if seed is None:
@@ -80,6 +90,9 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator | None] = {}
+        # the race's stream for unseeded rows: one key, and a counter a row drawn (seeded rows: RACE_SEEDED)
+        self._race_key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=self.generator))
+        self._race_draws = 0
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         """The unseeded rows' generator on `device`, seeded from the host one; None (torch's default)
@@ -99,6 +112,10 @@ class Sampler:
         want_logprobs = default_logprobs or any(r.sampling.logprobs is not None for r in reqs)
         if not want_logprobs and all(r.sampling.greedy and not _needs_processing(r) for r in reqs):
             return SampleResult(self.argmax(logits).tolist(), None, None)
+        if self.race is not None and not (want_logprobs and self.processed_logprobs):
+            raced = self._race(logits, reqs, want_logprobs)
+            if raced is not None:
+                return raced
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs and not self.processed_logprobs else None
         logits = self._process(logits, reqs)
@@ -114,19 +131,38 @@ class Sampler:
                     probs = torch.zeros_like(logits).scatter_(1, ids, probs)
                 drawn_from = torch.where(_on(logits.device, greedy, torch.bool)[:, None], torch.softmax(logits, dim=-1), probs)
                 raw_logprobs = torch.log(drawn_from / drawn_from.sum(dim=-1, keepdim=True))
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return SampleResult(token_list, None, None)
-        sampled = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        tops: list[dict[int, float] | None] = []
+        return _result(tokens, raw_logprobs, reqs)
+
+    def _race(self, logits: torch.Tensor, reqs: list[Request], want_logprobs: bool) -> SampleResult | None:
+        """The step's tokens by the backend's one-pass race: greedy rows and rows sampled at a plain
+        temperature (no top-k, top-p or min-p) in it; the rest through `_sample` on their own rows. None
+        when the backend cannot take these logits, or no row is greedy or plain. A seeded row's uniforms
+        are those of (its seed, the index of the token it draws), an unseeded row's the sampler's stream:
+        neither depends on the batch, and the race is the only path a plain row takes."""
+        plain = [r.sampling.greedy or _plain(r.sampling, logits.shape[1]) for r in reqs]
+        if not any(plain):
+            return None
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+        if any(_needs_processing(r) for r in reqs):
+            logits = self._process(logits.float(), reqs)
+        keys, counters = [], []
         for row, req in enumerate(reqs):
-            n = req.sampling.logprobs or 0
-            if n:
-                values, ids = raw_logprobs[row].topk(n)
-                tops.append(dict(zip(ids.tolist(), values.tolist())))
-            else:
-                tops.append(None)
-        return SampleResult(token_list, sampled, tops)
+            seed = req.sampling.seed
+            keys.append(self._race_key if seed is None else seed)
+            counters.append(self._race_draws + row if seed is None else RACE_SEEDED + req.num_generated)
+        temperature = [r.sampling.temperature if p and not r.sampling.greedy else 0.0 for r, p in zip(reqs, plain)]
+        tokens = self.race(logits, torch.tensor(temperature, dtype=torch.float32), torch.tensor(keys),
+                           torch.tensor(counters))  # fmt: skip
+        if tokens is None:
+            return None
+        self._race_draws += len(reqs)
+        rest = [row for row, p in enumerate(plain) if not p]
+        if rest:  # top-k, top-p or min-p: their candidates, on their rows alone
+            index = torch.tensor(rest)
+            drawn, _, _ = self._sample(logits.float().index_select(0, index), [reqs[i] for i in rest], [False] * len(rest))
+            tokens.index_copy_(0, index, drawn)
+        return _result(tokens, raw_logprobs, reqs)
+
 
     @staticmethod
     def _process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -253,6 +289,28 @@ class Sampler:
             else:  # the vocabulary ranked (or its top): each candidate token id's noise, in rank order
                 noise[row] = _exponential(vocab, req.generator, device)[ids[row]]
         return noise
+
+
+def _plain(sp, vocab: int) -> bool:
+    """A sampled row drawn from the whole distribution at its temperature: no top-k, top-p or min-p."""
+    return not 0 < sp.top_k < vocab and sp.top_p >= 1.0 and sp.min_p <= 0.0
+
+
+def _result(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: list[Request]) -> SampleResult:
+    """The tokens, with the logprobs of each and each row's top ones when asked."""
+    token_list = tokens.tolist()
+    if raw_logprobs is None:
+        return SampleResult(token_list, None, None)
+    sampled = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    tops: list[dict[int, float] | None] = []
+    for row, req in enumerate(reqs):
+        n = req.sampling.logprobs or 0
+        if n:
+            values, ids = raw_logprobs[row].topk(n)
+            tops.append(dict(zip(ids.tolist(), values.tolist())))
+        else:
+            tops.append(None)
+    return SampleResult(token_list, sampled, tops)
 
 
 def _nucleus_candidates(scaled: torch.Tensor, row_probs: torch.Tensor, top_p: torch.Tensor, sampled: list[bool]

@@ -61,6 +61,11 @@ class AttentionBackend(Protocol):
         """Greedy tokens of [rows, vocab] logits (a backend may have a faster one)."""
         return logits.argmax(dim=-1)
 
+    def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                    counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """Sampled tokens in one pass (engine/sampler.py's `Race`), or None: this backend has none."""
+        return None
+
     def check_config(self, block_size: int) -> None:
         """Raise ValueError (naming the field) for a cache geometry this backend cannot serve."""
 

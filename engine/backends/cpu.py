@@ -91,6 +91,14 @@ class SDPABackend(AttentionBackend):
             return self.ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
+    def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                    counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """Sampled tokens [rows] by the kernel's one-pass race (engine/csrc/sample_cpu.cpp), logits read
+        in their own dtype; None where the kernels are not loaded or cannot read these logits."""
+        if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
+            return self.ops.sample_race(logits, temperature, keys, counters)
+        return None
+
     def _decode_gather(self, meta: AttentionMetadata) -> None:
         """The torch path's gather indices and masks, built once per step on first use."""
         if "decode_blocks" in meta.extra:

@@ -42,7 +42,7 @@ logger = logging.getLogger("cbserve.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "elementwise_cpu.cpp", "linear_cpu.cpp",
-                                     "decoder_cpu.cpp", "quant_cpu.cpp", "kquant_cpu.cpp", "bindings.cpp")]  # fmt: skip
+                                     "decoder_cpu.cpp", "quant_cpu.cpp", "kquant_cpu.cpp", "sample_cpu.cpp", "bindings.cpp")]  # fmt: skip
 HEADERS = [CSRC / "vec.h", CSRC / "decoder_cpu.h", CSRC / "int8_lanes.h", CSRC / "version_watch.h"]
 NAME = "cbserve_cpu_ops"
 BASE_CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool

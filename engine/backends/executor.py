@@ -108,7 +108,8 @@ class Executor:
             block_size=self.block_size, num_blocks=self.sizes.num_blocks, max_requests=self.sizes.max_requests,
             max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
         )  # fmt: skip
-        self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode)
+        self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode,
+                               race=self.backend.sample_race)  # fmt: skip
         self.last_times = {"prepare": 0.0, "sample": 0.0}  # of the last execute_model (the engine times the rest)
         self._graph_weights: list[int] | None = None  # the weights' addresses when graphs were captured
 

@@ -127,6 +127,8 @@ KERNEL_CHECK = """
             y = ops.packed_linear(x, ops.pack_linear_weight(w), b, 37)
             ref = x.double() @ w.double().T + b.double()
             assert y.dtype == dtype and torch.allclose(y.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    from tests.engine.test_sample_race import check_race  # the one-pass race against its definition
+    assert check_race(ops) >= 20
     print("lanes", ops.lanes())
 """
 

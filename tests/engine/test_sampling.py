@@ -37,6 +37,29 @@ def test_seeded_sample_is_the_same_alone_or_in_a_batch_of_32() -> None:
     assert alone != list(reference("llama", tuple(target)))[:16]  # it really sampled
 
 
+def test_a_seeded_sample_at_a_plain_temperature_is_the_same_alone_or_among_other_kinds_of_rows() -> None:
+    """Through the engine, whose CPU sampler takes greedy and plain-temperature rows in the kernel's
+    race and the others through their candidates: the seeded request's tokens do not change."""
+    from engine import LLMEngine
+
+    prompts = [list(p) for p in prompts_for()]
+    target = prompts[5]
+    alone = run([target], temperature=0.9, seed=77)[0]
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(**CFG))
+    assert engine.sampler.race is not None  # the CPU kernel's
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.8), dict(temperature=0.7, top_k=9)]
+    reqs = [engine.make_request(p, max_new_tokens=16, ignore_eos=True,
+                                **(dict(temperature=0.9, seed=77) if i == 5 else kinds[i % 4]))
+            for i, p in enumerate(prompts)]  # fmt: skip
+    for req in reqs:
+        engine.add_request(req)
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[5].generated_ids == alone
+    assert alone != list(reference("llama", tuple(target)))[:16]  # it really sampled
+    assert [r.generated_ids for r in reqs[::4]] == [list(reference("llama", tuple(p)))[:16] for p in prompts[::4]]
+
+
 def test_different_seeds_differ_and_same_seed_repeats() -> None:
     p = [list(prompts_for()[3])]
     a = run(p, temperature=1.5, seed=1)[0]
@@ -202,7 +225,7 @@ def test_every_sampling_tensor_is_made_on_the_logits_device(mode) -> None:
 def _request(seed=None, **params):
     from engine.request import Request, SamplingParams
 
-    return Request(f"r{seed}", [1, 2, 3], 64, SamplingParams(temperature=1.0, seed=seed, **params), frozenset())
+    return Request(f"r{seed}", [1, 2, 3], 64, SamplingParams(**{"temperature": 1.0, **params}, seed=seed), frozenset())
 
 
 def _tied_logits(steps: int, rows: int, vocab: int = 1000) -> list[torch.Tensor]:
@@ -211,27 +234,43 @@ def _tied_logits(steps: int, rows: int, vocab: int = 1000) -> list[torch.Tensor]
     return [(torch.randn(rows, vocab, generator=g) * 3).bfloat16().float() for _ in range(steps)]
 
 
-@pytest.mark.parametrize("target", [dict(top_k=5), dict(top_k=40, top_p=0.8), dict(top_p=0.9), dict(), dict(min_p=0.05)])
-def test_a_seeded_row_draws_the_same_tokens_whatever_the_batch_makes_the_sampler_do(target) -> None:
+def _race(kind: str):
+    """The sampler's one-pass race: "kernel" the CPU backend's (engine/csrc/sample_cpu.cpp), "none" without
+    it (torch's ops, as on a backend that has none)."""
+    if kind == "none":
+        return None
+    from engine.backends.cpu import SDPABackend
+
+    backend = SDPABackend()
+    assert backend.ops is not None, "the C++ kernels must build here"
+    return backend.sample_race
+
+
+@pytest.mark.parametrize("race", ["kernel", "none"])
+@pytest.mark.parametrize("target", [dict(top_k=5), dict(top_k=40, top_p=0.8), dict(top_p=0.9), dict(), dict(min_p=0.05),
+                                    dict(temperature=0.6, top_k=2000)])  # fmt: skip
+def test_a_seeded_row_draws_the_same_tokens_whatever_the_batch_makes_the_sampler_do(target, race) -> None:
     """A seeded request alone, then with rows that make the sampler take the batch's largest top-k,
-    sort the whole vocabulary (top-p with a row without top-k) or keep it as it is: the same tokens."""
+    sort the whole vocabulary (top-p with a row without top-k), keep it as it is, or (with the race)
+    send other rows down the candidates' path beside it: the same tokens."""
     from engine.sampler import Sampler
 
     companions = [[], [dict(top_k=50)], [dict(top_k=3, top_p=0.5), dict()], [dict(top_p=0.7)], [dict(), dict(min_p=0.1)],
-                  [dict(top_k=2000)]]  # fmt: skip
+                  [dict(top_k=2000)], [dict(temperature=0.0)]]  # fmt: skip
     logits = _tied_logits(12, 3)
     runs = []
     for others in companions:
         reqs = [_request(seed=5, **target)] + [_request(**o) for o in others]
-        sampler = Sampler(seed=1)
+        sampler = Sampler(seed=1, race=_race(race))
         runs.append([sampler(step[: len(reqs)], reqs).tokens[0] for step in logits])
     assert all(run == runs[0] for run in runs), runs
     assert len(set(runs[0])) > 1
 
 
+@pytest.mark.parametrize("race", ["kernel", "none"])
 @pytest.mark.parametrize("params", [dict(top_k=3), dict(top_p=0.7), dict(top_k=3, top_p=0.6), dict(min_p=0.3), dict()])
 @pytest.mark.parametrize("seeded", [False, True])
-def test_sampled_frequencies_follow_the_kept_distribution(params, seeded) -> None:
+def test_sampled_frequencies_follow_the_kept_distribution(params, seeded, race) -> None:
     """Many rows over one distribution: the tokens drawn come at the renormalised probabilities of
     the tokens top-k, top-p and min-p keep (transformers' rules), seeded rows (each its own stream)
     and unseeded ones alike."""
@@ -249,7 +288,7 @@ def test_sampled_frequencies_follow_the_kept_distribution(params, seeded) -> Non
     want = torch.where(kept, p, 0.0) / torch.where(kept, p, 0.0).sum()
     rows = 3000
     reqs = [_request(seed=i if seeded else None, **params) for i in range(rows)]
-    tokens = Sampler(seed=2)(torch.log(p).repeat(rows, 1), reqs).tokens
+    tokens = Sampler(seed=2, race=_race(race))(torch.log(p).repeat(rows, 1), reqs).tokens
     freq = torch.bincount(torch.tensor(tokens), minlength=6).float() / rows
     assert torch.all(freq[~kept] == 0)
     assert (freq - want).abs().max() < 0.035, (freq, want)

@@ -40,9 +40,9 @@ def test_metrics_token_counters_equal_reported_usage(server) -> None:
 def test_disconnected_streams_are_cancelled_and_free_their_blocks(server) -> None:
     started = threading.Barrier(21)
 
-    def drop_mid_stream() -> int:
+    def drop_mid_stream() -> int:  # (3000 tokens: none ends by itself while the others reach the barrier)
         with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions",
-                                                      json={**LONG, "stream": True}) as r:
+                                                      json={**LONG, "max_tokens": 3000, "stream": True}) as r:
             lines = r.iter_lines()
             got = 0
             for line in lines:

@@ -1,0 +1,200 @@
+// A step's sampled tokens on the CPU in one pass over each row's logits: the exponential race.
+//
+// Drawing token i with probability softmax(l / T)_i is the same as taking the i with the largest
+// p_i / E_i for independent E_i ~ Exp(1), or, in logs, the largest l_i / T - log(E_i), with
+// E_i = -log(u_i) and u_i uniform in [0, 1) (the Gumbel-max form). Here that is one pass: no
+// softmax, no float32 copy of bfloat16 logits, no [rows, vocab] noise tensor, the row split over
+// the threads in chunks. A row with T <= 0 takes its first largest logit (greedy).
+//
+// The uniforms come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
+// 3", SC 2011; the generator torch's CUDA and cuRAND use), a counter-based generator: u_i is a
+// function of the row's (key, counter) and i alone: token i of a row reads block i / 4 of the
+// stream, counter words {i / 4, 0, counter low, counter high}, key words {key low, key high}, and
+// takes word i % 4, its top 24 bits over 2^24. So a draw does not depend on the other rows, on
+// the threads or on the build (integer arithmetic, and the two logs below are the same
+// polynomial in every build).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace cbserve;
+
+typedef uint64_t vu64 __attribute__((vector_size(8 * kLanes)));
+
+constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+constexpr int64_t kChunk = 4096;  // tokens a work item: a multiple of 4 * kLanes
+
+struct Words {
+  vu32 x0, x1, x2, x3;
+};
+
+// Philox4x32-10 on kLanes counters at once (their first words `block`, the others shared)
+inline Words philox(vu32 block, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  Words w{block, vu32{}, vu32{} + c2, vu32{} + c3};
+  for (int round = 0; round < 10; ++round) {
+    if (round) k0 += kW0, k1 += kW1;
+    const vu64 p0 = __builtin_convertvector(w.x0, vu64) * kM0;
+    const vu64 p1 = __builtin_convertvector(w.x2, vu64) * kM1;
+    const vu32 hi0 = __builtin_convertvector(p0 >> 32, vu32), lo0 = __builtin_convertvector(p0, vu32);
+    const vu32 hi1 = __builtin_convertvector(p1 >> 32, vu32), lo1 = __builtin_convertvector(p1, vu32);
+    w = Words{hi1 ^ w.x1 ^ k0, lo1, hi0 ^ w.x3 ^ k1, lo0};
+  }
+  return w;
+}
+
+// The 4 * n uniforms' bits of blocks [block0, block0 + n), in token order
+void uniform_bits(int64_t block0, int64_t n, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1, uint32_t* out) {
+  vu32 lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = static_cast<uint32_t>(j);
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const Words w = philox(lane + static_cast<uint32_t>(block0 + b), c2, c3, k0, k1);
+    const int64_t m = std::min<int64_t>(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t* o = out + 4 * (b + j);
+      o[0] = w.x0[j], o[1] = w.x1[j], o[2] = w.x2[j], o[3] = w.x3[j];
+    }
+  }
+}
+
+// log(x) for x >= 0 (0 -> -inf, +inf -> +inf): x = m 2^e with m in [sqrt(1/2), sqrt(2)), a degree-9
+// polynomial in m - 1 (Cephes' logf; relative error about 1e-7), ln 2 in two parts
+inline vfloat log_pos(vfloat x) {
+  vint bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  vint e = (bits >> 23) - 127;
+  vint mbits = (bits & 0x007fffff) | 0x3f800000;  // m in [1, 2)
+  vfloat m;
+  std::memcpy(&m, &mbits, sizeof(m));
+  const vint big = m > 1.41421356f;
+  m = big ? m * 0.5f : m;
+  e = big ? e + 1 : e;
+  const vfloat f = m - 1.0f, z = f * f;
+  vfloat p = vfloat{} + 7.0376836292e-2f;
+  p = p * f - 1.1514610310e-1f;
+  p = p * f + 1.1676998740e-1f;
+  p = p * f - 1.2420140846e-1f;
+  p = p * f + 1.4249322787e-1f;
+  p = p * f - 1.6668057665e-1f;
+  p = p * f + 2.0000714765e-1f;
+  p = p * f - 2.4999993993e-1f;
+  p = p * f + 3.3333331174e-1f;
+  const vfloat ef = __builtin_convertvector(e, vfloat);
+  vfloat y = p * f * z + ef * -2.12194440e-4f - z * 0.5f;
+  y = f + y + ef * 0.693359375f;
+  const vfloat inf = vfloat{} + std::numeric_limits<float>::infinity();
+  y = x == 0.0f ? -inf : y;
+  return x == inf ? inf : y;
+}
+
+struct Best {
+  float score;
+  int64_t index;
+};
+
+// The largest score of tokens [begin, end) of one row, ties to the first
+template <typename T>
+Best race_chunk(const T* row, int64_t begin, int64_t end, float inv_t, bool greedy, uint32_t c2, uint32_t c3,
+                uint32_t k0, uint32_t k1) {
+  alignas(64) uint32_t bits[kChunk];
+  // whole registers of blocks: a chunk's tokens are a multiple of 4 * kLanes but for a row's last
+  if (!greedy) uniform_bits(begin / 4, (end - begin + 4 * kLanes - 1) / (4 * kLanes) * kLanes, c2, c3, k0, k1, bits);
+  const vfloat ninf = vfloat{} - std::numeric_limits<float>::infinity();
+  vfloat top = ninf;
+  vint at{};
+  vint lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  for (int64_t i = begin; i < end; i += kLanes) {
+    vfloat l;
+    if (end - i >= kLanes) {
+      l = load(row + i);
+    } else {  // the row's last tokens: the rest of the register at -inf, which never wins
+      l = ninf;
+      for (int64_t j = 0; j < end - i; ++j) l[j] = static_cast<float>(row[i + j]);
+    }
+    vfloat score = l;
+    if (!greedy) {
+      vu32 u;
+      std::memcpy(&u, bits + (i - begin), sizeof(u));
+      const vfloat uniform = __builtin_convertvector(vint(u >> 8), vfloat) * (1.0f / 16777216.0f);
+      score = l * inv_t - log_pos(vfloat{} - log_pos(uniform));  // a u of 0: E = inf, a score of -inf
+    }
+    const vint index = lane + static_cast<int32_t>(i);
+    const vint better = score > top;
+    top = better ? score : top;
+    at = better ? index : at;
+  }
+  const float lowest = -std::numeric_limits<float>::infinity();
+  Best best{lowest, begin};
+  for (int j = 0; j < kLanes; ++j)  // (a lane that never beat -inf holds no index of this chunk)
+    if (top[j] > best.score || (top[j] == best.score && top[j] != lowest && at[j] < best.index)) best = Best{top[j], at[j]};
+  return best;
+}
+
+}  // namespace
+
+// tokens [rows] (int64): each row's winner of the race at temperature[r] (<= 0: greedy), its
+// uniforms from Philox with key keys[r] and counter counters[r]
+at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor keys, at::Tensor counters) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
+              "sample_race: logits must be [rows, vocab] with vocab > 0 and contiguous rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(vocab < (int64_t{1} << 31), "sample_race: a vocabulary under 2^31 tokens");
+  for (const at::Tensor* t : {&temperature, &keys, &counters})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(), "sample_race: one temperature, key and counter a row");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && keys.scalar_type() == at::kLong &&
+                  counters.scalar_type() == at::kLong,
+              "sample_race: temperature float32, keys and counters int64");
+  const float* temp = temperature.data_ptr<float>();
+  const int64_t* key = keys.data_ptr<int64_t>();
+  const int64_t* counter = counters.data_ptr<int64_t>();
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  std::vector<Best> partial(rows * chunks);
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = logits.data_ptr<T>();
+    at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / chunks, c = item % chunks;
+        const bool greedy = !(temp[r] > 0.0f);
+        const uint64_t k = static_cast<uint64_t>(key[r]), n = static_cast<uint64_t>(counter[r]);
+        partial[item] = race_chunk(src + r * stride, c * kChunk, std::min(vocab, (c + 1) * kChunk),
+                                   greedy ? 1.0f : 1.0f / temp[r], greedy, static_cast<uint32_t>(n),
+                                   static_cast<uint32_t>(n >> 32), static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32));
+      }
+    });
+  };
+  for_each_float_type(logits, "sample_race", run);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* dst = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    Best best = partial[r * chunks];
+    for (int64_t c = 1; c < chunks; ++c)
+      if (partial[r * chunks + c].score > best.score) best = partial[r * chunks + c];
+    dst[r] = best.index;
+  }
+  return out;
+}
+
+// The race's uniforms of one (key, counter): n float32 draws in [0, 1), as sample_race reads them
+at::Tensor race_uniforms(int64_t key, int64_t counter, int64_t n) {
+  TORCH_CHECK(n >= 0 && n < (int64_t{1} << 31), "race_uniforms: 0 <= n < 2^31");
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  std::vector<uint32_t> bits((n + 4 * kLanes - 1) / (4 * kLanes) * (4 * kLanes));
+  const uint64_t k = static_cast<uint64_t>(key), c = static_cast<uint64_t>(counter);
+  uniform_bits(0, bits.size() / 4, static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), static_cast<uint32_t>(k),
+               static_cast<uint32_t>(k >> 32), bits.data());
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(bits[i] >> 8) * (1.0f / 16777216.0f);
+  return out;
+}

@@ -1,0 +1,135 @@
+"""The CPU kernel's one-pass race (engine/csrc/sample_cpu.cpp) against its definition: Philox4x32-10's
+stream (checked against the generator's published known answers), and the token with the largest
+l / T - log(-log(u)) computed in float64. tests/engine/test_cpu_isa.py runs `check_race` in the AVX2
+build as well; tests/engine/test_sampling.py runs the sampler with and without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+MASK = np.uint64(0xFFFFFFFF)
+# Random123's known answers for philox4x32_10: (counter words, key words) -> output words
+KNOWN = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]  # fmt: skip
+
+
+def philox4x32(counter, key) -> list[np.ndarray]:
+    """Philox4x32-10 of counter words (each a number or an array of them) under two key words."""
+    c = [np.asarray(x, dtype=np.uint64) for x in counter]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + np.uint64(W0)) & MASK, (k1 + np.uint64(W1)) & MASK
+        p0, p1 = c[0] * np.uint64(M0), c[2] * np.uint64(M1)
+        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & MASK, p1 & MASK, ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & MASK, p0 & MASK]
+    return c
+
+
+def uniforms(key: int, counter: int, n: int) -> np.ndarray:
+    """The n uniforms the race reads for (key, counter): token i is word i % 4 of block i // 4, the
+    block's counter words (i // 4, 0, counter low, counter high), its top 24 bits over 2^24."""
+    key, counter = key % 2**64, counter % 2**64
+    blocks = np.arange((n + 3) // 4, dtype=np.uint64)
+    words = philox4x32([blocks, 0, counter & 0xFFFFFFFF, counter >> 32], [key & 0xFFFFFFFF, key >> 32])
+    return (np.stack(words, axis=1).reshape(-1)[:n] >> np.uint64(8)).astype(np.float64) / 2**24
+
+
+def check_race(ops) -> int:
+    """The kernel's tokens against the float64 definition, for every logits dtype, rows greedy and
+    sampled, a vocabulary that ends inside a register and inside a chunk, masked tokens; returns the
+    rows compared (those whose two best scores are apart by more than float32 rounding)."""
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 12, 9000 + 5
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[3, ::2] = float("-inf")  # a grammar's mask
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 2.0, 0.25] * 2)
+    keys = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
+    counters = torch.tensor([0, 1, 2, -(2**63), -(2**63) + 5, 2**40] * 2)
+    compared = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = logits.to(dtype)
+        tokens = ops.sample_race(x, temperature, keys, counters).tolist()
+        for r in range(rows):
+            values = x[r].double().numpy()
+            if temperature[r] <= 0:  # greedy: the first largest, as torch.argmax
+                assert tokens[r] == int(x[r].float().argmax()), (dtype, r)
+                continue
+            with np.errstate(divide="ignore", invalid="ignore"):
+                score = values / float(temperature[r]) - np.log(-np.log(uniforms(int(keys[r]), int(counters[r]), vocab)))
+            score = np.where(np.isnan(score), -np.inf, score)
+            first, second = np.sort(score)[-2:][::-1]
+            if first - second > 1e-4 * max(1.0, abs(first)):
+                assert tokens[r] == int(np.argmax(score)), (dtype, r, tokens[r], int(np.argmax(score)))
+                compared += 1
+    return compared
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from engine.backends.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    assert ops is not None, "the C++ kernels must build here"
+    return ops
+
+
+def test_the_reference_generator_gives_philoxs_known_answers() -> None:
+    for counter, key, want in KNOWN:
+        assert [int(w) for w in philox4x32(counter, key)] == list(want)
+
+
+def test_the_kernels_uniforms_are_philoxs_stream(ops) -> None:
+    assert ops.race_uniforms(0, 0, 4).tolist() == [(w >> 8) / 2**24 for w in KNOWN[0][2]]
+    for key, counter, n in [(0, 0, 10), (12345, 7, 1000), (-1, -5, 9157), (2**62 + 3, 2**40 + 1, 333), (5, -(2**63), 64)]:
+        assert np.array_equal(ops.race_uniforms(key, counter, n).double().numpy(), uniforms(key, counter, n))
+
+
+def test_the_kernels_tokens_are_the_races_winners(ops) -> None:
+    assert check_race(ops) >= 20
+
+
+def test_the_race_does_not_depend_on_the_threads_or_the_other_rows(ops) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50000, generator=g).bfloat16()
+    temperature, keys, counters = torch.ones(6), torch.arange(6) * 11, torch.arange(6)
+    together = ops.sample_race(logits, temperature, keys, counters)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [int(ops.sample_race(logits[r : r + 1], temperature[r : r + 1], keys[r : r + 1], counters[r : r + 1]))
+                 for r in range(6)]  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert together.tolist() == alone
+
+
+def test_sampled_frequencies_are_softmaxs(ops) -> None:
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0, 3.0, float("-inf")])
+    for t in (1.0, 0.5):
+        n = 20000
+        tokens = ops.sample_race(logits.repeat(n, 1), torch.full((n,), t), torch.full((n,), 99), torch.arange(n))
+        freq = torch.bincount(tokens, minlength=6).double() / n
+        assert freq[5] == 0
+        assert (freq - torch.softmax(logits.double() / t, -1)).abs().max() < 0.015, freq
+
+
+def test_a_row_of_ties_is_greedys_first_and_refusals_are_clear(ops) -> None:
+    ties = torch.zeros(2, 100, dtype=torch.bfloat16)
+    ties[:, [17, 40, 90]] = 1.0
+    assert ops.sample_race(ties, torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)).tolist() == [17, 17]
+    one = (torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.sample_race(torch.zeros(1, 8, dtype=torch.float64), *one)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.sample_race(torch.zeros(8, 1, 2)[:, :, 0].t(), *one)
+    with pytest.raises(RuntimeError, match="one temperature, key and counter a row"):
+        ops.sample_race(torch.zeros(2, 8), *one)
+    with pytest.raises(RuntimeError, match="temperature float32"):
+        ops.sample_race(torch.zeros(1, 8), torch.zeros(1, dtype=torch.float64), *one[1:])

@@ -3,7 +3,7 @@
     python -m loadtest [--url URL | --model PATH] [--api-key KEY] [--users N] [--duration 60s]
                        [--rate R [--max-in-flight 256]] [--shape steps:1,2,4@10] [--sweep] [--endpoint chat|completions]
                        [--input-len 64:192] [--output-len 64] [--shared-prefix 0] [--seed 0]
-                       [--slo ttft_ms=500 --slo tpot_ms=50] [--fail-on-slo] [--out DIR]
+                       [--temperature 0] [--slo ttft_ms=500 --slo tpot_ms=50] [--fail-on-slo] [--out DIR]
     python -m loadtest compare --target NAME=URL --target NAME=cmd:COMMAND {port} ... [--rounds N]
                        [the load flags above]
 
@@ -59,6 +59,8 @@ def load_flags() -> argparse.ArgumentParser:
                    help="output tokens: N or LOW:HIGH (drawn per request, seeded; ignore_eos holds them)")  # fmt: skip
     p.add_argument("--shared-prefix", type=int, default=0, help="words every prompt shares (prefix caching)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sequence")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's (default 0: greedy; the OpenAI default, 1, samples)")  # fmt: skip
     p.add_argument("--slo", action="append", default=[], help="ttft_ms=MS, tpot_ms=MS, itl_ms=MS or e2el_ms=MS")
     p.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for a server to be ready")
     return p
@@ -72,6 +74,8 @@ def check_load_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--rate must be > 0 requests/s, got {args.rate}")
     if args.max_in_flight < 1:
         raise UsageError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    if not 0 <= args.temperature <= 2:
+        raise UsageError(f"--temperature must be in [0, 2], as the OpenAI API takes it, got {args.temperature}")
     if args.shape:
         check_shape(args.shape)
     try:

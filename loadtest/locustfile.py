@@ -11,6 +11,7 @@ Configured by environment variables (the runner, `python -m loadtest`, sets them
   LOADTEST_MAX_IN_FLIGHT  open loop: an arrival finding this many requests unanswered is dropped (default 256)
   LOADTEST_SHAPE        "steps:1,2,4@10" (users per step, seconds per step) or "ramp:1-8@30"
   LOADTEST_SEED         seed of the prompt sequence (the same seed sends every target the same prompts)
+  LOADTEST_TEMPERATURE  every request's temperature (default 0: greedy)
   LOADTEST_API_KEY      sent as `Authorization: Bearer ...` when set
 
 TTFT, ITL, TPOT and end-to-end latency are fired as custom Locust events (request_type METRIC);
@@ -41,6 +42,7 @@ MODEL = os.environ.get("LOADTEST_MODEL") or None
 RATE = float(os.environ.get("LOADTEST_RATE", "0") or 0)
 MAX_IN_FLIGHT = int(os.environ.get("LOADTEST_MAX_IN_FLIGHT", "256") or 256)
 SEED = int(os.environ.get("LOADTEST_SEED", "0") or 0)
+TEMPERATURE = float(os.environ.get("LOADTEST_TEMPERATURE", "0") or 0)  # 0: greedy
 HEADERS = auth_headers(os.environ.get("LOADTEST_API_KEY"))
 SOURCE = PromptSource(
     LengthSpec.parse(os.environ.get("LOADTEST_INPUT_LEN", "64:192"), "--input-len"),
@@ -90,7 +92,7 @@ class LLMUser(HttpUser):
 
     def _body(self, prompt: str, max_tokens: int) -> tuple[str, dict]:
         body = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
-                "ignore_eos": True, "temperature": 0}  # fmt: skip
+                "ignore_eos": True, "temperature": TEMPERATURE}  # fmt: skip
         if MODEL:
             body["model"] = MODEL
         if ENDPOINT == "chat":

@@ -36,6 +36,7 @@ def locust_env(out: Path, target: Target, args: argparse.Namespace, seed: int) -
             "LOADTEST_SHAPE": args.shape or "", "LOADTEST_MODEL": target.model_name or "",
             "LOADTEST_SEED": str(seed), "LOADTEST_API_KEY": target.api_key or "",
             "LOADTEST_MAX_IN_FLIGHT": str(getattr(args, "max_in_flight", 256)),
+            "LOADTEST_TEMPERATURE": str(getattr(args, "temperature", 0.0)),
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
 
 
@@ -96,7 +97,8 @@ def run_locust(target: Target, out: Path, users: int, args: argparse.Namespace,
 def settings(args: argparse.Namespace, users: int) -> dict:
     return {"users": users, "duration_s": args.duration_s, "rate": args.rate, "shape": args.shape,
             "endpoint": args.endpoint, "input_len_words": args.input_len, "output_len_tokens": args.output_len,
-            "shared_prefix_words": args.shared_prefix, "seed": args.seed, "slos": args.slos}  # fmt: skip
+            "shared_prefix_words": args.shared_prefix, "seed": args.seed, "slos": args.slos,
+            "temperature": getattr(args, "temperature", 0.0)}  # fmt: skip
 
 
 PLOTS = ("throughput_over_time.png", "server_over_time.png", "latency_cdf.png", "latency_ccdf.png",

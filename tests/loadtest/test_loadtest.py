@@ -28,10 +28,12 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_short_run_report_is_consistent(model_dir, tmp_path) -> None:
     out = tmp_path / "run"
     r = run("--model", str(model_dir), "--duration", "5s", "--users", "3", "--input-len", "8:60",
-            "--output-len", "12", "--endpoint", "completions", "--slo", "ttft_ms=2000", "--out", str(out))
+            "--output-len", "12", "--endpoint", "completions", "--slo", "ttft_ms=2000", "--temperature", "1",
+            "--out", str(out))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "time to first token" in r.stdout and "output tok/s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["temperature"] == 1.0  # sampled requests (the server's sampler under load)
     rows = load_rows(out / "requests.jsonl")
     assert summary["completed"] == len([x for x in rows if x["ok"]]) == len(rows) > 0
     assert summary["failed"] == 0
@@ -114,6 +116,7 @@ def test_sweep_plots_one_point_per_concurrency(model_dir, tmp_path) -> None:
     (["--input-len", "9:3"], "--input-len", 2),
     (["--output-len", "0:5"], "--output-len", 2),
     (["--rate", "2", "--max-in-flight", "0"], "--max-in-flight", 2),
+    (["--temperature", "-1"], "--temperature must be in [0, 2]", 2),
     (["--fail-on-slo"], "needs at least one --slo", 2),
 ])
 def test_bad_flags_and_unreachable_servers_are_one_clear_line(args, message, status) -> None:
@@ -121,6 +124,16 @@ def test_bad_flags_and_unreachable_servers_are_one_clear_line(args, message, sta
     assert r.returncode == status
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_requests_ask_for_the_temperature_given() -> None:
+    code = "from loadtest.locustfile import LLMUser\nprint(LLMUser._body(None, 'hi', 5)[1]['temperature'])"
+    for given, sent in ((None, "0.0"), ("0.7", "0.7")):
+        env = {k: v for k, v in os.environ.items() if k != "LOADTEST_TEMPERATURE"}
+        if given:
+            env["LOADTEST_TEMPERATURE"] = given
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert r.stdout.split() == [sent], r.stdout + r.stderr
 
 
 def test_a_flag_error_answers_before_the_plotting_library_loads() -> None:

@@ -2,15 +2,16 @@
 
 Logits arrive in the model's dtype. When every row is greedy and nothing asks for logprobs or
 processing, the argmax is taken on them as they are (the CPU backend's kernel reads bfloat16 in
-place). With a backend's race (the CPU kernels' `sample_race`), greedy rows and rows sampled at a
-plain temperature (no top-k, top-p or min-p) are chosen by it in one pass over their logits, with
-uniforms of a counter-based generator keyed by the row's seed (or the sampler's own key), and only
-the other rows take the paths below (`_race`). Otherwise logits are converted to float32 first.
-Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and min-p, then the exponential race `argmax(p / q)` with
-q ~ Exp(1). When every sampled row has a top-k, only the batch's largest k candidates per row are
-taken (`topk`) and the rest works on them; when every sampled row asks for top-p without a top-k,
-the nucleus is looked for among each row's NUCLEUS_CANDIDATES largest first; the vocabulary is sorted
-only when neither holds (or a row's nucleus is wider). The noise is drawn on the logits' device: a request with a seed
+place). With a backend's race (the CPU kernels' `sample_race`), greedy rows and sampled rows
+without a top-k (their top-p and min-p a cut the kernel finds) are chosen by it in one pass over
+their logits, with uniforms of a counter-based generator keyed by the row's seed (or the sampler's
+own key), and only the other rows take the paths below (`_race`). Otherwise logits are converted to
+float32 first. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and
+min-p, then the exponential race `argmax(p / q)` with q ~ Exp(1). When every sampled row has a
+top-k, only the batch's largest k candidates per row are taken (`topk`) and the rest works on them;
+when every sampled row asks for top-p without a top-k, the nucleus is looked for among each row's
+NUCLEUS_CANDIDATES largest first; the vocabulary is sorted only when neither holds (or a row's
+nucleus is wider). The noise is drawn on the logits' device: a request with a seed
 draws q from its own generator there (seeded at its first sample), in a shape of its own (k values
 with a top-k, the vocabulary's without), so its tokens do not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits), or with
@@ -37,9 +38,10 @@ NUCLEUS_CANDIDATES = 256
 # the race's counters of a seeded row: this plus the index of the token drawn (an unseeded row's
 # counters count up from 0 with the sampler's own key: the two never meet)
 RACE_SEEDED = -(2**63)
-# (logits [rows, vocab], temperature float32 [rows] (0: greedy), keys int64 [rows], counters int64
-# [rows]) -> int64 tokens [rows], or None where it cannot take them (a backend's `sample_race`)
-Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+# (logits [rows, vocab], temperature float32 [rows] (0: greedy), top_p and min_p float32 [rows] (1 and 0:
+# off), keys int64 [rows], counters int64 [rows]) -> int64 tokens [rows], or None where it cannot take
+# them (a backend's `sample_race`)
+Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass
@@ -134,12 +136,12 @@ class Sampler:
         return _result(tokens, raw_logprobs, reqs)
 
     def _race(self, logits: torch.Tensor, reqs: list[Request], want_logprobs: bool) -> SampleResult | None:
-        """The step's tokens by the backend's one-pass race: greedy rows and rows sampled at a plain
-        temperature (no top-k, top-p or min-p) in it; the rest through `_sample` on their own rows. None
-        when the backend cannot take these logits, or no row is greedy or plain. A seeded row's uniforms
+        """The step's tokens by the backend's one-pass race: greedy rows and sampled rows without a
+        top-k (with their top-p and min-p) in it; the rest through `_sample` on their own rows. None
+        when the backend cannot take these logits, or every row has a top-k. A seeded row's uniforms
         are those of (its seed, the index of the token it draws), an unseeded row's the sampler's stream:
-        neither depends on the batch, and the race is the only path a plain row takes."""
-        plain = [r.sampling.greedy or _plain(r.sampling, logits.shape[1]) for r in reqs]
+        neither depends on the batch, and the race is the only path such a row takes."""
+        plain = [r.sampling.greedy or not 0 < r.sampling.top_k < logits.shape[1] for r in reqs]
         if not any(plain):
             return None
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
@@ -150,14 +152,17 @@ class Sampler:
             seed = req.sampling.seed
             keys.append(self._race_key if seed is None else seed)
             counters.append(self._race_draws + row if seed is None else RACE_SEEDED + req.num_generated)
-        temperature = [r.sampling.temperature if p and not r.sampling.greedy else 0.0 for r, p in zip(reqs, plain)]
-        tokens = self.race(logits, torch.tensor(temperature, dtype=torch.float32), torch.tensor(keys),
-                           torch.tensor(counters))  # fmt: skip
+        raced = [p and not r.sampling.greedy for r, p in zip(reqs, plain)]
+        temperature = [r.sampling.temperature if s else 0.0 for r, s in zip(reqs, raced)]
+        top_p = [r.sampling.top_p if s else 1.0 for r, s in zip(reqs, raced)]
+        min_p = [r.sampling.min_p if s else 0.0 for r, s in zip(reqs, raced)]
+        floats = [torch.tensor(v, dtype=torch.float32) for v in (temperature, top_p, min_p)]
+        tokens = self.race(logits, *floats, torch.tensor(keys), torch.tensor(counters))
         if tokens is None:
             return None
         self._race_draws += len(reqs)
         rest = [row for row, p in enumerate(plain) if not p]
-        if rest:  # top-k, top-p or min-p: their candidates, on their rows alone
+        if rest:  # a top-k: their candidates, on their rows alone
             index = torch.tensor(rest)
             drawn, _, _ = self._sample(logits.float().index_select(0, index), [reqs[i] for i in rest], [False] * len(rest))
             tokens.index_copy_(0, index, drawn)
@@ -289,11 +294,6 @@ class Sampler:
             else:  # the vocabulary ranked (or its top): each candidate token id's noise, in rank order
                 noise[row] = _exponential(vocab, req.generator, device)[ids[row]]
         return noise
-
-
-def _plain(sp, vocab: int) -> bool:
-    """A sampled row drawn from the whole distribution at its temperature: no top-k, top-p or min-p."""
-    return not 0 < sp.top_k < vocab and sp.top_p >= 1.0 and sp.min_p <= 0.0
 
 
 def _result(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: list[Request]) -> SampleResult:

@@ -61,8 +61,8 @@ class AttentionBackend(Protocol):
         """Greedy tokens of [rows, vocab] logits (a backend may have a faster one)."""
         return logits.argmax(dim=-1)
 
-    def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
-                    counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                    keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Sampled tokens in one pass (engine/sampler.py's `Race`), or None: this backend has none."""
         return None
 

@@ -91,12 +91,12 @@ class SDPABackend(AttentionBackend):
             return self.ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
-    def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
-                    counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                    keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Sampled tokens [rows] by the kernel's one-pass race (engine/csrc/sample_cpu.cpp), logits read
         in their own dtype; None where the kernels are not loaded or cannot read these logits."""
         if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
-            return self.ops.sample_race(logits, temperature, keys, counters)
+            return self.ops.sample_race(logits, temperature, top_p, min_p, keys, counters)
         return None
 
     def _decode_gather(self, meta: AttentionMetadata) -> None:

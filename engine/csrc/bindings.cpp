@@ -23,7 +23,8 @@ at::Tensor quant_repack(at::Tensor w, int64_t qtype, int64_t k);
 at::Tensor kquant_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias, bool int8);
 at::Tensor kquant_dequantize(at::Tensor w, int64_t qtype, int64_t k, c10::optional<at::Tensor> rows, at::Tensor like);
 bool set_quant_vnni(bool on);
-at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor keys, at::Tensor counters);
+at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor top_p, at::Tensor min_p, at::Tensor keys,
+                       at::Tensor counters);
 at::Tensor race_uniforms(int64_t key, int64_t counter, int64_t n);
 
 // Every kernel runs with the GIL released, as torch's own ops do: while the engine thread computes
@@ -58,8 +59,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_quant_vnni", &set_quant_vnni, "Turn VNNI in quant_linear on or off; returns the previous state",
         py::arg("on"));
   m.def("sample_race", &sample_race, "Each row's token by the exponential race over softmax(logits / T) (T <= 0: "
-        "greedy), its uniforms Philox4x32-10's of the row's key and counter (CPU)", py::arg("logits"),
-        py::arg("temperature"), py::arg("keys"), py::arg("counters"), NoGil());
+        "greedy) within its top-p and min-p, its uniforms Philox4x32-10's of the row's key and counter (CPU)",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_p"), py::arg("min_p"), py::arg("keys"),
+        py::arg("counters"), NoGil());
   m.def("race_uniforms", &race_uniforms, "The n uniforms sample_race reads for one key and counter", py::arg("key"),
         py::arg("counter"), py::arg("n"), NoGil());
   m.def("linear_panel_width", &linear_panel_width, "Output columns per weight panel of this build");

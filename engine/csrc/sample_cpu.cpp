@@ -6,6 +6,15 @@
 // softmax, no float32 copy of bfloat16 logits, no [rows, vocab] noise tensor, the row split over
 // the threads in chunks. A row with T <= 0 takes its first largest logit (greedy).
 //
+// Top-p and min-p are a cut on the scaled logit s = l / T, found per row before the race (`row_cut`):
+// min-p keeps s >= max s + log(min_p) (a probability at least min_p times the largest); top-p keeps
+// the tokens ranked (by s, ties by index) before the cumulative probability reaches top_p, the one
+// that reaches it included, as a sort of the row would. The boundary is found without sorting: the
+// probability mass of the row is bucketed by the bits of s (12, 12 and 8 bits, one pass over the
+// row and two over the boundary bucket's tokens), then the tokens tied at the boundary value are kept
+// in index order. The mass is summed in double, so at a boundary a few ulps wide it may cut where
+// torch's float32 cumsum does not.
+//
 // The uniforms come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 // 3", SC 2011; the generator torch's CUDA and cuRAND use), a counter-based generator: u_i is a
 // function of the row's (key, counter) and i alone: token i of a row reads block i / 4 of the
@@ -102,14 +111,97 @@ struct Best {
   int64_t index;
 };
 
-// The largest score of tokens [begin, end) of one row, ties to the first
+// The tokens a row keeps: s > floor, or s == floor at an index up to last_tied
+struct Cut {
+  float floor = -std::numeric_limits<float>::infinity();
+  int64_t last_tied = std::numeric_limits<int64_t>::max();
+};
+
+// s's float order as unsigned order (-0 as +0: they compare equal)
+inline uint32_t order_key(float s) {
+  uint32_t b;
+  std::memcpy(&b, &s, sizeof(b));
+  if (b == 0x80000000u) b = 0;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+inline float from_order_key(uint32_t k) {
+  const uint32_t b = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
+  float s;
+  std::memcpy(&s, &b, sizeof(s));
+  return s;
+}
+
 template <typename T>
-Best race_chunk(const T* row, int64_t begin, int64_t end, float inv_t, bool greedy, uint32_t c2, uint32_t c3,
-                uint32_t k0, uint32_t k1) {
+inline float scaled(const T* row, int64_t i, float inv_t) {
+  return static_cast<float>(row[i]) * inv_t;  // the race's s, the same float product
+}
+
+// The cut of one row for top_p (< 1: on) and min_p (> 0: on)
+template <typename T>
+Cut row_cut(const T* row, int64_t n, float inv_t, float top_p, float min_p) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  std::vector<float> e(n + kLanes);
+  float m = lowest;
+  for (int64_t i = 0; i < n; ++i) e[i] = scaled(row, i, inv_t), m = std::max(m, e[i]);
+  Cut cut;
+  if (!(m > lowest)) return cut;  // nothing finite: the race's own choice
+  if (min_p > 0.0f) cut.floor = m + std::log(min_p);
+  if (!(top_p < 1.0f)) return cut;
+  std::vector<uint32_t> keys(n);
+  for (int64_t i = 0; i < n; ++i) keys[i] = order_key(e[i]);
+  for (int64_t i = 0; i < n; i += kLanes) {  // each token's probability times the row's sum
+    const vfloat s = load(e.data() + i);
+    store(e.data() + i, s == lowest ? vfloat{} : exp_neg(s - m));
+  }
+  // the mass of the buckets of the next bits of the key, among the tokens whose key starts with `prefix`
+  std::vector<double> mass(4096);
+  std::vector<uint32_t> count(4096);
+  uint32_t prefix = 0;
+  int known = 0;  // bits of the boundary key found
+  double above = 0.0, target = 0.0;
+  for (const int bits : {12, 12, 8}) {
+    std::fill(mass.begin(), mass.end(), 0.0);
+    std::fill(count.begin(), count.end(), 0u);
+    const int shift = 32 - known - bits;
+    for (int64_t i = 0; i < n; ++i) {
+      if (known && (keys[i] >> (32 - known)) != prefix) continue;
+      const uint32_t b = (keys[i] >> shift) & ((1u << bits) - 1);
+      mass[b] += e[i];
+      ++count[b];
+    }
+    if (!known) {
+      double total = 0.0;
+      for (int b = 0; b < 4096; ++b) total += mass[b];
+      target = static_cast<double>(top_p) * total;
+    }
+    int b = (1 << bits) - 1;
+    for (; b > 0; --b) {  // from the largest s down: the bucket where the mass reaches the target
+      if (count[b] && above + mass[b] >= target) break;
+      above += mass[b];
+    }
+    prefix = (prefix << bits) | static_cast<uint32_t>(b);
+    known += bits;
+  }
+  // `prefix` is the boundary value's key and `above` the mass of the larger tokens: the tied ones
+  // are kept in index order while the mass before them is short of the target
+  int64_t last = -1;
+  for (int64_t i = 0; i < n && above < target; ++i)
+    if (keys[i] == prefix) above += e[i], last = i;
+  const float v = from_order_key(prefix);
+  if (v >= cut.floor) cut = Cut{v, last};  // the tighter of the two cuts
+  return cut;
+}
+
+// The largest score of tokens [begin, end) of one row among those `cut` keeps, ties to the first
+template <typename T>
+Best race_chunk(const T* row, int64_t begin, int64_t end, float inv_t, bool greedy, const Cut& cut, uint32_t c2,
+                uint32_t c3, uint32_t k0, uint32_t k1) {
   alignas(64) uint32_t bits[kChunk];
   // whole registers of blocks: a chunk's tokens are a multiple of 4 * kLanes but for a row's last
   if (!greedy) uniform_bits(begin / 4, (end - begin + 4 * kLanes - 1) / (4 * kLanes) * kLanes, c2, c3, k0, k1, bits);
   const vfloat ninf = vfloat{} - std::numeric_limits<float>::infinity();
+  const int32_t last_tied = static_cast<int32_t>(std::min<int64_t>(cut.last_tied, std::numeric_limits<int32_t>::max()));
   vfloat top = ninf;
   vint at{};
   vint lane;
@@ -127,7 +219,12 @@ Best race_chunk(const T* row, int64_t begin, int64_t end, float inv_t, bool gree
       vu32 u;
       std::memcpy(&u, bits + (i - begin), sizeof(u));
       const vfloat uniform = __builtin_convertvector(vint(u >> 8), vfloat) * (1.0f / 16777216.0f);
-      score = l * inv_t - log_pos(vfloat{} - log_pos(uniform));  // a u of 0: E = inf, a score of -inf
+      const vfloat s = l * inv_t;
+      score = s - log_pos(vfloat{} - log_pos(uniform));  // a u of 0: E = inf, a score of -inf
+      if (cut.floor > -std::numeric_limits<float>::infinity()) {
+        const vint kept = (s > cut.floor) | ((s == cut.floor) & (lane + static_cast<int32_t>(i) <= last_tied));
+        score = kept ? score : ninf;
+      }
     }
     const vint index = lane + static_cast<int32_t>(i);
     const vint better = score > top;
@@ -143,33 +240,49 @@ Best race_chunk(const T* row, int64_t begin, int64_t end, float inv_t, bool gree
 
 }  // namespace
 
-// tokens [rows] (int64): each row's winner of the race at temperature[r] (<= 0: greedy), its
-// uniforms from Philox with key keys[r] and counter counters[r]
-at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor keys, at::Tensor counters) {
+// tokens [rows] (int64): each row's winner of the race at temperature[r] (<= 0: greedy) among the
+// tokens top_p[r] (1: off) and min_p[r] (0: off) keep, its uniforms from Philox with key keys[r]
+// and counter counters[r]
+at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor top_p, at::Tensor min_p, at::Tensor keys,
+                       at::Tensor counters) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
               "sample_race: logits must be [rows, vocab] with vocab > 0 and contiguous rows");
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   TORCH_CHECK(vocab < (int64_t{1} << 31), "sample_race: a vocabulary under 2^31 tokens");
-  for (const at::Tensor* t : {&temperature, &keys, &counters})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(), "sample_race: one temperature, key and counter a row");
-  TORCH_CHECK(temperature.scalar_type() == at::kFloat && keys.scalar_type() == at::kLong &&
+  for (const at::Tensor* t : {&temperature, &top_p, &min_p, &keys, &counters})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(),
+                "sample_race: one temperature, top_p, min_p, key and counter a row");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                  min_p.scalar_type() == at::kFloat && keys.scalar_type() == at::kLong &&
                   counters.scalar_type() == at::kLong,
-              "sample_race: temperature float32, keys and counters int64");
+              "sample_race: temperature, top_p and min_p float32, keys and counters int64");
   const float* temp = temperature.data_ptr<float>();
+  const float* tp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
   const int64_t* key = keys.data_ptr<int64_t>();
   const int64_t* counter = counters.data_ptr<int64_t>();
   const int64_t chunks = (vocab + kChunk - 1) / kChunk;
   std::vector<Best> partial(rows * chunks);
+  std::vector<Cut> cuts(rows);
+  std::vector<int64_t> cut_rows;  // sampled rows with a top-p or min-p
+  for (int64_t r = 0; r < rows; ++r)
+    if (temp[r] > 0.0f && (tp[r] < 1.0f || mp[r] > 0.0f)) cut_rows.push_back(r);
   auto run = [&](auto zero) {
     using T = decltype(zero);
     const T* src = logits.data_ptr<T>();
+    at::parallel_for(0, static_cast<int64_t>(cut_rows.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t r = cut_rows[j];
+        cuts[r] = row_cut(src + r * stride, vocab, 1.0f / temp[r], tp[r], mp[r]);
+      }
+    });
     at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t r = item / chunks, c = item % chunks;
         const bool greedy = !(temp[r] > 0.0f);
         const uint64_t k = static_cast<uint64_t>(key[r]), n = static_cast<uint64_t>(counter[r]);
         partial[item] = race_chunk(src + r * stride, c * kChunk, std::min(vocab, (c + 1) * kChunk),
-                                   greedy ? 1.0f : 1.0f / temp[r], greedy, static_cast<uint32_t>(n),
+                                   greedy ? 1.0f : 1.0f / temp[r], greedy, cuts[r], static_cast<uint32_t>(n),
                                    static_cast<uint32_t>(n >> 32), static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32));
       }
     });

@@ -52,9 +52,14 @@ def _number(name: str, value: Any, param: str | None = None) -> float:
     return x
 
 
+# a temperature below this is greedy, as in vLLM (its _SAMPLING_EPS): l / T for a T near float32's
+# smallest overflows to infinities and NaNs, whose largest is not the largest logit
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling. temperature 0 (or None with no sampling asked) is greedy."""
+    """Per-request sampling. temperature 0 (or below GREEDY_BELOW, or None with no sampling asked) is greedy."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
@@ -70,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:

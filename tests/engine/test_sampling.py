@@ -72,6 +72,9 @@ def test_top_k_1_and_temperature_0_are_greedy() -> None:
     greedy = [list(reference("llama", tuple(p)))[:16] for p in prompts]
     assert run(prompts, temperature=1.0, top_k=1, seed=3) == greedy
     assert run(prompts, temperature=0.0, seed=3) == greedy
+    # below 1e-5 too (l / T would overflow for T near float32's smallest): greedy, not infinities
+    assert run(prompts, temperature=1e-40, top_k=0, seed=3) == greedy
+    assert run(prompts, temperature=1e-6, top_p=0.9, seed=3) == greedy
 
 
 def test_logprobs_match_log_softmax_of_the_models_logits() -> None:

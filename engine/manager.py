@@ -20,7 +20,7 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.llm_engine import LLMEngine
-from engine.openmp import Team
+from engine.openmp import Team, engine_nice, lower_this_thread
 from engine.output_processor import family_ids, unforked_outputs
 from engine.output_thread import OutputThread
 from engine.request import GenerationOutput, QueueFullError, Request
@@ -119,12 +119,13 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("the manager is already running")
             return
+        nice = engine_nice()  # a bad CBSERVE_ENGINE_NICE is refused here, on the caller's thread
         self.ready_engine()  # stopped without keep_for_next_session: a fresh engine (and KV cache)
         self._stopping = self._hard_stop = False
         self._accepting = True
         self._loop_ended = False
         self._outputs = OutputThread(self._deliver, self._end_at) if self.config.output_thread else None
-        self._thread = threading.Thread(target=self._loop, name="cbserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(nice,), name="cbserve-engine", daemon=True)
         self._thread.start()
 
     def is_running(self) -> bool:
@@ -440,8 +441,9 @@ class ContinuousBatchingManager:
                 self._pause.wait_for(lambda: not self._pausers)
                 self._paused = False
 
-    def _loop(self) -> None:
+    def _loop(self, nice: int = 0) -> None:
         engine = self.engine
+        lower_this_thread(nice)  # before its first step: its OpenMP workers inherit it (engine/openmp.py)
         team = Team()  # one core fewer while other work borrows one (engine/openmp.py)
         try:
             while True:

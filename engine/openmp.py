@@ -19,6 +19,15 @@ tests/server/test_guard.py). So work in the process that needs a core for a whil
 is parsed and is tokenised), and the engine thread runs its steps on one OpenMP thread fewer
 meanwhile (`Team.fit`, called between steps): the lent core is that work's alone, and no worker
 waits at a barrier for a preempted thread.
+
+Short work that wakes while a step runs (the event loop sending a token, the output thread
+detokenising it) is not worth a lend, but under the scheduler's fair share it may wait for a
+spinning team member's time slice before it runs, and the token reaches its client late. So the
+engine thread runs at a lower priority than the rest of the process (nice CBSERVE_ENGINE_NICE,
+ENGINE_NICE unless set; 0 leaves it as it is), and with it its OpenMP workers, which it starts and
+which inherit it: such work then preempts the team at once. The team's own throughput is the same
+(nothing else competes with it at length), and a one-user stream's inter-token p90 and p99 came
+down by about a tenth on a 2-core Zen 5 (docs/benchmarks.md, "The engine's priority").
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from collections.abc import Callable, Iterator, MutableMapping
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 SPIN_COUNT = 300_000
+NICE_ENV = "CBSERVE_ENGINE_NICE"
+ENGINE_NICE = 5  # the engine thread's nice (0-19); the server's event loop and output thread keep 0
 
 
 def set_spin_default(environ: MutableMapping[str, str] = os.environ) -> str | None:
@@ -39,6 +50,34 @@ def set_spin_default(environ: MutableMapping[str, str] = os.environ) -> str | No
     if "torch" in sys.modules:
         return None
     return environ.setdefault(SPIN_ENV, str(SPIN_COUNT))
+
+
+def engine_nice(environ: MutableMapping[str, str] = os.environ) -> int:
+    """The engine thread's nice: CBSERVE_ENGINE_NICE, else ENGINE_NICE; a ValueError names a bad value."""
+    raw = environ.get(NICE_ENV, "").strip()
+    if not raw:
+        return ENGINE_NICE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(f"{NICE_ENV}={raw!r}: an integer from 0 (the process's own priority) to 19")
+    return value
+
+
+def lower_this_thread(nice: int) -> int | None:
+    """This thread's nice raised to `nice` (never lowered: that takes a privilege), for it and the
+    threads it starts from now on (they inherit it: its OpenMP workers, made at its first parallel
+    region, among them). Returns the nice in force, None where the OS has no per-thread nice."""
+    if not hasattr(os, "setpriority") or sys.platform != "linux":
+        return None
+    tid = threading.get_native_id()
+    current = os.getpriority(os.PRIO_PROCESS, tid)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return nice
+    return current
 
 
 LEND_WAIT = 2.0  # seconds lend_core() waits for the engine to reach a step boundary (a long prefill step)

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from engine.config import ContinuousBatchingConfig
+from engine.openmp import engine_nice
 from engine.server.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, split_keys
 from engine.settings_table import ENV_PREFIX, SETTINGS, command_settings, known_names, server_settings
 
@@ -29,10 +30,11 @@ API_KEY_ENV = "CBSERVE_API_KEY"
 DEFAULT_SERVER_QUEUE = 4096
 # CBSERVE_* variables that set up the process, not the engine or the server: read where they act
 # (the cache folder, hf:// models' folder, the CPU probe and kernels, malloc tuning, the native decoder
-# stack, the benchmark's vLLM venv, the engine's step log: engine/llm_engine.py STEP_LOG_ENV)
+# stack, the benchmark's vLLM venv, the engine's step log: engine/llm_engine.py STEP_LOG_ENV, the engine
+# thread's priority: engine/openmp.py NICE_ENV)
 PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_MODEL_DIR", "CBSERVE_CPU_ISA", "CBSERVE_CPU_KERNELS",
                          "CBSERVE_CPU_MALLOC_TUNING", "CBSERVE_CPU_NATIVE_LAYERS", "CBSERVE_VLLM_VENV", "CBSERVE_STEP_LOG",
-                         API_KEY_ENV})  # fmt: skip
+                         "CBSERVE_ENGINE_NICE", API_KEY_ENV})  # fmt: skip
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -137,6 +139,10 @@ def load_settings(cli: dict[str, Any], environ: dict[str, str] | None = None, qu
         merged.update(_read_yaml(cli["config"]))
     merged.update(_from_env(environ))
     _check_cpu_isa(environ.get("CBSERVE_CPU_ISA"))
+    try:
+        engine_nice(environ)  # read again by the engine thread as it starts
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     for item in SETTINGS:
         if item.flag and cli.get(item.name) is not None:
             merged[item.name] = cli[item.name]

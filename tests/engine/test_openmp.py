@@ -10,10 +10,12 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
-from engine.openmp import SPIN_COUNT, SPIN_ENV, Team, cores_lent, lend_core, set_spin_default
+from engine.openmp import (ENGINE_NICE, NICE_ENV, SPIN_COUNT, SPIN_ENV, Team, cores_lent, engine_nice, lend_core,
+                           lower_this_thread, set_spin_default)  # fmt: skip
 from engine.testing import build_test_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,3 +148,70 @@ def test_a_running_manager_steps_on_one_thread_fewer_while_a_core_is_lent() -> N
     finally:
         torch.set_num_threads(threads)
     assert phases == [{2}, {1}, {2}]
+
+
+# -- the engine thread's priority --------------------------------------------------------------------
+
+
+def _nice_of(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def test_the_engine_nice_is_read_from_the_environment_and_bad_values_are_named() -> None:
+    assert engine_nice({}) == ENGINE_NICE == 5
+    assert engine_nice({NICE_ENV: "0"}) == 0 and engine_nice({NICE_ENV: " 19 "}) == 19
+    for bad in ("-3", "20", "nice", "1.5"):
+        with pytest.raises(ValueError, match=f"{NICE_ENV}='{bad.strip()}': an integer from 0"):
+            engine_nice({NICE_ENV: bad})
+
+
+def test_a_lowered_thread_passes_its_priority_to_the_threads_it_starts_and_never_raises_it() -> None:
+    seen: dict[str, int] = {}
+
+    def child() -> None:
+        seen["child"] = _nice_of(threading.get_native_id())
+
+    def lowered() -> None:
+        seen["set"] = lower_this_thread(4)
+        seen["again"] = lower_this_thread(2)  # asking for less is not a raise: it stays at 4
+        thread = threading.Thread(target=child)
+        thread.start()
+        thread.join()
+
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join()
+    assert seen == {"set": 4, "again": 4, "child": 4}
+    assert _nice_of(threading.get_native_id()) == 0  # the caller's thread is untouched
+
+
+def _niced_threads(nice: int) -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task") if _nice_of(int(tid)) == nice}
+
+
+@pytest.mark.parametrize("setting", [None, "0", "7"])
+def test_the_managers_engine_thread_and_its_openmp_workers_run_at_the_engine_nice(monkeypatch, setting) -> None:
+    """After a step, the threads at the engine's nice are the engine thread and its OpenMP team's
+    other members (inherited at the team's first parallel region); this thread and the output
+    thread keep the process's."""
+    if setting is None:
+        monkeypatch.delenv(NICE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NICE_ENV, setting)
+    nice = engine_nice()
+    before = _niced_threads(nice) if nice else set()
+    manager = ContinuousBatchingManager(build_test_model("llama", vocab_size=128),
+                                        ContinuousBatchingConfig(block_size=16, num_blocks=32))  # fmt: skip
+    manager.start()
+    try:
+        manager.add_request([5, 6, 7], max_new_tokens=4, request_id="r")
+        assert manager.get_result("r", timeout=60).generated_tokens
+        engine_tid = manager._thread.native_id
+        niced = _niced_threads(nice) - before if nice else set()
+        assert _nice_of(threading.get_native_id()) == 0
+        if nice:
+            assert engine_tid in niced and len(niced) == torch.get_num_threads()  # the engine thread and its workers
+        else:
+            assert _nice_of(engine_tid) == 0
+    finally:
+        manager.stop(block=True, timeout=60)

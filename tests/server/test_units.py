@@ -125,8 +125,14 @@ def test_process_variables_are_not_settings(tmp_path) -> None:
     kernels): `cbserve serve` and `cbserve generate` start with them set instead of refusing them."""
     env = {"CBSERVE_CPU_ISA": "avx2", "CBSERVE_CPU_KERNELS": "0", "CBSERVE_CPU_MALLOC_TUNING": "0",
            "CBSERVE_CPU_NATIVE_LAYERS": "0", "CBSERVE_CACHE_DIR": str(tmp_path), "CBSERVE_STEP_LOG": str(tmp_path / "s"),
-           "CBSERVE_MAX_QUEUE_SIZE": "5"}  # fmt: skip
+           "CBSERVE_MAX_QUEUE_SIZE": "5", "CBSERVE_ENGINE_NICE": "0"}  # fmt: skip
     assert load_settings({}, environ=env).engine.max_queue_size == 5
+
+
+@pytest.mark.parametrize("value", ["-1", "20", "low"])
+def test_a_bad_engine_nice_stops_start_up_with_one_line(value) -> None:
+    with pytest.raises(SettingsError, match=f"CBSERVE_ENGINE_NICE='{value}': an integer from 0"):
+        load_settings({}, environ={"CBSERVE_ENGINE_NICE": value})
 
 
 def test_a_cpu_isa_the_cpu_cannot_run_stops_start_up_with_one_line() -> None:

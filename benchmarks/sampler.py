@@ -4,10 +4,11 @@
     python benchmarks/sampler.py --steps [--rows 16] [--runs 4] [--dtype bfloat16]
 
 For each batch size, the median milliseconds of one `Sampler` call over bfloat16 logits, twice: as
-the engine's CPU executor makes it (with the C++ kernels' argmax and one-pass race,
+the engine's CPU executor makes it (with the C++ kernels' argmax, one-pass race and logsumexp,
 engine/csrc/sample_cpu.cpp) and with torch's ops alone (as on a backend without them), for greedy
 rows, temperature 1 (unseeded, as the HTTP server's default), the same with transformers' top-k of 50
-(the Python API's default), temperature 0.8 with a seed, and top-p
+(the Python API's default), the same with the logprobs of the token and of the row's top 5 (as an RL
+trainer asks), temperature 0.8 with a seed, and top-p
 0.9 over two kinds of logits: flat (standard normal: the nucleus is most of the vocabulary) and
 peaked (normal with a standard deviation of 4, as a trained model's tend to be: a nucleus of a few to
 a hundred tokens).
@@ -35,6 +36,7 @@ CASES = {
     "greedy": (dict(temperature=0.0), 1.0),
     "temperature 1": (dict(temperature=1.0), 1.0),
     "temperature 1, top-k 50": (dict(temperature=1.0, top_k=50), 1.0),
+    "temperature 1, logprobs 5": (dict(temperature=1.0, logprobs=5), 1.0),
     "temperature 0.8, seeded": (dict(temperature=0.8, seed=0), 1.0),
     "top-p 0.9, flat logits": (dict(temperature=0.8, top_p=0.9, seed=0), 1.0),
     "top-p 0.9, peaked logits": (dict(temperature=0.8, top_p=0.9, seed=0), 4.0),
@@ -46,7 +48,8 @@ def time_case(rows: int, vocab: int, params: dict, scale: float, repeats: int, b
     logits = (torch.randn(rows, vocab, generator=g) * scale).bfloat16()
     reqs = [Request(f"r{i}", [1, 2, 3], 16, SamplingParams(**{**params, "seed": params.get("seed") and i}),
                     frozenset()) for i in range(rows)]  # fmt: skip
-    sampler = Sampler(0) if backend is None else Sampler(0, argmax=backend.argmax, race=backend.sample_race)
+    sampler = Sampler(0) if backend is None else Sampler(0, argmax=backend.argmax, race=backend.sample_race,
+                                                         logsumexp=backend.logsumexp)  # fmt: skip
     for _ in range(3):
         sampler(logits, reqs)
     times = []

@@ -61,6 +61,10 @@ class AttentionBackend(Protocol):
         """Greedy tokens of [rows, vocab] logits (a backend may have a faster one)."""
         return logits.argmax(dim=-1)
 
+    def logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
+        """log(sum(exp(row))) of each row of [rows, vocab] logits, float32 (a backend may have a faster one)."""
+        return torch.logsumexp(logits.float(), dim=-1)
+
     def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                     keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Sampled tokens in one pass (engine/sampler.py's `Race`), or None: this backend has none."""

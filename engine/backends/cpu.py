@@ -91,6 +91,13 @@ class SDPABackend(AttentionBackend):
             return self.ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
+    def logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's logsumexp, float32, the logits read in their own dtype by the kernel (no float32
+        copy of them, no temporary of their size)."""
+        if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
+            return self.ops.logsumexp_rows(logits)
+        return torch.logsumexp(logits.float(), dim=-1)
+
     def sample_race(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                     keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Sampled tokens [rows] by the kernel's one-pass race (engine/csrc/sample_cpu.cpp), logits read

@@ -109,7 +109,7 @@ class Executor:
             max_batch_tokens=self.sizes.max_batch_tokens, max_context=self.max_context,
         )  # fmt: skip
         self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode,
-                               race=self.backend.sample_race)  # fmt: skip
+                               race=self.backend.sample_race, logsumexp=self.backend.logsumexp)  # fmt: skip
         self.last_times = {"prepare": 0.0, "sample": 0.0}  # of the last execute_model (the engine times the rest)
         self._graph_weights: list[int] | None = None  # the weights' addresses when graphs were captured
 

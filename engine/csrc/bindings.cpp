@@ -26,6 +26,7 @@ bool set_quant_vnni(bool on);
 at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor top_p, at::Tensor min_p, at::Tensor keys,
                        at::Tensor counters);
 at::Tensor race_uniforms(int64_t key, int64_t counter, int64_t n);
+at::Tensor logsumexp_rows(at::Tensor logits);
 
 // Every kernel runs with the GIL released, as torch's own ops do: while the engine thread computes
 // a step, the server's event loop and other threads run Python.
@@ -62,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy) within its top-p and min-p, its uniforms Philox4x32-10's of the row's key and counter (CPU)",
         py::arg("logits"), py::arg("temperature"), py::arg("top_p"), py::arg("min_p"), py::arg("keys"),
         py::arg("counters"), NoGil());
+  m.def("logsumexp_rows", &logsumexp_rows, "log(sum(exp(row))) of each row, read in the logits' own dtype (CPU)",
+        NoGil());
   m.def("race_uniforms", &race_uniforms, "The n uniforms sample_race reads for one key and counter", py::arg("key"),
         py::arg("counter"), py::arg("n"), NoGil());
   m.def("linear_panel_width", &linear_panel_width, "Output columns per weight panel of this build");

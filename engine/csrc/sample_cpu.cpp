@@ -299,6 +299,48 @@ at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor top
   return out;
 }
 
+// log(sum(exp(row))) of each row [rows] (float32), read in the logits' own dtype: the normaliser of
+// the raw logprobs, without a float32 copy of the logits or a temporary of their size. A row of -inf
+// only: -inf.
+at::Tensor logsumexp_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
+              "logsumexp_rows: logits must be [rows, vocab] with vocab > 0 and contiguous rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  const float lowest = -std::numeric_limits<float>::infinity();
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = logits.data_ptr<T>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = src + r * stride;
+        const int64_t body = vocab / kLanes * kLanes;
+        vfloat top = vfloat{} + lowest;
+        for (int64_t i = 0; i < body; i += kLanes) {
+          const vfloat v = load(row + i);
+          top = v > top ? v : top;
+        }
+        float m = lowest;
+        for (int j = 0; j < kLanes; ++j) m = std::max(m, top[j]);
+        for (int64_t i = body; i < vocab; ++i) m = std::max(m, static_cast<float>(row[i]));
+        if (!(m > lowest) || std::isinf(m)) {  // all -inf (or a +inf): what torch's logsumexp gives
+          dst[r] = m;
+          continue;
+        }
+        vfloat sum{};
+        for (int64_t i = 0; i < body; i += kLanes) sum += exp_neg(load(row + i) - m);
+        double total = 0.0;
+        for (int j = 0; j < kLanes; ++j) total += sum[j];
+        for (int64_t i = body; i < vocab; ++i) total += std::exp(static_cast<double>(static_cast<float>(row[i])) - m);
+        dst[r] = m + static_cast<float>(std::log(total));
+      }
+    });
+  };
+  for_each_float_type(logits, "logsumexp_rows", run);
+  return out;
+}
+
 // The race's uniforms of one (key, counter): n float32 draws in [0, 1), as sample_race reads them
 at::Tensor race_uniforms(int64_t key, int64_t counter, int64_t n) {
   TORCH_CHECK(n >= 0 && n < (int64_t{1} << 31), "race_uniforms: 0 <= n < 2^31");

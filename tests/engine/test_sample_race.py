@@ -158,6 +158,21 @@ def test_sampled_frequencies_are_softmaxs(ops) -> None:
         assert (freq - torch.softmax(logits.double() / t, -1)).abs().max() < 0.015, freq
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kernels_logsumexp_is_torchs(ops, dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(5, 49157, generator=g) * 4).to(dtype)
+    x[1, ::3] = float("-inf")
+    x[2] = float("-inf")  # nothing finite: -inf, as torch
+    x[3, :7] = 30.0
+    out = ops.logsumexp_rows(x)
+    want = torch.logsumexp(x.float(), dim=-1)
+    assert out.dtype == torch.float32 and out[2] == float("-inf")
+    assert torch.allclose(out[[0, 1, 3, 4]], want[[0, 1, 3, 4]], rtol=1e-6, atol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.logsumexp_rows(torch.zeros(8, 1, 2)[:, :, 0].t())
+
+
 def test_a_row_of_ties_is_greedys_first_and_refusals_are_clear(ops) -> None:
     ties = torch.zeros(2, 100, dtype=torch.bfloat16)
     ties[:, [17, 40, 90]] = 1.0

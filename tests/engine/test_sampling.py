@@ -96,6 +96,31 @@ def test_logprobs_match_log_softmax_of_the_models_logits() -> None:
         assert set(top) == set(expected[step].topk(5).indices.tolist())
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_with_the_kernels_are_torchs(mode) -> None:
+    """The CPU backend's race and logsumexp give the logprobs torch's ops give, sampled rows and
+    greedy ones, a token's and each row's top ones."""
+    from engine.backends.cpu import SDPABackend
+    from engine.sampler import Sampler
+
+    backend = SDPABackend()
+    logits = _tied_logits(1, 4, vocab=3000)[0].bfloat16()
+    reqs = [_request(seed=1, logprobs=3), _request(seed=2, temperature=0.0, logprobs=0), _request(seed=3, top_p=0.8, logprobs=5),
+            _request(seed=4)]  # fmt: skip
+    fast = Sampler(0, argmax=backend.argmax, race=backend.sample_race, logsumexp=backend.logsumexp,
+                   logprobs_mode=mode)(logits, reqs)  # fmt: skip
+    plain = Sampler(0, logprobs_mode=mode)(logits, reqs)
+    assert fast.tokens[1] == plain.tokens[1] == int(logits[1].float().argmax())
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    for row, token in enumerate(fast.tokens):
+        if mode == "raw_logprobs":
+            assert abs(fast.logprobs[row] - raw[row, token].item()) < 1e-5
+    for got, want in zip(fast.top_logprobs, plain.top_logprobs):
+        assert (got is None) == (want is None)
+        if got is not None and mode == "raw_logprobs":
+            assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-5 for t in got)
+
+
 def test_min_new_tokens_holds_eos_back_and_eos_stops() -> None:
     model = model_for("llama")
     prompt = list(prompts_for()[2])

@@ -22,12 +22,12 @@ waits at a barrier for a preempted thread.
 
 Short work that wakes while a step runs (the event loop sending a token, the output thread
 detokenising it) is not worth a lend, but under the scheduler's fair share it may wait for a
-spinning team member's time slice before it runs, and the token reaches its client late. So the
-engine thread runs at a lower priority than the rest of the process (nice CBSERVE_ENGINE_NICE,
-ENGINE_NICE unless set; 0 leaves it as it is), and with it its OpenMP workers, which it starts and
-which inherit it: such work then preempts the team at once. The team's own throughput is the same
-(nothing else competes with it at length), and a one-user stream's inter-token p90 and p99 came
-down by about a tenth on a 2-core Zen 5 (docs/benchmarks.md, "The engine's priority").
+spinning team member's time slice before it runs, and the token reaches its client late. With
+CBSERVE_ENGINE_NICE=N the engine thread runs at nice N, below the rest of the process, and with it
+its OpenMP workers, which it starts and which inherit it: such work then preempts the team at once.
+Off by default (ENGINE_NICE, 0): on a 2-core Zen 5 it shortened a one-user stream's inter-token
+p90 in a fine alternation, but in end-to-end runs its effect on the p99, and on the 16-user
+throughput, stayed within the host's noise (docs/benchmarks.md, "The engine's priority").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 SPIN_ENV = "GOMP_SPINCOUNT"
 SPIN_COUNT = 300_000
 NICE_ENV = "CBSERVE_ENGINE_NICE"
-ENGINE_NICE = 5  # the engine thread's nice (0-19); the server's event loop and output thread keep 0
+ENGINE_NICE = 0  # the engine thread's nice (0-19; 0: the process's); the event loop and output thread keep it
 
 
 def set_spin_default(environ: MutableMapping[str, str] = os.environ) -> str | None:

@@ -158,7 +158,7 @@ def _nice_of(tid: int) -> int:
 
 
 def test_the_engine_nice_is_read_from_the_environment_and_bad_values_are_named() -> None:
-    assert engine_nice({}) == ENGINE_NICE == 5
+    assert engine_nice({}) == ENGINE_NICE == 0
     assert engine_nice({NICE_ENV: "0"}) == 0 and engine_nice({NICE_ENV: " 19 "}) == 19
     for bad in ("-3", "20", "nice", "1.5"):
         with pytest.raises(ValueError, match=f"{NICE_ENV}='{bad.strip()}': an integer from 0"):

@@ -62,8 +62,7 @@ int64_t row_argmax(const T* row, int64_t n) {
 }  // namespace
 
 at::Tensor argmax_rows(at::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
-              "argmax_rows: logits must be [rows, vocab] with vocab > 0 and contiguous rows");
+  check_logits(logits, "argmax_rows");
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* dst = out.data_ptr<int64_t>();

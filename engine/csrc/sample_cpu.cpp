@@ -245,8 +245,7 @@ Best race_chunk(const T* row, int64_t begin, int64_t end, float inv_t, bool gree
 // and counter counters[r]
 at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor top_p, at::Tensor min_p, at::Tensor keys,
                        at::Tensor counters) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
-              "sample_race: logits must be [rows, vocab] with vocab > 0 and contiguous rows");
+  check_logits(logits, "sample_race");
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   TORCH_CHECK(vocab < (int64_t{1} << 31), "sample_race: a vocabulary under 2^31 tokens");
   for (const at::Tensor* t : {&temperature, &top_p, &min_p, &keys, &counters})
@@ -303,8 +302,7 @@ at::Tensor sample_race(at::Tensor logits, at::Tensor temperature, at::Tensor top
 // the raw logprobs, without a float32 copy of the logits or a temporary of their size. A row of -inf
 // only: -inf.
 at::Tensor logsumexp_rows(at::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
-              "logsumexp_rows: logits must be [rows, vocab] with vocab > 0 and contiguous rows");
+  check_logits(logits, "logsumexp_rows");
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();

@@ -102,6 +102,12 @@ void for_each_float_type(const at::Tensor& t, const char* name, F f) {
   }
 }
 
+// logits [rows, vocab] with vocab > 0 and contiguous rows, or an error naming the kernel
+inline void check_logits(const at::Tensor& logits, const char* name) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1, name,
+              ": logits must be [rows, vocab] with vocab > 0 and contiguous rows");
+}
+
 inline float hsum(vfloat v) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v[i];

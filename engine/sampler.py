@@ -174,7 +174,6 @@ class Sampler:
             tokens.index_copy_(0, index, drawn)
         return _result(tokens, raw_logprobs, reqs)
 
-
     @staticmethod
     def _process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Logit bias, the EOS ban before min_new_tokens, the penalties, then the grammar's mask,

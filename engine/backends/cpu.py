@@ -85,16 +85,20 @@ class SDPABackend(AttentionBackend):
             and query.stride(-1) == 1
         )
 
+    def _kernels_read(self, logits: torch.Tensor) -> bool:
+        """Whether the logits kernels (argmax, logsumexp, race) take these logits as they are."""
+        return self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens [rows] from logits [rows, vocab], read in their own dtype by the kernel."""
-        if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
+        if self._kernels_read(logits):
             return self.ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
     def logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's logsumexp, float32, the logits read in their own dtype by the kernel (no float32
         copy of them, no temporary of their size)."""
-        if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
+        if self._kernels_read(logits):
             return self.ops.logsumexp_rows(logits)
         return torch.logsumexp(logits.float(), dim=-1)
 
@@ -102,7 +106,7 @@ class SDPABackend(AttentionBackend):
                     keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Sampled tokens [rows] by the kernel's one-pass race (engine/csrc/sample_cpu.cpp), logits read
         in their own dtype; None where the kernels are not loaded or cannot read these logits."""
-        if self.ops is not None and logits.dtype in KERNEL_DTYPES and logits.dim() == 2 and logits.stride(1) == 1:
+        if self._kernels_read(logits):
             return self.ops.sample_race(logits, temperature, top_p, min_p, keys, counters)
         return None
 

@@ -12,9 +12,13 @@
 // few rows (decode tokens) reads keys and values where they lie in the cache, a block's rows in
 // order, and gets q.k by a transposing reduction of kLanes partial sums: it reads each row once, so
 // a staged copy would only add a store and a load per value, and loads straight from memory overlap
-// with the products. Softmax runs over whole rows, then p.V accumulates up to four rows at a time;
-// everything is float32 whatever the cache dtype (float32, bfloat16, float16). Threads take items
-// from a shared counter, largest first. Every index is checked before any memory is read.
+// with the products. An item takes its keys kKeyChunk at a time: the chunk's scores, a softmax that
+// keeps each row's running max and sum (rescaling the row's sums when a later chunk's max is larger,
+// as flash attention does), then p.V accumulating up to four rows at a time; so the scores stay in
+// the core's own caches whatever the context's length, and the next rows of keys and values are
+// prefetched while a group's products run. Everything is float32 whatever the cache dtype (float32,
+// bfloat16, float16). Threads take items from a shared counter, largest first. Every index is
+// checked before any memory is read.
 //
 // Cascade: decode tokens of sequences that share their leading cache blocks (one prompt with many
 // samples, a common system prompt) attend over the shared part together, before the items run: per
@@ -39,9 +43,14 @@ namespace {
 
 using namespace cbserve;
 
-constexpr int64_t kTileRows = 64;  // rows (queries x grouped heads) per item in prefill chunks
+// rows (queries x grouped heads) per item in prefill chunks: each item reads its keys and values once,
+// so more rows an item is less reading for a long context (64 rows ran at 0.85x the speed of 128
+// over 16,384-32,768 keys, 2026-11-29)
+constexpr int64_t kTileRows = 128;
 constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k runs on a transposed key tile
 constexpr int64_t kStreams = 4;  // tiles staged together, their rows read in turn (see walk)
+// keys a pass of an item takes (a multiple of kStreams x kLanes): its scores, rows x this, stay in the core's caches
+constexpr int64_t kKeyChunk = 256;
 // register blocks sized to the register file: 32 registers of 16 lanes under AVX-512, 16 of 8 under
 // AVX2 (accumulators plus the loaded operands must fit, or the loops spill to the stack)
 constexpr int kQkRows = kLanes == 16 ? 8 : 4;  // q.k rows against two transposed tiles: 2 x rows accumulators
@@ -110,6 +119,13 @@ inline void transpose_lanes(vfloat* r) {
 #undef CB_SECOND
 #undef CB_SWAP
 
+// {0, 1, ..., kLanes - 1}
+inline vint lane_index() {
+  vint v;
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+
 inline float hmax(vfloat v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -159,15 +175,37 @@ struct Attention {
   // end; a group's rows are consecutive there) and calling visit(g0, rows, staged) per group. A
   // group's tiles lie in different blocks and their rows are read in turn: reading several places
   // at once keeps more memory reads in flight (random 8 KB blocks read at 12 GB/s one at a time,
-  // 20 GB/s four at a time on this project's machine).
+  // 20 GB/s four at a time on this project's machine). Before a group is staged the next one's rows
+  // are prefetched (up to `ahead` rows past the range, which the caller will walk next), so that
+  // they come from memory while this group's products run: a long context's keys are read from
+  // memory by every item, and without it each group waited for its rows (a 512-query chunk over
+  // 16,384 keys ran at three quarters of the speed of one over 1,750).
   template <typename Visit>
   void walk(const T* cache, int64_t dim, int64_t seq, int64_t h0, int64_t h1, int64_t first, int64_t n,
-            float* staged, Visit visit) const {
+            int64_t ahead, float* staged, Visit visit, const T* also = nullptr, int64_t also_dim = 0) const {
     const int32_t* table = block_tables + seq * max_blocks;
     const int64_t row_stride = num_kv_heads * dim, width = (h1 - h0) * dim, chunks = width / kLanes;
     const int64_t tile_size = kLanes * width;
     const T* base = cache + h0 * dim;
-    for (int64_t g0 = 0; g0 < n; g0 += kStreams * kLanes) {
+    auto row = [&](int64_t key) {
+      return base + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * row_stride;
+    };
+    constexpr int64_t kGroup = kStreams * kLanes;
+    const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
+    const int64_t also_stride = num_kv_heads * also_dim, also_bytes = (h1 - h0) * also_dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
+      const int64_t next_end = std::min(g0 + 2 * kGroup, n + ahead);
+      for (int64_t t = g0 + kGroup; t < next_end; ++t) {
+        const char* p = reinterpret_cast<const char*>(row(first + t));
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
+      }
+      if (also)  // the same rows of another cache (the values, walked after this group's scores)
+        for (int64_t t = g0; t < std::min(g0 + kGroup, n); ++t) {
+          const int64_t key = first + t;
+          const char* p = reinterpret_cast<const char*>(
+              also + h0 * also_dim + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * also_stride);
+          for (int64_t b = 0; b < also_bytes; b += 64) __builtin_prefetch(p + b);
+        }
       const int64_t tiles = std::min<int64_t>(kStreams, (n - g0 + kLanes - 1) / kLanes);
       for (int64_t j = 0; j < kLanes; ++j)
         for (int64_t g = 0; g < tiles; ++g) {
@@ -177,8 +215,7 @@ struct Attention {
             std::fill(dst, dst + width, 0.0f);
             continue;
           }
-          const int64_t key = first + t;
-          const T* src = base + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * row_stride;
+          const T* src = row(first + t);
           for (int64_t c = 0; c < chunks; ++c) store(dst + c * kLanes, load(src + c * kLanes));
         }
       visit(g0, std::min(n - g0, tiles * kLanes), staged);
@@ -349,16 +386,16 @@ struct Attention {
     const int64_t per_head = (it.q1 - it.q0) * group, rows = heads * per_head;
     const int64_t last = pos0 + it.q1 - 1;  // keys up to the last query's position
     const int64_t first = first_key(it.seq, pos0 + it.q0);
-    const int64_t n = last - first + 1, npad = (n + kLanes - 1) / kLanes * kLanes;
+    const int64_t n = last - first + 1;
     const int64_t k_width = heads * head_dim, v_width = heads * v_dim;
     s.q.resize(rows * head_dim);
     s.keys.resize(kStreams * kLanes * k_width);
     s.keys_t.resize(kStreams * head_dim * kLanes);
     s.values.resize(kStreams * kLanes * v_width);
-    s.scores.resize(rows * npad);
+    s.scores.resize(rows * kKeyChunk);
     s.acc.assign(rows * v_dim, 0.0f);
-    s.total.resize(rows);
-    s.max.resize(rows);
+    s.total.assign(rows, 0.0f);
+    s.max.assign(rows, -INFINITY);
     // row r = (hh * queries + i) * group + g: query it.q0 + i of query head (it.h0 + hh) * group + g, scaled
     auto token = [&](int64_t r) { return chunk_start + it.q0 + (r % per_head) / group; };
     auto head = [&](int64_t r) { return (it.h0 + r / per_head) * group + r % group; };
@@ -366,45 +403,74 @@ struct Attention {
       const T* src = q + token(r) * q_stride_t + head(r) * q_stride_h;
       for (int64_t c = 0; c < kc; ++c) store(s.q.data() + r * head_dim + c * kLanes, load(src + c * kLanes) * scale);
     }
-    // scores[r, t] = q_r . k_(first + t)
     const bool in_place = per_head < kTransposeRows;  // few rows (decode tokens): no staging
-    if (in_place) {
-      scores_in_place<KC>(it, s, per_head, rows, first, n, npad);
-    } else {
-      walk(k_cache, head_dim, it.seq, it.h0, it.h1, first, n, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
-        const int64_t tiles = (gn + kLanes - 1) / kLanes;
-        for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, tiles, hh, per_head, k_width, npad, g0);
-      });
-    }
-    // softmax over each row's own keys (causal, sliding window); others get probability 0
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s.scores.data() + r * npad;
-      const int64_t qpos = pos0 + it.q0 + (r % per_head) / group;
-      const int64_t lo = first_key(it.seq, qpos) - first, hi = qpos - first + 1;
-      std::fill(sr, sr + lo, -INFINITY);
-      std::fill(sr + hi, sr + npad, -INFINITY);
-      vfloat vm = vfloat{} - INFINITY;
-      for (int64_t t = 0; t < npad; t += kLanes) {
-        const vfloat v = load(sr + t);
-        vm = v > vm ? v : vm;
+    // the keys a chunk of kKeyChunk at a time, the softmax online (each row's running max and sum,
+    // its sums rescaled when the max grows): the scores stay in the core's own caches however long
+    // the context is
+    for (int64_t c0 = 0; c0 < n; c0 += kKeyChunk) {
+      const int64_t cn = std::min(kKeyChunk, n - c0), cpad = (cn + kLanes - 1) / kLanes * kLanes;
+      // scores[r, t] = q_r . k_(first + c0 + t)
+      if (in_place) {
+        scores_in_place<KC>(it, s, per_head, rows, first + c0, cn, kKeyChunk);
+      } else {
+        walk(k_cache, head_dim, it.seq, it.h0, it.h1, first + c0, cn, n - c0 - cn, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
+          const int64_t tiles = (gn + kLanes - 1) / kLanes;
+          for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, tiles, hh, per_head, k_width, kKeyChunk, g0);
+        }, v_cache, v_dim);
       }
-      const float m = hmax(vm);
-      s.max[r] = m;
-      for (int64_t t = 0; t < npad; t += kLanes) store(sr + t, exp_neg(load(sr + t) - m));
-      std::fill(sr, sr + lo, 0.0f);
-      std::fill(sr + hi, sr + npad, 0.0f);
-      vfloat vsum{};
-      for (int64_t t = 0; t < npad; t += kLanes) vsum += load(sr + t);
-      s.total[r] = hsum(vsum);
-    }
-    // acc[r] = sum_t p[r, t] v_t: up to four rows of one head at a time
-    if (in_place) {
-      values_in_place(it, s, heads, per_head, first, n, npad);
-    } else {
-      // (a staged group's rows are consecutive, so its tiles count as one)
-      walk(v_cache, v_dim, it.seq, it.h0, it.h1, first, n, s.values.data(), [&](int64_t t0, int64_t tn, const float* values) {
-        for (int64_t hh = 0; hh < heads; ++hh) accumulate_head(s, hh, per_head, npad, t0, values + hh * v_dim, v_width, tn);
-      });
+      // each row's own keys of the chunk (causal, sliding window) into exp(score - running max);
+      // the others get probability 0
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s.scores.data() + r * kKeyChunk;
+        const int64_t qpos = pos0 + it.q0 + (r % per_head) / group;
+        const int64_t lo = std::clamp<int64_t>(first_key(it.seq, qpos) - first - c0, 0, cpad);
+        const int64_t hi = std::clamp<int64_t>(qpos - first - c0 + 1, lo, cpad);
+        if (lo == hi) {
+          std::fill(sr, sr + cpad, 0.0f);
+          continue;
+        }
+        // lanes of keys [lo, hi) in the vector of keys t .. t + kLanes
+        auto own = [&](int64_t t) {
+          const vint key = lane_index() + static_cast<int32_t>(t);
+          return (key >= static_cast<int32_t>(lo)) & (key < static_cast<int32_t>(hi));
+        };
+        // vectors wholly inside [lo, hi) need no mask; those wholly outside are zeros
+        const int64_t a = lo / kLanes * kLanes, b = (hi + kLanes - 1) / kLanes * kLanes;
+        auto edge = [&](int64_t t) { return t < lo || t + kLanes > hi; };
+        vfloat vm = vfloat{} - INFINITY;
+        for (int64_t t = a; t < b; t += kLanes) {
+          const vfloat v = load(sr + t);
+          vm = ((edge(t) ? own(t) : vint{} - 1) & (v > vm)) ? v : vm;
+        }
+        const float m_old = s.max[r], m = std::max(m_old, hmax(vm));
+        std::fill(sr, sr + a, 0.0f);
+        std::fill(sr + b, sr + cpad, 0.0f);
+        vfloat vsum{};
+        for (int64_t t = a; t < b; t += kLanes) {
+          vfloat p = exp_neg(load(sr + t) - m);
+          if (edge(t)) p = own(t) ? p : vfloat{};
+          store(sr + t, p);
+          vsum += p;
+        }
+        float total = s.total[r];
+        if (m > m_old && m_old != -INFINITY) {  // the sums so far were relative to a smaller max
+          const float f = std::exp(m_old - m);
+          total *= f;
+          float* a = s.acc.data() + r * v_dim;
+          for (int64_t i = 0; i < v_dim; i += kLanes) store(a + i, load(a + i) * f);
+        }
+        s.total[r] = total + hsum(vsum);
+        s.max[r] = m;
+      }
+      // acc[r] += sum_t p[r, t] v_(first + c0 + t): up to four rows of one head at a time
+      if (in_place) {
+        values_in_place(it, s, heads, per_head, first + c0, cn, kKeyChunk);
+      } else {
+        // (a staged group's rows are consecutive, so its tiles count as one)
+        walk(v_cache, v_dim, it.seq, it.h0, it.h1, first + c0, cn, n - c0 - cn, s.values.data(), [&](int64_t t0, int64_t tn, const float* values) {
+          for (int64_t hh = 0; hh < heads; ++hh) accumulate_head(s, hh, per_head, kKeyChunk, t0, values + hh * v_dim, v_width, tn);
+        });
+      }
     }
     finish(it, s, rows, per_head, group, chunk_start);
   }

@@ -123,6 +123,45 @@ def test_kernel_matches_definition(dtype, tol, step, heads, kv_heads, window, di
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+# The kernel takes an item's keys 256 at a time (its softmax online): steps whose keys span several
+# such chunks, with windows that leave a row no key in some chunk and chunks that start mid-block
+LONG_STEPS = {
+    "long decodes": ([1, 1, 1], [700, 257, 513]),
+    "prompt over chunks": ([300], [300]),
+    "chunk after history": ([300, 1], [400, 600]),
+}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("step", list(LONG_STEPS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("window", [0, 5, 200, 300])
+def test_kernel_matches_definition_over_many_key_chunks(dtype, tol, step, heads, kv_heads, window) -> None:
+    q_lens, k_lens = LONG_STEPS[step]
+    q, k_cache, v_cache, tables, lens, starts = random_step(q_lens, k_lens, heads, kv_heads, 64, dtype, seed=window)
+    out = torch.empty_like(q)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, 0.125, window)
+    expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, window)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rising", [True, False])
+def test_kernel_rescales_its_sums_when_a_later_chunk_scores_far_higher(rising) -> None:
+    """Keys grow (or shrink) block by block, so one chunk's scores lie far above another's (beyond
+    what exp can hold in float32): the running sums are rescaled to the new max, never overflow."""
+    q, k_cache, v_cache, tables, lens, starts = random_step([1, 200], [900, 900], 8, 2, 64, torch.float32, seed=3)
+    for b in range(len(lens)):
+        blocks = tables[b, : -(-int(lens[b]) // 16)].tolist()
+        for j, block in enumerate(blocks if rising else blocks[::-1]):
+            k_cache[block] *= 1 + j / 4
+    out, expected = torch.empty_like(q), reference_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, 0)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, tables, lens, starts, 0.125, 0)
+    assert torch.isfinite(out).all()
+    # scores up to about 100 carry float32 rounding of about 1e-5 into each probability; a sum left
+    # at a stale max would be off by orders of magnitude
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_kernel_refuses_what_it_cannot_do() -> None:
     """Bad shapes, dtypes or indices are a clear error, never a read outside the cache."""
     ops = cpu_ops()

@@ -110,14 +110,14 @@ def test_kernel_flags_and_cache_tags_follow_the_isa_and_the_torch_install(monkey
 KERNEL_CHECK = """
     import torch
     from engine.backends.cpu_kernels import cpu_ops
-    from tests.engine.test_cpu_fast_paths import STEPS, random_step, reference_attention
+    from tests.engine.test_cpu_fast_paths import LONG_STEPS, STEPS, random_step, reference_attention
     ops = cpu_ops()
-    for q_lens, k_lens in STEPS.values():
+    for (q_lens, k_lens), window in [*((s, 0) for s in STEPS.values()), *((s, 200) for s in LONG_STEPS.values())]:
         for dtype in (torch.float32, torch.bfloat16):
             q, kc, vc, t, kl, qs = random_step(q_lens, k_lens, 8, 2, 64, dtype, seed=1)
             out = torch.empty_like(q)
-            ops.paged_attention(out, q, kc, vc, t, kl, qs, 0.125, 0)
-            ref = reference_attention(q, kc, vc, t, kl, qs, 0.125, 0)
+            ops.paged_attention(out, q, kc, vc, t, kl, qs, 0.125, window)
+            ref = reference_attention(q, kc, vc, t, kl, qs, 0.125, window)
             assert torch.allclose(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5), (q_lens, dtype)
     x = torch.randn(5, 72)
     assert torch.equal(ops.argmax_rows(x), x.argmax(-1))

@@ -7,6 +7,7 @@
                                          [--paths native] [--lone-prompt 580] [--context 300]
     python benchmarks/cpu_paths.py mixed [--model embedded] [--dtype float32] [--decodes 15]
                                          [--chunks 0,8,16,32,64,128,192] [--runs 6]
+    python benchmarks/cpu_paths.py prompt [--model embedded] [--dtype float32] [--tokens 8000] [--runs 2]
 
 `--model embedded` runs `ab` and `split` on the real SmolLM2-135M-Instruct instead of the random
 model (throughput.py's `--model`); W4 is its workload of mixed prompt lengths.
@@ -40,6 +41,11 @@ it: `--decodes` requests decoding, then steps that also take a new prompt of k t
 each k of `--chunks` (0: the decodes alone), `--runs` times each in a shuffled order (the decodes'
 contexts grow meanwhile); it prints each k's median and best milliseconds and the median's
 milliseconds per prompt token above the decodes alone.
+
+`prompt` times one long prompt (`--tokens` random ids, one token out) through an engine with the
+default config but the cache (so in 1,024-token steps, as `cbserve serve` takes it), `--runs` times
+after a short warm-up request, the prefix cache emptied between runs: seconds to the first token,
+and the median. Long prompts are where the attention kernel's share of a step grows.
 
 `products` times linear products on packed weights, best of three rounds, microseconds per call:
 the W1 model's q/k/v (512 + 256 + 256 outputs) and gate/up (2 x 1376) for 64 and 1,024 rows on
@@ -161,6 +167,28 @@ def split(model, prompts, new_tokens: int) -> None:
                       f"attention {1e3 * attention / n:.1f}, rest {1e3 * (total - linear - attention) / n:.1f}")  # fmt: skip
     finally:
         cpu_linear._packed_linear = packed_linear
+
+
+def long_prompt(model, tokens: int, runs: int) -> list[float]:
+    """Seconds from adding one `tokens`-token prompt (one token out) to its end, per run."""
+    engine = LLMEngine(model, cache())
+    ids = torch.randint(100, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    warm = engine.make_request(ids[:64], max_new_tokens=2, ignore_eos=True)
+    engine.add_request(warm)
+    while engine.has_unfinished():
+        engine.step()
+    seconds = []
+    for i in range(runs):
+        engine.reset_prefix_cache()
+        engine.add_request(engine.make_request(ids, max_new_tokens=1, ignore_eos=True))
+        start, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        seconds.append(time.perf_counter() - start)
+        print(f"run {i + 1}: a {tokens}-token prompt in {seconds[-1]:.3f} s ({steps} steps)", flush=True)
+    print(f"median {statistics.median(seconds):.3f} s")
+    return seconds
 
 
 def prompt_step(model, native: bool, prompt: list[int]) -> float:
@@ -314,7 +342,7 @@ def products(dtype: torch.dtype) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ab", "split", "products", "steps", "mixed"])
+    parser.add_argument("mode", choices=["ab", "split", "products", "steps", "mixed", "prompt"])
     parser.add_argument("--what", default="fused", choices=["fused", "grouped", "cascade", "panels"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
@@ -332,7 +360,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decodes", type=int, default=15, help="mixed: running decodes (default 15)")
     parser.add_argument("--chunks", default="0,8,16,32,64,128,192",
                         help="mixed: prompt tokens a step takes beside the decodes (default 0,8,16,32,64,128,192)")
+    parser.add_argument("--tokens", type=int, default=8000, help="prompt: its length in tokens (default 8000)")
     args = parser.parse_args(argv)
+    if args.tokens < 1:
+        parser.error(f"--tokens must be at least 1, got {args.tokens}")
     if error := workloads.block_size_error(args.block_size):
         parser.error(error)
     if args.context < 1:
@@ -368,7 +399,9 @@ def main() -> None:
     new_tokens = workloads.NEW_TOKENS[args.workload]
     if make_engine(model).backend.ops is None:
         raise SystemExit(f"{args.mode}: cbserve's CPU kernels are not available here (make kernels)")
-    if args.mode == "mixed":
+    if args.mode == "prompt":
+        long_prompt(model, args.tokens, args.runs)
+    elif args.mode == "mixed":
         mixed_steps(model, args.decodes, args.chunks, args.runs)
     elif args.mode == "steps":
         decode_steps(model, args.runs, args.batches, prompt_len=args.context, paths=args.paths,

@@ -61,3 +61,15 @@ def test_the_offline_benchmark_names_a_block_size_that_cannot_cut_its_cache(benc
     assert throughput.block_size_error(block_size) == (
         f"--block-size must be a power of two up to {throughput.CACHE_TOKENS}, got {block_size}")
     assert throughput.block_size_error(throughput.BLOCK_SIZE) is None and throughput.block_size_error(16) is None
+
+
+def test_a_long_prompt_is_timed_to_its_first_token(cpu_paths, capsys) -> None:
+    from engine.testing import build_test_model
+
+    assert cpu_paths.parse_args(["prompt", "--tokens", "300"]).tokens == 300
+    with pytest.raises(SystemExit):
+        cpu_paths.parse_args(["prompt", "--tokens", "0"])
+    seconds = cpu_paths.long_prompt(build_test_model("llama"), tokens=40, runs=2)
+    assert len(seconds) == 2 and min(seconds) > 0
+    out = capsys.readouterr().out
+    assert "run 2: a 40-token prompt in" in out and "median" in out

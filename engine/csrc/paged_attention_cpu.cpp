@@ -51,6 +51,7 @@ constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k run
 constexpr int64_t kStreams = 4;  // tiles staged together, their rows read in turn (see walk)
 // keys a pass of an item takes (a multiple of kStreams x kLanes): its scores, rows x this, stay in the core's caches
 constexpr int64_t kKeyChunk = 256;
+constexpr int64_t kPrefetchKeys = 2 * kLanes;  // how far ahead a decode token's key rows are fetched
 // register blocks sized to the register file: 32 registers of 16 lanes under AVX-512, 16 of 8 under
 // AVX2 (accumulators plus the loaded operands must fit, or the loops spill to the stack)
 constexpr int kQkRows = kLanes == 16 ? 8 : 4;  // q.k rows against two transposed tiles: 2 x rows accumulators
@@ -118,6 +119,12 @@ inline void transpose_lanes(vfloat* r) {
 #undef CB_FIRST
 #undef CB_SECOND
 #undef CB_SWAP
+
+// the cache lines of [p, p + bytes) on their way to this core's caches
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+}
 
 // {0, 1, ..., kLanes - 1}
 inline vint lane_index() {
@@ -195,16 +202,12 @@ struct Attention {
     const int64_t also_stride = num_kv_heads * also_dim, also_bytes = (h1 - h0) * also_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
       const int64_t next_end = std::min(g0 + 2 * kGroup, n + ahead);
-      for (int64_t t = g0 + kGroup; t < next_end; ++t) {
-        const char* p = reinterpret_cast<const char*>(row(first + t));
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
-      }
+      for (int64_t t = g0 + kGroup; t < next_end; ++t) prefetch(row(first + t), row_bytes);
       if (also)  // the same rows of another cache (the values, walked after this group's scores)
         for (int64_t t = g0; t < std::min(g0 + kGroup, n); ++t) {
           const int64_t key = first + t;
-          const char* p = reinterpret_cast<const char*>(
-              also + h0 * also_dim + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * also_stride);
-          for (int64_t b = 0; b < also_bytes; b += 64) __builtin_prefetch(p + b);
+          prefetch(also + h0 * also_dim + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * also_stride,
+                   also_bytes);
         }
       const int64_t tiles = std::min<int64_t>(kStreams, (n - g0 + kLanes - 1) / kLanes);
       for (int64_t j = 0; j < kLanes; ++j)
@@ -322,11 +325,21 @@ struct Attention {
   // Scores of few rows, the keys read where they lie in the cache, kLanes keys at a time (past the
   // last key: the last key again, masked by the softmax). Staging costs more than it saves here: a
   // decode token's keys are read once, and loads straight from memory overlap with the products.
+  // The key rows kPrefetchKeys ahead (up to `ahead` past the range) and this tile's value rows (p.V
+  // reads them after the chunk's softmax) are prefetched: the hardware's own prefetch alone left a
+  // long context's decode tokens reading at half the host's bandwidth.
   template <int KC>
   void scores_in_place(const Item& it, Scratch& s, int64_t per_head, int64_t rows, int64_t first, int64_t n,
-                       int64_t npad) const {
+                       int64_t npad, int64_t ahead) const {
     const int64_t kc = KC ? KC : head_dim / kLanes;
+    const int64_t k_bytes = (it.h1 - it.h0) * head_dim * static_cast<int64_t>(sizeof(T));
+    const int64_t v_bytes = (it.h1 - it.h0) * v_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const int64_t t = t0 + kPrefetchKeys + j;
+        if (t < n + ahead) prefetch(cache_row(k_cache, head_dim, it.seq, it.h0, first + t), k_bytes);
+        if (t0 + j < n) prefetch(cache_row(v_cache, v_dim, it.seq, it.h0, first + t0 + j), v_bytes);
+      }
       const T* kp[kLanes];
       for (int64_t j = 0; j < kLanes; ++j) kp[j] = cache_row(k_cache, head_dim, it.seq, it.h0, first + std::min(t0 + j, n - 1));
       for (int64_t r = 0; r < rows; ++r) {
@@ -411,7 +424,7 @@ struct Attention {
       const int64_t cn = std::min(kKeyChunk, n - c0), cpad = (cn + kLanes - 1) / kLanes * kLanes;
       // scores[r, t] = q_r . k_(first + c0 + t)
       if (in_place) {
-        scores_in_place<KC>(it, s, per_head, rows, first + c0, cn, kKeyChunk);
+        scores_in_place<KC>(it, s, per_head, rows, first + c0, cn, kKeyChunk, n - c0 - cn);
       } else {
         walk(k_cache, head_dim, it.seq, it.h0, it.h1, first + c0, cn, n - c0 - cn, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
           const int64_t tiles = (gn + kLanes - 1) / kLanes;

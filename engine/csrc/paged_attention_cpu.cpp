@@ -12,7 +12,7 @@
 // few rows (decode tokens) reads keys and values where they lie in the cache, a block's rows in
 // order, and gets q.k by a transposing reduction of kLanes partial sums: it reads each row once, so
 // a staged copy would only add a store and a load per value, and loads straight from memory overlap
-// with the products. An item takes its keys kKeyChunk at a time: the chunk's scores, a softmax that
+// with the products. An item takes its keys a chunk at a time (512 or 256): the chunk's scores, a softmax that
 // keeps each row's running max and sum (rescaling the row's sums when a later chunk's max is larger,
 // as flash attention does), then p.V accumulating up to four rows at a time; so the scores stay in
 // the core's own caches whatever the context's length, and the next rows of keys and values are
@@ -49,8 +49,13 @@ using namespace cbserve;
 constexpr int64_t kTileRows = 128;
 constexpr int64_t kTransposeRows = 8;  // from this many rows of a head, q.k runs on a transposed key tile
 constexpr int64_t kStreams = 4;  // tiles staged together, their rows read in turn (see walk)
-// keys a pass of an item takes (a multiple of kStreams x kLanes): its scores, rows x this, stay in the core's caches
-constexpr int64_t kKeyChunk = 256;
+// keys a pass of an item takes (multiples of kStreams x kLanes), so that its scores (rows x this) stay
+// in the core's caches: 512 for prompt chunks (2-4% faster than 256 on the W2 and W3 prompt shapes of
+// benchmarks/attention_kernel.py in two runs); 256 for decode tokens, whose
+// chunk of key rows and the value rows prefetched beside them must stay in L2 until p.V (at 512,
+// 1.2x the time over 16,384 keys in float32)
+constexpr int64_t kPrefillKeyChunk = 512;
+constexpr int64_t kDecodeKeyChunk = 256;
 constexpr int64_t kPrefetchKeys = 2 * kLanes;  // how far ahead a decode token's key rows are fetched
 // register blocks sized to the register file: 32 registers of 16 lanes under AVX-512, 16 of 8 under
 // AVX2 (accumulators plus the loaded operands must fit, or the loops spill to the stack)
@@ -405,7 +410,6 @@ struct Attention {
     s.keys.resize(kStreams * kLanes * k_width);
     s.keys_t.resize(kStreams * head_dim * kLanes);
     s.values.resize(kStreams * kLanes * v_width);
-    s.scores.resize(rows * kKeyChunk);
     s.acc.assign(rows * v_dim, 0.0f);
     s.total.assign(rows, 0.0f);
     s.max.assign(rows, -INFINITY);
@@ -417,24 +421,26 @@ struct Attention {
       for (int64_t c = 0; c < kc; ++c) store(s.q.data() + r * head_dim + c * kLanes, load(src + c * kLanes) * scale);
     }
     const bool in_place = per_head < kTransposeRows;  // few rows (decode tokens): no staging
-    // the keys a chunk of kKeyChunk at a time, the softmax online (each row's running max and sum,
+    const int64_t chunk = in_place ? kDecodeKeyChunk : kPrefillKeyChunk;
+    s.scores.resize(rows * chunk);
+    // the keys `chunk` at a time, the softmax online (each row's running max and sum,
     // its sums rescaled when the max grows): the scores stay in the core's own caches however long
     // the context is
-    for (int64_t c0 = 0; c0 < n; c0 += kKeyChunk) {
-      const int64_t cn = std::min(kKeyChunk, n - c0), cpad = (cn + kLanes - 1) / kLanes * kLanes;
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const int64_t cn = std::min(chunk, n - c0), cpad = (cn + kLanes - 1) / kLanes * kLanes;
       // scores[r, t] = q_r . k_(first + c0 + t)
       if (in_place) {
-        scores_in_place<KC>(it, s, per_head, rows, first + c0, cn, kKeyChunk, n - c0 - cn);
+        scores_in_place<KC>(it, s, per_head, rows, first + c0, cn, chunk, n - c0 - cn);
       } else {
         walk(k_cache, head_dim, it.seq, it.h0, it.h1, first + c0, cn, n - c0 - cn, s.keys.data(), [&](int64_t g0, int64_t gn, const float* keys) {
           const int64_t tiles = (gn + kLanes - 1) / kLanes;
-          for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, tiles, hh, per_head, k_width, kKeyChunk, g0);
+          for (int64_t hh = 0; hh < heads; ++hh) scores_transposed<KC>(s, keys, tiles, hh, per_head, k_width, chunk, g0);
         }, v_cache, v_dim);
       }
       // each row's own keys of the chunk (causal, sliding window) into exp(score - running max);
       // the others get probability 0
       for (int64_t r = 0; r < rows; ++r) {
-        float* sr = s.scores.data() + r * kKeyChunk;
+        float* sr = s.scores.data() + r * chunk;
         const int64_t qpos = pos0 + it.q0 + (r % per_head) / group;
         const int64_t lo = std::clamp<int64_t>(first_key(it.seq, qpos) - first - c0, 0, cpad);
         const int64_t hi = std::clamp<int64_t>(qpos - first - c0 + 1, lo, cpad);
@@ -477,11 +483,11 @@ struct Attention {
       }
       // acc[r] += sum_t p[r, t] v_(first + c0 + t): up to four rows of one head at a time
       if (in_place) {
-        values_in_place(it, s, heads, per_head, first + c0, cn, kKeyChunk);
+        values_in_place(it, s, heads, per_head, first + c0, cn, chunk);
       } else {
         // (a staged group's rows are consecutive, so its tiles count as one)
         walk(v_cache, v_dim, it.seq, it.h0, it.h1, first + c0, cn, n - c0 - cn, s.values.data(), [&](int64_t t0, int64_t tn, const float* values) {
-          for (int64_t hh = 0; hh < heads; ++hh) accumulate_head(s, hh, per_head, kKeyChunk, t0, values + hh * v_dim, v_width, tn);
+          for (int64_t hh = 0; hh < heads; ++hh) accumulate_head(s, hh, per_head, chunk, t0, values + hh * v_dim, v_width, tn);
         });
       }
     }

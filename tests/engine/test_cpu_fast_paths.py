@@ -123,19 +123,20 @@ def test_kernel_matches_definition(dtype, tol, step, heads, kv_heads, window, di
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-# The kernel takes an item's keys 256 at a time (its softmax online): steps whose keys span several
-# such chunks, with windows that leave a row no key in some chunk and chunks that start mid-block
+# The kernel takes an item's keys a chunk at a time (256 for decode tokens, 512 for prompt chunks), its
+# softmax online: steps whose keys span several chunks, with windows that leave a row no key in some
+# chunk (480: a prompt item's 64 queries span 543 keys) and chunks that start mid-block
 LONG_STEPS = {
     "long decodes": ([1, 1, 1], [700, 257, 513]),
-    "prompt over chunks": ([300], [300]),
-    "chunk after history": ([300, 1], [400, 600]),
+    "prompt over chunks": ([700], [700]),
+    "chunk after history": ([300, 1], [900, 600]),
 }
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("step", list(LONG_STEPS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
-@pytest.mark.parametrize("window", [0, 5, 200, 300])
+@pytest.mark.parametrize("window", [0, 5, 200, 480])
 def test_kernel_matches_definition_over_many_key_chunks(dtype, tol, step, heads, kv_heads, window) -> None:
     q_lens, k_lens = LONG_STEPS[step]
     q, k_cache, v_cache, tables, lens, starts = random_step(q_lens, k_lens, heads, kv_heads, 64, dtype, seed=window)

@@ -137,26 +137,49 @@ inline float scaled(const T* row, int64_t i, float inv_t) {
   return static_cast<float>(row[i]) * inv_t;  // the race's s, the same float product
 }
 
+// order_key of each lane
+inline vu32 order_keys(vfloat s) {
+  vu32 b;
+  std::memcpy(&b, &s, sizeof(b));
+  b = b == 0x80000000u ? vu32{} : b;
+  return (b & 0x80000000u) != 0u ? ~b : (b | 0x80000000u);
+}
+
 // The cut of one row for top_p (< 1: on) and min_p (> 0: on)
 template <typename T>
 Cut row_cut(const T* row, int64_t n, float inv_t, float top_p, float min_p) {
   const float lowest = -std::numeric_limits<float>::infinity();
+  const int64_t whole = n / kLanes * kLanes;
   std::vector<float> e(n + kLanes);
+  vfloat vm = vfloat{} + lowest;
+  for (int64_t i = 0; i < whole; i += kLanes) {  // the race's s, the same float product
+    const vfloat v = load(row + i) * inv_t;
+    store(e.data() + i, v);
+    vm = v > vm ? v : vm;
+  }
   float m = lowest;
-  for (int64_t i = 0; i < n; ++i) e[i] = scaled(row, i, inv_t), m = std::max(m, e[i]);
+  for (int i = 0; i < kLanes; ++i) m = std::max(m, vm[i]);
+  for (int64_t i = whole; i < n; ++i) e[i] = scaled(row, i, inv_t), m = std::max(m, e[i]);
   Cut cut;
   if (!(m > lowest)) return cut;  // nothing finite: the race's own choice
   if (min_p > 0.0f) cut.floor = m + std::log(min_p);
   if (!(top_p < 1.0f)) return cut;
-  std::vector<uint32_t> keys(n);
-  for (int64_t i = 0; i < n; ++i) keys[i] = order_key(e[i]);
+  std::vector<uint32_t> keys(n + kLanes);
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const vu32 k = order_keys(load(e.data() + i));
+    std::memcpy(keys.data() + i, &k, sizeof(k));
+  }
+  for (int64_t i = whole; i < n; ++i) keys[i] = order_key(e[i]);
   for (int64_t i = 0; i < n; i += kLanes) {  // each token's probability times the row's sum
     const vfloat s = load(e.data() + i);
     store(e.data() + i, s == lowest ? vfloat{} : exp_neg(s - m));
   }
-  // the mass of the buckets of the next bits of the key, among the tokens whose key starts with `prefix`
+  // the mass of the buckets of the next bits of the key: over the row, then over the tokens whose
+  // key starts with the boundary bucket's bits (listed once, in index order, so every sum adds the
+  // same terms in the same order as a scan of the row would)
   std::vector<double> mass(4096);
   std::vector<uint32_t> count(4096);
+  std::vector<int64_t> inside;
   uint32_t prefix = 0;
   int known = 0;  // bits of the boundary key found
   double above = 0.0, target = 0.0;
@@ -164,16 +187,18 @@ Cut row_cut(const T* row, int64_t n, float inv_t, float top_p, float min_p) {
     std::fill(mass.begin(), mass.end(), 0.0);
     std::fill(count.begin(), count.end(), 0u);
     const int shift = 32 - known - bits;
-    for (int64_t i = 0; i < n; ++i) {
-      if (known && (keys[i] >> (32 - known)) != prefix) continue;
+    auto add = [&](int64_t i) {
       const uint32_t b = (keys[i] >> shift) & ((1u << bits) - 1);
       mass[b] += e[i];
       ++count[b];
-    }
+    };
     if (!known) {
+      for (int64_t i = 0; i < n; ++i) add(i);
       double total = 0.0;
       for (int b = 0; b < 4096; ++b) total += mass[b];
       target = static_cast<double>(top_p) * total;
+    } else {
+      for (const int64_t i : inside) add(i);
     }
     int b = (1 << bits) - 1;
     for (; b > 0; --b) {  // from the largest s down: the bucket where the mass reaches the target
@@ -182,12 +207,21 @@ Cut row_cut(const T* row, int64_t n, float inv_t, float top_p, float min_p) {
     }
     prefix = (prefix << bits) | static_cast<uint32_t>(b);
     known += bits;
+    if (known == 12) {
+      for (int64_t i = 0; i < n; ++i)
+        if ((keys[i] >> 20) == prefix) inside.push_back(i);
+    } else {
+      inside.erase(std::remove_if(inside.begin(), inside.end(), [&](int64_t i) { return (keys[i] >> (32 - known)) != prefix; }),
+                   inside.end());
+    }
   }
   // `prefix` is the boundary value's key and `above` the mass of the larger tokens: the tied ones
   // are kept in index order while the mass before them is short of the target
   int64_t last = -1;
-  for (int64_t i = 0; i < n && above < target; ++i)
-    if (keys[i] == prefix) above += e[i], last = i;
+  for (const int64_t i : inside) {
+    if (!(above < target)) break;
+    above += e[i], last = i;
+  }
   const float v = from_order_key(prefix);
   if (v >= cut.floor) cut = Cut{v, last};  // the tighter of the two cuts
   return cut;

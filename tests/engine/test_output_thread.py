@@ -113,7 +113,11 @@ def test_outputs_are_the_same_with_the_output_thread_and_without(tok, free_texts
     total = sum(len(outs[-1].generated_tokens) for outs in on.values())
     assert on_stats["generation_tokens_total"] == off_stats["generation_tokens_total"] == total
     if num_blocks == 12:
-        assert on_stats["num_preemptions_total"] > 0
+        # the run without the output thread finds its stop strings on the engine thread, step by step,
+        # and preempts the same way every time (3); with it, how often depends on when that thread
+        # finds them (2 to 4 in 12 runs here, 0 once in a fresh clone's make test under load), so the
+        # preempting run is the one the other is held equal to
+        assert off_stats["num_preemptions_total"] > 0
 
 
 def test_the_engine_thread_never_calls_the_tokenizer(tok, free_texts) -> None:

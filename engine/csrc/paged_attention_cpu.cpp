@@ -195,25 +195,17 @@ struct Attention {
   template <typename Visit>
   void walk(const T* cache, int64_t dim, int64_t seq, int64_t h0, int64_t h1, int64_t first, int64_t n,
             int64_t ahead, float* staged, Visit visit, const T* also = nullptr, int64_t also_dim = 0) const {
-    const int32_t* table = block_tables + seq * max_blocks;
-    const int64_t row_stride = num_kv_heads * dim, width = (h1 - h0) * dim, chunks = width / kLanes;
+    const int64_t width = (h1 - h0) * dim, chunks = width / kLanes;
     const int64_t tile_size = kLanes * width;
-    const T* base = cache + h0 * dim;
-    auto row = [&](int64_t key) {
-      return base + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * row_stride;
-    };
+    auto row = [&](int64_t key) { return cache_row(cache, dim, seq, h0, key); };
     constexpr int64_t kGroup = kStreams * kLanes;
     const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
-    const int64_t also_stride = num_kv_heads * also_dim, also_bytes = (h1 - h0) * also_dim * static_cast<int64_t>(sizeof(T));
+    const int64_t also_bytes = (h1 - h0) * also_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
       const int64_t next_end = std::min(g0 + 2 * kGroup, n + ahead);
       for (int64_t t = g0 + kGroup; t < next_end; ++t) prefetch(row(first + t), row_bytes);
       if (also)  // the same rows of another cache (the values, walked after this group's scores)
-        for (int64_t t = g0; t < std::min(g0 + kGroup, n); ++t) {
-          const int64_t key = first + t;
-          prefetch(also + h0 * also_dim + (static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size) * also_stride,
-                   also_bytes);
-        }
+        for (int64_t t = g0; t < std::min(g0 + kGroup, n); ++t) prefetch(cache_row(also, also_dim, seq, h0, first + t), also_bytes);
       const int64_t tiles = std::min<int64_t>(kStreams, (n - g0 + kLanes - 1) / kLanes);
       for (int64_t j = 0; j < kLanes; ++j)
         for (int64_t g = 0; g < tiles; ++g) {

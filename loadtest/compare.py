@@ -108,6 +108,9 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
             ["/".join(f"{pooled_by_name[n][f'p{q}_{key}_ms']:.0f}" for q in (50, 90, 99)) for n in names])  # fmt: skip
         row(f"  p50 ratio to {ref}", [_ratio(pooled_by_name[n][f"p50_{key}_ms"], pooled_by_name[ref][f"p50_{key}_ms"])
                                        for n in names])  # fmt: skip
+        if key == "itl":  # tokens whose text came with the next token's: their gap spans two steps
+            row("  tokens held with the next", [f"{pooled_by_name[n].get('held_tokens', 0)} "
+                                                f"({pooled_by_name[n].get('held_token_share', 0.0):.2%})" for n in names])  # fmt: skip
     row("completed / failed", [f"{pooled_by_name[n]['completed']} / {pooled_by_name[n]['failed']}" for n in names])
     row("server CPU-s per 1k tokens", ["-" if busy_cpu.get(n) is None or not pooled_by_name[n]["total_output_tokens"]
                                        else f"{1000 * busy_cpu[n] / pooled_by_name[n]['total_output_tokens']:.1f}"

@@ -53,6 +53,16 @@ def latency_values(ok: list[dict], metric: str) -> list[float]:
     return [r[SLO_KEYS[f"{metric}_ms"]] for r in ok]
 
 
+def held_tokens(ok: list[dict]) -> tuple[int, int]:
+    """(tokens that reached the client in one chunk with a later token, gaps between text chunks).
+    A server holds a token's text back while it may be an incomplete UTF-8 character or the start of
+    a stop string, and sends it with the next one (cbserve, vLLM's text and llama-server all do), so
+    the gap before that chunk spans two steps or more: at a p99 these counts say how many of the
+    tail's gaps are such pairs, which depend on the tokens a model draws, not on a server's speed."""
+    held = sum(max(0, r["output_tokens"] - 1 - len(r["itl_ms"])) for r in ok if r["output_tokens"] > 1)
+    return held, sum(len(r["itl_ms"]) for r in ok)
+
+
 def _stats(name: str, values: list[float]) -> dict[str, float]:
     if not values:
         values = [0.0]
@@ -94,6 +104,9 @@ def summarize(rows: list[dict], duration: float, slos: dict[str, float], max_con
     }
     for metric in METRICS:
         summary.update(_stats(metric, latency_values(ok, metric)))
+    held, gaps = held_tokens(ok)
+    summary["held_tokens"] = held
+    summary["held_token_share"] = held / (held + gaps) if held + gaps else 0.0
     errors: dict[str, int] = {}
     for r in rows:
         if not r.get("ok"):
@@ -119,6 +132,9 @@ def table(summary: dict[str, Any], server: dict[str, Any] | None = None) -> str:
     lines.append(f"{'latency (ms)':<22}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
     for key, label in METRICS.items():
         lines.append(f"{label:<22}" + "".join(f"{s[f'{m}_{key}_ms']:>10.1f}" for m in ("mean", "median", "p90", "p99")))
+    if s.get("held_tokens"):
+        lines.append(f"{'':<22}{s['held_tokens']} tokens ({s['held_token_share']:.2%}) came in one chunk with the next "
+                     "(text held back), their gap two steps or more")  # fmt: skip
     lines.append("")
     lines.append(server_line(server))
     if s["errors"]:

@@ -168,6 +168,10 @@ def test_the_table_has_a_row_per_run_and_a_verdict_per_pair(gsc) -> None:
     assert text.count("| q8_0 | 1 |") == 2 and "- a note" in text
     assert "1.20x" in text  # TPOT 120 ms against a 100 ms bound
     assert "| 100.0; n/a | 1.20x |" in text  # a row without the product bound (an older results.json)
+    assert "held with the next" not in text  # rows without the share (an older results.json)
+    held = gsc.markdown(gsc.SHAPES["1b"], [{**r, "held_token_share": share} for r, share in zip(rows, (0.0077, 0.0055))],
+                        10.0, "test CPU", {}, "a load")  # fmt: skip
+    assert "ITL p99 150.0 vs 150.0 ms (tokens held with the next 0.77% vs 0.55%): not met (tok/s)" in held
     sixteen = {**row, "users": 16, "weights_bound_s": 0.1, "compute_bound_s": 0.3, "compute_peak": "int8",
                "bound_s": 0.3, "tpot_p50_ms": 600.0}  # fmt: skip
     products = gsc.markdown(gsc.SHAPES["1b"], [{**sixteen, "system": "cbserve-int8"}], 10.0, "test CPU", {},

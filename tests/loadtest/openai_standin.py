@@ -1,10 +1,13 @@
 """A small OpenAI-compatible server that is not cbserve: no /ready, no /metrics, optional API key.
 
     python tests/loadtest/openai_standin.py --port 8001 [--api-key KEY] [--no-health] [--token-ms 2]
+        [--hold-every K]
     python tests/loadtest/openai_standin.py --fd N ...   # serve on an inherited listening socket
 
 It streams `max_tokens` one-word chunks, `--token-ms` apart, then a usage chunk, as vLLM does with
-`stream_options.include_usage`. The load-test runner's tests drive it through a real uvicorn.
+`stream_options.include_usage`. With --hold-every K every K-th token's text is held back and sent
+with the next token's (as a server does for an incomplete UTF-8 character), its own chunk carrying
+empty text, as vLLM sends it. The load-test runner's tests drive it through a real uvicorn.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from starlette.routing import Route
 MODEL = "standin-model"
 
 
-def build_app(api_key: str | None, health: bool, token_ms: float) -> Starlette:
+def build_app(api_key: str | None, health: bool, token_ms: float, hold_every: int = 0) -> Starlette:
     def authorised(request: Request) -> bool:
         return api_key is None or request.headers.get("authorization") == f"Bearer {api_key}"
 
@@ -51,9 +54,13 @@ def build_app(api_key: str | None, health: bool, token_ms: float) -> Starlette:
 
         async def events():
             created = int(time.time())
-            for _ in range(n):
+            held = ""
+            for i in range(n):
                 await asyncio.sleep(token_ms / 1000)  # the stand-in's decode step
-                choice = {"index": 0, "delta": {"content": " tok"}} if chat else {"index": 0, "text": " tok"}
+                text, held = held + " tok", ""
+                if hold_every and (i + 1) % hold_every == 0 and i + 1 < n:
+                    text, held = "", text  # this token's text goes out with the next one's
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 yield chunk({"id": "x", "created": created, "model": MODEL, "choices": [choice]})
             usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": n}
             yield chunk({"id": "x", "created": created, "model": MODEL, "choices": [], "usage": usage})
@@ -76,8 +83,9 @@ def main() -> None:
     p.add_argument("--api-key")
     p.add_argument("--no-health", action="store_true")
     p.add_argument("--token-ms", type=float, default=2.0)
+    p.add_argument("--hold-every", type=int, default=0, help="hold every K-th token's text for the next one")
     a = p.parse_args()
-    app = build_app(a.api_key, not a.no_health, a.token_ms)
+    app = build_app(a.api_key, not a.no_health, a.token_ms, a.hold_every)
     if a.fd is not None:
         uvicorn.run(app, fd=a.fd, log_level="warning")
     else:

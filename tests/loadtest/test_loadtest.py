@@ -182,6 +182,34 @@ def test_any_openai_endpoint_without_ready_or_metrics(standin, readiness, tmp_pa
     assert html.count("data:image/png;base64,") == 5 and "standin-model" in html
 
 
+@pytest.mark.parametrize("standin", [["--token-ms", "1", "--hold-every", "4"]], indirect=True)
+def test_tokens_whose_text_came_with_the_next_are_counted_apart_from_the_gaps(standin, tmp_path) -> None:
+    """10 tokens, the 4th's and 8th's text held for the next: 7 gaps between text chunks, 2 held tokens
+    (the empty-text chunks vLLM sends for them are no arrival)."""
+    out = tmp_path / "run"
+    r = run("--url", standin, "--duration", "2s", "--users", "1", "--output-len", "10", "--endpoint", "completions",
+            "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = load_rows(out / "requests.jsonl")
+    assert rows and all(len(x["itl_ms"]) == 7 for x in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["held_tokens"] == 2 * summary["completed"]
+    assert summary["held_token_share"] == pytest.approx(2 / 9)
+    assert f"{2 * summary['completed']} tokens (22.22%) came in one chunk with the next" in r.stdout
+
+
+def test_a_server_that_holds_no_text_reports_no_held_tokens() -> None:
+    from loadtest.report import summarize, table
+
+    rows = [{"ok": True, "prompt_tokens": 5, "output_tokens": 4, "ttft_ms": 10.0, "e2e_ms": 40.0, "tpot_ms": 10.0,
+             "itl_ms": [10.0, 10.0, 10.0]},
+            {"ok": True, "prompt_tokens": 5, "output_tokens": 1, "ttft_ms": 10.0, "e2e_ms": 10.0, "tpot_ms": 0.0,
+             "itl_ms": []}]  # fmt: skip
+    summary = summarize(rows, 1.0, {})
+    assert summary["held_tokens"] == 0 and summary["held_token_share"] == 0.0
+    assert "came in one chunk" not in table(summary)
+
+
 @pytest.mark.parametrize("standin", [["--api-key", "s3cret"]], indirect=True)
 def test_the_key_comes_from_openai_api_key_and_a_wrong_one_fails_every_request(standin, tmp_path) -> None:
     env = {**os.environ, "OPENAI_API_KEY": "s3cret"}

@@ -21,8 +21,12 @@ Each file is served in turn, alone on the machine, by `cbserve serve --model FIL
 gguf` (every weight in the file's blocks; `--cbserve-quantization auto` lets auto's probe dequantise
 a kind it times faster dense, which the memory budget below does not allow for) and by `llama-server -m FILE` (one slot per user), both with --ctx-per-slot
 tokens of context per user, and measured with the same seeded Locust load (loadtest's run_locust:
-same prompts, same output lengths, completions endpoint) for --rounds rounds. While a server runs, a
-thread samples the resident memory (RSS) of its process tree; the peak over the server's life
+same prompts, same output lengths, completions endpoint). For each file and user count the servers
+run one after another, and with --rounds N that N times, the order turning by one each round (A B,
+then B A), each round a fresh start: this host's speed moves by a tenth or more within minutes, so
+only servers measured in one command, in alternation, compare. A server's row pools its rounds
+(latencies over all their requests, output tokens/s the mean of the rounds'). While a server runs, a
+thread samples the resident memory (RSS) of its process tree; the peak over the server's starts
 (loading included; the peak once ready is shown beside it) is held against the file
 plus the KV cache the server allocated (cbserve's /v1/models says it; llama.cpp's is 2 x layers x
 KV heads x head_dim x context x 2 bytes, its default F16 cache): at most RSS_BUDGET times. The
@@ -521,14 +525,14 @@ def cbserve_kv_bytes(url: str) -> int | None:
         return None
 
 
-def measure_system(target, kv_bytes: int | None, users: int, args: argparse.Namespace, out: Path) -> dict:
-    """Start one server alone, ready and warm it, run --rounds of the load, stop it; the pooled figures,
-    its peak RSS and its KV cache bytes."""
-    from loadtest.compare import pooled, warm_up
+def measure_system(target, kv_bytes: int | None, users: int, args: argparse.Namespace, out: Path, rnd: int) -> dict:
+    """Start one server alone, ready and warm it, run round `rnd` of the load, stop it: that run, the
+    server's peak RSS (and once ready, and while serving) and its KV cache bytes."""
+    from loadtest.compare import warm_up
     from loadtest.run import run_locust
 
     print(f"starting {target.name}: {' '.join(target.command)}", flush=True)
-    target.start(out / "server.log")
+    target.start(out / f"server-round{rnd + 1}.log")
     rss = PeakRss(target.proc.pid).start()
     try:
         target.wait_ready(args.ready_timeout)
@@ -536,23 +540,38 @@ def measure_system(target, kv_bytes: int | None, users: int, args: argparse.Name
         if kv_bytes is None:
             kv_bytes = cbserve_kv_bytes(target.url)
         ready_rss = rss.serving()
-        runs = []
-        for r in range(args.rounds):
-            result = run_locust(target, out / f"round{r + 1}", users, args, seed=args.seed + r)
-            s = result.summary
-            print(f"  round {r + 1} {target.name:<10} {s['output_throughput']:8.1f} output tok/s, "
-                  f"{s['completed']} requests, {s['failed']} failed", flush=True)  # fmt: skip
-            runs.append(result)
-        summary = pooled(runs, args.slos)
+        result = run_locust(target, out / f"round{rnd + 1}", users, args, seed=args.seed + rnd)
+        s = result.summary
+        print(f"  round {rnd + 1} {target.name:<10} {s['output_throughput']:8.1f} output tok/s, "
+              f"{s['completed']} requests, {s['failed']} failed", flush=True)  # fmt: skip
     finally:
         peak = rss.stop()
         target.stop()
+    return {"run": result, "peak_rss": peak, "serving_peak_rss": rss.serving_peak, "ready_rss": ready_rss,
+            "kv_bytes": kv_bytes or 0}  # fmt: skip
+
+
+def pool_rounds(parts: list[dict], slos: dict) -> dict:
+    """One server's rounds (measure_system's answers) as one row: latencies over every round's requests,
+    throughput the mean of the rounds', memory the largest any start reached."""
+    from loadtest.compare import pooled
+
+    summary = pooled([part["run"] for part in parts], slos)
     return {"output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["p50_ttft_ms"],
             "tpot_p50_ms": summary["p50_tpot_ms"], "itl_p99_ms": summary["p99_itl_ms"],
             "held_token_share": summary["held_token_share"], "completed": summary["completed"],
-            "failed": summary["failed"], "peak_rss": peak,
-            "serving_peak_rss": rss.serving_peak,
-            "ready_rss": ready_rss, "kv_bytes": kv_bytes or 0}  # fmt: skip
+            "failed": summary["failed"], "rounds_output_tok_s": summary["rounds_output_throughput"],
+            "peak_rss": max(part["peak_rss"] for part in parts),
+            "serving_peak_rss": max(part["serving_peak_rss"] for part in parts),
+            "ready_rss": max(part["ready_rss"] for part in parts),
+            "kv_bytes": max(part["kv_bytes"] for part in parts)}  # fmt: skip
+
+
+def rotation(systems: list[str], rnd: int) -> list[str]:
+    """The order the servers run in round `rnd`: the list turned by one a round, so none always runs
+    first (the host's speed moves within minutes)."""
+    k = rnd % len(systems)
+    return systems[k:] + systems[:k]
 
 
 def host_limits(limits_path: str | None):
@@ -686,7 +705,8 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tools = {q: tool_note(p).read_text().strip() for q, p in files.items() if tool_note(p).is_file()}
     load = (f"completions, {args.input_len} words in, {args.output_len} tokens out, {args.duration_s:.0f} s x "
-            f"{args.rounds} rounds per server, {opts.ctx_per_slot} tokens of context per user, each server alone; "
+            f"{args.rounds} rounds per server (the servers alternating, each alone), {opts.ctx_per_slot} tokens of "
+            "context per user; "
             f"cbserve --quantization {opts.cbserve_quantization}" + (f" {opts.cbserve_args}" if opts.cbserve_args else ""))
     rows: list[dict] = []
     text = ""
@@ -695,8 +715,21 @@ def main(argv: list[str]) -> int:
     for quant, path in files.items():
         weight_bytes, params = step_weights(path)
         for users in opts.users:
+            parts: dict[str, list[dict]] = {system: [] for system in opts.systems}
+            errors: dict[str, str] = {}
+            for rnd in range(args.rounds):
+                for system in rotation(opts.systems, rnd):
+                    if system in errors:
+                        continue
+                    print(f"\n{quant}, {users} users, {system}, round {rnd + 1} of {args.rounds}", flush=True)
+                    try:
+                        parts[system].append(serve_and_measure(system, path, shape, users, opts.ctx_per_slot, args,
+                                                               out / quant / f"u{users}" / system, llama_extra, notes,
+                                                               rnd))  # fmt: skip
+                    except UsageError as exc:  # this server failed (the log says why); the others still run
+                        print(f"{system} failed: {exc}", flush=True)
+                        errors[system] = str(exc)
             for system in opts.systems:
-                print(f"\n{quant}, {users} users, {system}", flush=True)
                 row = {"quant": quant, "users": users, "system": system, "file_bytes": path.stat().st_size,
                        "weight_bytes": weight_bytes, "params": params,
                        "weights_bound_s": weight_bound_s(weight_bytes, gbs)}  # fmt: skip
@@ -704,47 +737,46 @@ def main(argv: list[str]) -> int:
                 if peak:
                     row |= {"compute_bound_s": compute_bound_s(params, users, peak[0]), "compute_peak": peak[1]}
                 row["bound_s"] = max(row["weights_bound_s"], row.get("compute_bound_s", 0.0))
-                try:
-                    row |= serve_and_measure(system, path, shape, users, opts.ctx_per_slot, args,
-                                             out / quant / f"u{users}" / system, llama_extra, notes)  # fmt: skip
-                except UsageError as exc:  # this server failed (the log says why); the others still run
-                    print(f"{system} failed: {exc}", flush=True)
-                    row["error"] = str(exc)
-                if "error" not in row and not row.get("completed"):  # nothing to compare: a row, not a ratio
-                    row["error"] = f"no request completed in {args.rounds} x {args.duration_s:.0f} s"
+                if system in errors:
+                    row["error"] = errors[system]
+                else:
+                    row |= pool_rounds(parts[system], args.slos)
+                    if not row["completed"]:  # nothing to compare: a row, not a ratio
+                        row["error"] = f"no request completed in {args.rounds} x {args.duration_s:.0f} s"
                 rows.append(row)
-                text = markdown(shape, rows, gbs, host, tools, load, notes, peaks)  # written after every run
-                (out / "gguf_serve_compare.md").write_text(text)
-                (out / "results.json").write_text(json.dumps({"shape": asdict(shape), "bandwidth_gbs": gbs,
-                                                              "products": peaks, "host": host, "tools": tools, "load": load,
-                                                              "notes": notes, "rows": rows}, indent=2))  # fmt: skip
+            text = markdown(shape, rows, gbs, host, tools, load, notes, peaks)  # written after every file and count
+            (out / "gguf_serve_compare.md").write_text(text)
+            (out / "results.json").write_text(json.dumps({"shape": asdict(shape), "bandwidth_gbs": gbs,
+                                                          "products": peaks, "host": host, "tools": tools, "load": load,
+                                                          "notes": notes, "rows": rows}, indent=2))  # fmt: skip
     print("\n" + text)
     print(f"written: {out / 'gguf_serve_compare.md'}, {out / 'results.json'}")
     return 0 if all(r.get("completed") for r in rows) else 1
 
 
 def serve_and_measure(system: str, path: Path, shape: Shape, users: int, ctx_per_slot: int, args: argparse.Namespace,
-                      where: Path, llama_extra: list[str], notes: list[str]) -> dict:  # fmt: skip
-    """One server on one file at one user count. A llama-server stopped by SIGILL before it was ready is
-    restarted with --no-repack, which `llama_extra` then keeps for the later runs and `notes` records."""
+                      where: Path, llama_extra: list[str], notes: list[str], rnd: int) -> dict:  # fmt: skip
+    """One server on one file at one user count, for round `rnd`. A llama-server stopped by SIGILL before it
+    was ready is restarted with --no-repack, which `llama_extra` then keeps for the later runs and `notes`
+    records."""
     from loadtest.target import UsageError
 
     if system.startswith("cbserve"):
         activations = "int8" if system == "cbserve-int8" else "float"
         target = cbserve_target(path, users, ctx_per_slot, args.cbserve_quantization, activations,
                                 shlex.split(args.cbserve_args))  # fmt: skip
-        return measure_system(target, None, users, args, where)
+        return measure_system(target, None, users, args, where, rnd)
     kv = llama_cpp_kv_bytes(shape, users, ctx_per_slot)
     target = llama_cpp_target(path, users, ctx_per_slot, llama_extra)
     try:
-        return measure_system(target, kv, users, args, where)
+        return measure_system(target, kv, users, args, where, rnd)
     except UsageError:
         if llama_extra or not stopped_by_sigill(target):
             raise
     print(NO_REPACK_NOTE, flush=True)
     llama_extra.append("--no-repack")
     notes.append(NO_REPACK_NOTE)
-    return measure_system(llama_cpp_target(path, users, ctx_per_slot, llama_extra), kv, users, args, where)
+    return measure_system(llama_cpp_target(path, users, ctx_per_slot, llama_extra), kv, users, args, where, rnd)
 
 
 if __name__ == "__main__":

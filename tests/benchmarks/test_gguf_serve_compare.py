@@ -216,3 +216,30 @@ def test_cbserve_serves_the_files_blocks_unless_told_auto(gsc, tmp_path) -> None
     opts, _ = gsc.own_flags(["--shape", "1b"])
     assert opts.cbserve_quantization == "gguf" and opts.systems == ["cbserve", "llama.cpp"]
     assert gsc.own_flags(["--shape", "1b", "--systems", "cbserve-int8,llama.cpp"])[0].systems == ["cbserve-int8", "llama.cpp"]
+
+
+def test_the_servers_alternate_round_by_round_so_none_always_runs_first(gsc) -> None:
+    systems = ["cbserve", "cbserve-int8", "llama.cpp"]
+    assert [gsc.rotation(systems, r) for r in range(4)] == [
+        ["cbserve", "cbserve-int8", "llama.cpp"], ["cbserve-int8", "llama.cpp", "cbserve"],
+        ["llama.cpp", "cbserve", "cbserve-int8"], ["cbserve", "cbserve-int8", "llama.cpp"]]  # fmt: skip
+    assert gsc.rotation(["llama.cpp"], 5) == ["llama.cpp"]
+
+
+def test_a_servers_rounds_pool_into_one_row(gsc) -> None:
+    from loadtest.run import RunResult
+    from loadtest.report import summarize
+
+    def part(gaps: list[float], tokens_s: float, peak: int) -> dict:
+        rows = [{"ok": True, "prompt_tokens": 8, "output_tokens": len(gaps) + 1, "ttft_ms": 100.0, "e2e_ms": 100.0 + sum(gaps),
+                 "tpot_ms": sum(gaps) / len(gaps), "itl_ms": gaps}]  # fmt: skip
+        summary = {**summarize(rows, 10.0, {}), "output_throughput": tokens_s, "load_generator_cpu_s": 0.5}
+        return {"run": RunResult(summary, rows, [], 0.0), "peak_rss": peak, "serving_peak_rss": peak - 1,
+                "ready_rss": peak - 2, "kv_bytes": 64}  # fmt: skip
+
+    row = gsc.pool_rounds([part([10.0] * 99, 30.0, 1000), part([20.0] * 99, 40.0, 900)], {})
+    assert row["output_tok_s"] == 35.0 and row["rounds_output_tok_s"] == [30.0, 40.0]
+    assert row["completed"] == 2 and row["failed"] == 0
+    assert row["itl_p99_ms"] == 20.0  # the percentiles are over both rounds' gaps
+    assert (row["peak_rss"], row["serving_peak_rss"], row["ready_rss"], row["kv_bytes"]) == (1000, 999, 998, 64)
+    assert row["held_token_share"] == 0.0

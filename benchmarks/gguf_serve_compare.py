@@ -640,7 +640,7 @@ def held(c: dict, l: dict) -> str:
     shares = (c.get("held_token_share"), l.get("held_token_share"))
     if None in shares or not any(shares):  # (an older results.json has none)
         return ""
-    return f" (tokens held with the next {c['held_token_share']:.2%} vs {l['held_token_share']:.2%})"
+    return f" (tokens held with the next {shares[0]:.2%} vs {shares[1]:.2%})"
 
 
 def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -342,6 +342,8 @@ class Handlers:
             else:
                 choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
                           "finish_reason": delta.finish_reason}  # fmt: skip
+            if gen.req.continuous_usage:  # the tokens so far, held text included
+                return {**base, "choices": [choice], "usage": gen.usage()}
             return {**base, "choices": [choice]}
 
         try:

@@ -86,6 +86,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # top alternatives per token; None: no logprobs at all
     echo: bool = False
@@ -304,6 +305,9 @@ def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options", "'stream_options' must be an object")
     stream = _boolean(body, "stream")
+    include_usage = bool(options and _boolean(options, "include_usage"))
+    # vLLM's: the usage so far on every chunk, as it gives it only with include_usage
+    continuous_usage = bool(options and _boolean(options, "continuous_usage_stats"))
     structured, structured_param = _structured(body)
     return GenerationRequest(
         kind=kind,
@@ -312,7 +316,8 @@ def _common(body: Any, kind: str, vocab_size: int) -> GenerationRequest:
         n=_integer(body, "n", 1, MAX_N) or 1,
         max_tokens=max_tokens,
         stream=stream,
-        include_usage=bool(options and _boolean(options, "include_usage")),
+        include_usage=include_usage,
+        continuous_usage=include_usage and continuous_usage,
         stop=_stop(body),
         engine_kwargs=_sampling(body, vocab_size),
         structured=structured,

@@ -39,6 +39,22 @@ def test_completion_streaming_equals_non_streaming(client) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
 
 
+def test_continuous_usage_stats_puts_the_tokens_so_far_on_every_chunk(client) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage
+    so far, its completion tokens rising to the total; without include_usage, as in vLLM, no chunk does."""
+    kwargs = dict(model="tiny-llama", prompt="Kubernetes reconciles", max_tokens=16, temperature=0, stream=True)
+    chunks = list(client.completions.create(stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            **kwargs))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] == 16
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    plain = list(client.completions.create(stream_options={"continuous_usage_stats": True}, **kwargs))
+    assert all(c.usage is None for c in plain)
+    with pytest.raises(openai.BadRequestError, match="continuous_usage_stats"):
+        client.completions.create(stream_options={"include_usage": True, "continuous_usage_stats": "yes"}, **kwargs)
+
+
 def test_chat_streaming_and_not(client) -> None:
     messages = [{"role": "user", "content": "Tell me about continuous batching."}]
     full = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0)

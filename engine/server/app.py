@@ -342,6 +342,9 @@ class Handlers:
             else:
                 choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
                           "finish_reason": delta.finish_reason}  # fmt: skip
+            return event(choice)
+
+        def event(choice: dict) -> dict:
             if gen.req.continuous_usage:  # the tokens so far, held text included
                 return {**base, "choices": [choice], "usage": gen.usage()}
             return {**base, "choices": [choice]}
@@ -349,8 +352,8 @@ class Handlers:
         try:
             if chat:
                 for c in gen.choices:
-                    yield _sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                    yield _sse(event({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))  # fmt: skip
             async for delta in gen.events():
                 yield _sse(chunk(delta))
             if gen.req.include_usage:

@@ -49,6 +49,11 @@ def test_continuous_usage_stats_puts_the_tokens_so_far_on_every_chunk(client) ->
     assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] == 16
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    chat = list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5, temperature=0, stream=True,
+                                               stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chat[0].usage.completion_tokens == 0 and chat[0].choices[0].delta.role == "assistant"  # the role chunk
+    assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens == 5
     plain = list(client.completions.create(stream_options={"continuous_usage_stats": True}, **kwargs))
     assert all(c.usage is None for c in plain)
     with pytest.raises(openai.BadRequestError, match="continuous_usage_stats"):

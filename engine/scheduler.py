@@ -22,7 +22,11 @@ shortest get their first token early), and the running decodes are held until th
 its first token. The wave then decodes together, and finishes together when its requests ask for the
 same length: a closed loop of users stays in step instead of spreading every prompt over steps beside
 everyone else's decodes. A held decode waits at most the wave's prefill; a step in which the wave
-cannot move (no block, no slot) runs the decodes instead.
+cannot move (no block, no slot) runs the decodes instead. Prompts that arrive when every running
+request is a decode within JOIN_STEPS tokens of its `max_new_tokens` wait for those to finish (the
+arrivals join the next wave instead of going in capped chunks beside them): a closed loop's users
+that finished a few steps before the others rejoin them, rather than staying a second group whose
+prompts are chunked beside the first group's decodes every round.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ WAVE_STEPS = 4  # a wave's prompt tokens fit this many steps' budget: the longes
 # a wave goes in steps just long enough that their fixed part (reading the weights) is this share of them, so
 # that its shortest prompts get their first token early; within the budget, and the whole budget while unfitted
 WAVE_STEP_FIXED_SHARE = 0.05
+# with waves on, new prompts wait for running decodes that all end within this many tokens (their max_new_tokens)
+JOIN_STEPS = 8
 # with decodes running, the fewest prompt tokens a step takes (one block where blocks are smaller), so
 # that the oldest waiting prompt always moves
 MIN_PREFILL_CHUNK = 16
@@ -98,6 +104,7 @@ class Scheduler:
         self.prefill_cap = max_batch_tokens  # the prompt tokens the last step with decodes could take
         self.prefill_waves = prefill_waves  # with the cap on: prompts that arrive together go first, as a wave
         self.wave: set[Request] = set()  # the wave being prefilled: requests still waiting for their first token
+        self.joining = False  # this step admits no new prompt: they wait for the decodes about to end (JOIN_STEPS)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -145,12 +152,14 @@ class Scheduler:
                 "t": round(time.time(), 4), "decode_rows": decode_rows, "prefill_tokens": prefill,
                 "seconds": round(seconds, 5), "predicted": None if predicted is None else round(predicted, 5),
                 "prefill_cap": self.prefill_cap, "waiting": len(self.waiting), "threads": threads,
-                "wave": bool(self.wave)}) + "\n")  # fmt: skip
+                "wave": bool(self.wave), "joining": self.joining}) + "\n")  # fmt: skip
         self.step_cost.observe(decode_rows, prefill, seconds)
 
     def _wave_step(self) -> bool:
         """Whether this step prefills a wave with the decodes held: one is under way, or one starts now
-        (its waiting members are put in the queue shortest first, behind preempted requests)."""
+        (its waiting members are put in the queue shortest first, behind preempted requests). With no
+        wave, sets `joining` when the new prompts should wait for the decodes about to end."""
+        self.joining = False
         if not (self.prefill_waves and self.max_decode_stall) or self.prefill_first:
             self.wave.clear()  # (a cap turned off for an offline batch ends a wave under way)
             return False
@@ -160,6 +169,7 @@ class Scheduler:
         first = [req for req in (*self.running, *self.waiting) if not req.num_generated]
         decodes = sum(1 for req in self.running if req.num_generated and not _prompt_row(req))
         if len(first) < 2 or len(first) <= decodes:
+            self.joining = self._join_next()
             return False
         left = sum(req.num_prompt_tokens - req.num_computed for req in first)  # a waiting request's is 0
         if left > WAVE_STEPS * self.max_batch_tokens:
@@ -169,14 +179,25 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=lambda req: (req in self.wave, req.num_prompt_tokens)))
         return True
 
+    def _join_next(self) -> bool:
+        """Whether the waiting new prompts should wait this step: every running request is a decode that
+        ends within JOIN_STEPS tokens, so they can go in as one wave with those decodes' successors."""
+        if not any(not req.num_generated for req in self.waiting):
+            return False
+        return bool(self.running) and all(
+            req.num_generated and not _prompt_row(req) and req.max_new_tokens - req.num_generated <= JOIN_STEPS
+            for req in self.running
+        )
+
     def schedule(self) -> ScheduledBatch:
         wave = self._wave_step()
-        batch = self._schedule(hold_decodes=wave)
-        if wave and not batch:  # the wave cannot move this step (no block or slot for it): the decodes run
+        batch = self._schedule(hold_decodes=wave, hold_arrivals=self.joining)
+        if (wave or self.joining) and not batch:  # nothing can move this way (no block or slot): as without waves
+            self.joining = False
             batch = self._schedule(hold_decodes=False)
         return batch
 
-    def _schedule(self, hold_decodes: bool) -> ScheduledBatch:
+    def _schedule(self, hold_decodes: bool, hold_arrivals: bool = False) -> ScheduledBatch:
         if hold_decodes:
             step = self.step_cost.prefill_tokens_for_share(WAVE_STEP_FIXED_SHARE) or self.max_batch_tokens
             step = min(self.max_batch_tokens, max(self.min_prefill_chunk, step))
@@ -190,7 +211,7 @@ class Scheduler:
             self._schedule_running(chosen, budget)
         else:
             if not self._schedule_running(chosen, budget, hold_decodes):
-                self._admit_waiting(chosen, budget)
+                self._admit_waiting(chosen, budget, hold_arrivals)
         items = sorted(chosen.items(), key=lambda item: item[1] != 1)  # stable: decodes first
         batch = ScheduledBatch(items, self._copies)
         for row, (req, n) in enumerate(items):
@@ -244,7 +265,7 @@ class Scheduler:
                 break
             if req in chosen or req not in self.running:  # admitted this step, or preempted just now
                 continue
-            if hold_decodes and not _prompt_row(req):
+            if hold_decodes and req.num_generated and not _prompt_row(req):  # (a prompt's last token is no decode)
                 continue
             n = min(req.num_tokens - req.num_computed, budget[0])
             if _prompt_row(req):
@@ -261,11 +282,13 @@ class Scheduler:
                 self._take(req, n, chosen, budget)
         return preempted
 
-    def _admit_waiting(self, chosen: dict[Request, int], budget: list[int]) -> None:
+    def _admit_waiting(self, chosen: dict[Request, int], budget: list[int], hold_arrivals: bool = False) -> None:
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_running:
             if self.running and self.bm.num_free < self.reserve_blocks:
                 break
             req = self.waiting[0]
+            if hold_arrivals and not req.num_generated:  # (preempted requests, at the front, still go in)
+                break
             # n > 1: siblings join the running sequences at their parent's first token; count them now
             sequences = len(self.running) + sum(r.num_children for r in self.running)
             if self.running and sequences + 1 + req.num_children > self.max_running:

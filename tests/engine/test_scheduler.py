@@ -206,6 +206,95 @@ def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_l
         assert not s.wave
 
 
+def test_a_wave_prompts_last_token_goes_in_the_wave_not_with_the_held_decodes() -> None:
+    """A wave step that ends a prompt one token short: the next step computes that token alone (one new
+    token, but the request has none yet: not a decode), the running decode still held."""
+    s = scheduler(stall=4.0, prefill_waves=True)
+    s.add(request(0, 40))
+    run_step(s)
+    s.add(request(1, 100))
+    s.add(request(2, BUDGET - 100 + 1))
+    assert prompt_tokens(run_step(s)) == BUDGET and s.wave
+    assert [(r.request_id, n) for r, n in run_step(s).items] == [("r2", 1)]
+    assert sorted(decode_rows(run_step(s))) == ["r0", "r1", "r2"]
+
+
+def test_prompts_arriving_as_the_decodes_end_wait_to_join_the_next_wave() -> None:
+    """Three requests decoding, JOIN_STEPS - 1 tokens from their max_new_tokens, when two prompts arrive (fewer
+    than the decodes: no wave): with waves on, the prompts wait while the decodes finish, then go in as one wave
+    with the three prompts that replace them; with waves off they go in at once beside the decodes."""
+    from engine.scheduler import JOIN_STEPS
+
+    for waves in (True, False):
+        s = scheduler(stall=4.0, prefill_waves=waves)
+        for i in range(3):
+            s.add(request(i, 40, max_new=JOIN_STEPS))
+        run_step(s)  # prefilled whole (no decode ran yet): each has its first token
+        s.add(request(10, 200))
+        s.add(request(11, 200))
+        batch = run_step(s)
+        if not waves:
+            assert len(decode_rows(batch)) == 3 and prompt_tokens(batch) == BUDGET // 8
+            continue
+        steps = [batch]
+        while s.running:
+            steps.append(run_step(s))
+        assert len(steps) == JOIN_STEPS - 1  # the decodes ran to their end, alone
+        assert all(len(decode_rows(b)) == 3 and not prompt_tokens(b) for b in steps[:-1]) and s.joining
+        for i in range(3):  # a closed loop: each finished user sends its next prompt
+            s.add(request(20 + i, 150))
+        wave = run_step(s)
+        assert prompt_tokens(wave) == BUDGET and s.wave and not s.joining
+        assert {r.request_id for r in s.wave} == {"r10", "r11", "r20", "r21", "r22"}
+
+
+def test_prompts_wait_only_for_decodes_that_all_end_soon() -> None:
+    """One of the running decodes has more than JOIN_STEPS tokens to go, or a prompt is being prefilled: the
+    arrivals go in at once (capped), as without the rule."""
+    from engine.scheduler import JOIN_STEPS
+
+    for long_one in (JOIN_STEPS + 2, None):
+        s = scheduler(stall=4.0, prefill_waves=True)
+        for i in range(3):
+            s.add(request(i, 40, max_new=JOIN_STEPS + 3 if long_one is None else JOIN_STEPS if i else long_one))
+        run_step(s)
+        if long_one is None:
+            s.add(request(9, 600))  # admitted while the decodes have JOIN_STEPS + 2 tokens to go
+            run_step(s)
+            run_step(s)  # now every decode ends within JOIN_STEPS, but r9 is still being prefilled
+            assert s.requests["r9"].num_computed == 2 * (BUDGET // 8)
+        s.add(request(10, 200))
+        batch = run_step(s)
+        assert len(decode_rows(batch)) == 3 and prompt_tokens(batch) > 0 and not s.joining
+
+
+def test_a_closed_loop_split_in_two_groups_becomes_one(monkeypatch) -> None:
+    """Sixteen closed-loop users asking 128 tokens each, nine of them starting a few steps after the other
+    seven: with waves on, the seven's next prompts wait for the nine to finish, and from then on every step
+    decodes all sixteen or none (one group). Without the join the seven go in beside the nine's decodes."""
+    from engine import scheduler as sched
+
+    def decoding_per_step(rounds: int) -> list[int]:
+        rng = random.Random(0)
+        s = scheduler(stall=4.0, prefill_waves=True, blocks=1024, budget=1024)
+        users = iter(range(10_000))
+        rows = []
+        for step in range(rounds * 132):
+            for _ in range(7 if step == 0 else 9 if step == 6 else 0):
+                s.add(request(next(users), rng.randrange(64, 256), max_new=128))
+            batch = s.schedule()
+            rows.append(sum(1 for r, n in batch.items if n == 1 and r.num_generated))  # (not a prompt's last token)
+            for _ in s.update_from_output(batch, SampleResult([0] * len(batch.samples), None, None), None):
+                s.add(request(next(users), rng.randrange(64, 256), max_new=128))  # the user's next prompt, at once
+        return rows
+
+    assert sched.JOIN_STEPS == 8
+    rows = decoding_per_step(10)
+    assert {7, 9} <= set(rows[:140]) and set(rows[140:]) == {0, 16}  # (the nine decode alone while the seven wait)
+    monkeypatch.setattr(sched, "JOIN_STEPS", 0)
+    assert set(decoding_per_step(2)[135:]) - {0, 16}
+
+
 def test_turning_the_cap_off_ends_a_wave() -> None:
     """generate_batch turns a kept engine's cap off for its batch: a wave under way ends there (its step log
     says no wave), and the held decode runs again beside uncapped prompt chunks."""

@@ -19,7 +19,8 @@ two requests wait for their first token and they outnumber the decoding ones, an
 WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first and without the
 cap, in steps just long enough that a step's fixed cost is WAVE_STEP_FIXED_SHARE of it (so that the
 shortest get their first token early), and the running decodes are held until the last of them has
-its first token. The wave then decodes together, and finishes together when its requests ask for the
+its first token; prompts that arrive while it is prefilled join it within the same bound. The
+wave then decodes together, and finishes together when its requests ask for the
 same length: a closed loop of users stays in step instead of spreading every prompt over steps beside
 everyone else's decodes. A held decode waits at most the wave's prefill; a step in which the wave
 cannot move (no block, no slot) runs the decodes instead. Prompts that arrive when every running
@@ -104,6 +105,7 @@ class Scheduler:
         self.prefill_cap = max_batch_tokens  # the prompt tokens the last step with decodes could take
         self.prefill_waves = prefill_waves  # with the cap on: prompts that arrive together go first, as a wave
         self.wave: set[Request] = set()  # the wave being prefilled: requests still waiting for their first token
+        self.wave_tokens = 0  # the prompt tokens the wave under way took on (at most WAVE_STEPS steps' budget)
         self.joining = False  # this step admits no new prompt: they wait for the decodes about to end (JOIN_STEPS)
 
     def add(self, req: Request) -> None:
@@ -165,6 +167,7 @@ class Scheduler:
             return False
         self.wave = {req for req in self.wave if req.request_id in self.requests and not req.num_generated}
         if self.wave:
+            self._take_late_arrivals()
             return True
         first = [req for req in (*self.running, *self.waiting) if not req.num_generated]
         decodes = sum(1 for req in self.running if req.num_generated and not _prompt_row(req))
@@ -175,9 +178,28 @@ class Scheduler:
         if left > WAVE_STEPS * self.max_batch_tokens:
             return False
         self.wave = set(first)
+        self.wave_tokens = left
+        self._sort_waiting()
+        return True
+
+    def _take_late_arrivals(self) -> None:
+        """New prompts that arrived while the wave is prefilled join it, shortest first, while the prompt tokens it
+        took on stay within WAVE_STEPS steps' budget: a closed loop's next prompts come over a few
+        milliseconds, and the wave starts with the first two."""
+        late = sorted((req for req in self.waiting if not req.num_generated and req not in self.wave),
+                      key=lambda req: req.num_prompt_tokens)  # fmt: skip
+        for req in late:
+            if self.wave_tokens + req.num_prompt_tokens > WAVE_STEPS * self.max_batch_tokens:
+                break
+            self.wave.add(req)
+            self.wave_tokens += req.num_prompt_tokens
+        if late and late[0] in self.wave:
+            self._sort_waiting()
+
+    def _sort_waiting(self) -> None:
+        """The wave's waiting members behind the other waiting requests (preempted ones), shortest first."""
         # a new deque, not the old one sorted in place: another thread may copy the old one meanwhile
         self.waiting = deque(sorted(self.waiting, key=lambda req: (req in self.wave, req.num_prompt_tokens)))
-        return True
 
     def _join_next(self) -> bool:
         """Whether the waiting new prompts should wait this step: every running request is a decode that

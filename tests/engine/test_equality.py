@@ -20,6 +20,8 @@ SETTINGS = {
     "decode-stall-min-chunks": dict(block_size=16, num_blocks=512, max_batch_tokens=256, max_decode_stall=1.0),
     "decode-stall-preemption": dict(block_size=16, num_blocks=16, max_batch_tokens=256, max_decode_stall=1.0),
     "decode-stall-off": dict(block_size=16, num_blocks=512, max_batch_tokens=256, max_decode_stall=0.0),
+    # prefill waves: the prompts all arrive together, so they go as one wave, shortest first
+    "prefill-waves": dict(block_size=16, num_blocks=512, max_batch_tokens=64, max_decode_stall=4.0, prefill_waves=True),
 }
 
 

@@ -206,6 +206,27 @@ def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_l
         assert not s.wave
 
 
+def test_prompts_arriving_while_a_wave_is_prefilled_join_it() -> None:
+    """A closed loop's next prompts come over a few milliseconds and the wave starts with the first two: the
+    ones that arrive during its steps join it (within WAVE_STEPS steps' budget), so all sixteen users decode in
+    the same steps, round after round; without that the late arrivals would be fewer than the wave and go
+    in capped chunks beside its decodes."""
+    from engine.scheduler import WAVE_STEPS
+
+    rng = random.Random(0)
+    s = scheduler(stall=4.0, prefill_waves=True, blocks=1024, budget=1024)
+    users, pending, rows = iter(range(10_000)), 16, []
+    for _ in range(10 * 132):
+        for _ in range(min(8, pending)):  # eight arrive per step
+            s.add(request(next(users), rng.randrange(64, 256), max_new=128))
+            pending -= 1
+        batch = s.schedule()
+        rows.append(sum(1 for r, n in batch.items if n == 1 and r.num_generated))
+        pending += len(s.update_from_output(batch, SampleResult([0] * len(batch.samples), None, None), None))
+        assert s.wave_tokens <= WAVE_STEPS * 1024
+    assert set(rows) == {0, 16} and rows.count(16) > 9 * 127
+
+
 def test_a_wave_prompts_last_token_goes_in_the_wave_not_with_the_held_decodes() -> None:
     """A wave step that ends a prompt one token short: the next step computes that token alone (one new
     token, but the request has none yet: not a decode), the running decode still held."""

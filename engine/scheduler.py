@@ -18,16 +18,16 @@ Prompts that arrive together can be prefilled as a wave (`prefill_waves`, off by
 two requests wait for their first token and they outnumber the decoding ones, and their prompts fit in
 WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first and without the
 cap, in steps just long enough that a step's fixed cost is WAVE_STEP_FIXED_SHARE of it (so that the
-shortest get their first token early), and the running decodes are held until the last of them has
-its first token; prompts that arrive while it is prefilled join it within the same bound. The
-wave then decodes together, and finishes together when its requests ask for the
-same length: a closed loop of users stays in step instead of spreading every prompt over steps beside
-everyone else's decodes. A held decode waits at most the wave's prefill; a step in which the wave
-cannot move (no block, no slot) runs the decodes instead. Prompts that arrive when every running
-request is a decode within JOIN_STEPS tokens of its `max_new_tokens` wait for those to finish (the
-arrivals join the next wave instead of going in capped chunks beside them): a closed loop's users
-that finished a few steps before the others rejoin them, rather than staying a second group whose
-prompts are chunked beside the first group's decodes every round.
+shortest get their first token early), and the running decodes are held until the last of them has its
+first token; prompts that arrive while it is prefilled join it within the same bound. The wave then
+decodes together, and finishes together when its requests ask for the same length: a closed loop of
+users stays in step instead of spreading every prompt over steps beside everyone else's decodes. A held
+decode waits at most the wave's prefill; a step in which the wave cannot move (no block, no slot) runs
+the decodes instead. Prompts that arrive when every running request is a decode within JOIN_STEPS tokens
+of its `max_new_tokens` wait for those to finish (the arrivals join the next wave instead of going in
+capped chunks beside them): a closed loop's users that finished a few steps before the others rejoin
+them, rather than staying a second group whose prompts are chunked beside the first group's decodes
+every round.
 """
 
 from __future__ import annotations

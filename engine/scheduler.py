@@ -172,7 +172,7 @@ class Scheduler:
         first = [req for req in (*self.running, *self.waiting) if not req.num_generated]
         decodes = sum(1 for req in self.running if req.num_generated and not _prompt_row(req))
         if len(first) < 2 or len(first) <= decodes:
-            self.joining = self._join_next()
+            self.joining = bool(first) and self._decodes_end_soon()  # (all running decoding: `first` is waiting)
             return False
         left = sum(req.num_prompt_tokens - req.num_computed for req in first)  # a waiting request's is 0
         if left > WAVE_STEPS * self.max_batch_tokens:
@@ -201,11 +201,9 @@ class Scheduler:
         # a new deque, not the old one sorted in place: another thread may copy the old one meanwhile
         self.waiting = deque(sorted(self.waiting, key=lambda req: (req in self.wave, req.num_prompt_tokens)))
 
-    def _join_next(self) -> bool:
-        """Whether the waiting new prompts should wait this step: every running request is a decode that
-        ends within JOIN_STEPS tokens, so they can go in as one wave with those decodes' successors."""
-        if not any(not req.num_generated for req in self.waiting):
-            return False
+    def _decodes_end_soon(self) -> bool:
+        """Whether new prompts should wait this step: every running request is a decode that ends within
+        JOIN_STEPS tokens, so they can go in as one wave with those decodes' successors."""
         return bool(self.running) and all(
             req.num_generated and not _prompt_row(req) and req.max_new_tokens - req.num_generated <= JOIN_STEPS
             for req in self.running

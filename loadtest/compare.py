@@ -103,7 +103,8 @@ def compare_table(pooled_by_name: dict[str, dict], idle_cpu: dict[str, float | N
         row("arrivals dropped", ["-" if o is None else f"{o['dropped']} of {o['offered']}" for o in loops])
     if pooled_by_name[ref].get("request_goodput") is not None:
         metric("goodput requests/s", "request_goodput", ".2f")
-    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT"), ("e2el", "E2E")):
+    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("first_itl", "after 1st token"), ("tpot", "TPOT"),
+                       ("e2el", "E2E")):  # fmt: skip
         row(f"{label} ms p50 / p90 / p99",
             ["/".join(f"{pooled_by_name[n][f'p{q}_{key}_ms']:.0f}" for q in (50, 90, 99)) for n in names])  # fmt: skip
         row(f"  p50 ratio to {ref}", [_ratio(pooled_by_name[n][f"p50_{key}_ms"], pooled_by_name[ref][f"p50_{key}_ms"])

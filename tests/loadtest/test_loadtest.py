@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.testing import save_test_model
-from loadtest.report import load_rows
+from loadtest.report import METRICS, load_rows
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +210,21 @@ def test_a_server_that_holds_no_text_reports_no_held_tokens() -> None:
     assert "came in one chunk" not in table(summary)
 
 
+def test_the_gap_after_the_first_token_is_its_own_row() -> None:
+    """Three requests whose second token waited 900 ms and whose other 99 gaps took 50: the inter-token p99
+    stays near 50 (3 gaps in 300), the first-gap row says 900; a one-token request has no such gap."""
+    from loadtest.report import summarize, table
+
+    rows = [{"ok": True, "prompt_tokens": 5, "output_tokens": 101, "ttft_ms": 100.0, "e2e_ms": 6000.0, "tpot_ms": 59.0,
+             "itl_ms": [900.0] + [50.0] * 99} for _ in range(3)]  # fmt: skip
+    rows.append({"ok": True, "prompt_tokens": 5, "output_tokens": 1, "ttft_ms": 10.0, "e2e_ms": 10.0, "tpot_ms": 0.0,
+                 "itl_ms": []})  # fmt: skip
+    summary = summarize(rows, 1.0, {})
+    assert summary["p99_itl_ms"] < 60.0
+    assert summary["p50_first_itl_ms"] == summary["p99_first_itl_ms"] == 900.0
+    assert any(line.startswith("after the first token") and "900.0" in line for line in table(summary).splitlines())
+
+
 @pytest.mark.parametrize("standin", [["--api-key", "s3cret"]], indirect=True)
 def test_the_key_comes_from_openai_api_key_and_a_wrong_one_fails_every_request(standin, tmp_path) -> None:
     env = {**os.environ, "OPENAI_API_KEY": "s3cret"}
@@ -285,7 +300,7 @@ def test_compare_table_keeps_every_cell_apart_however_many_rounds() -> None:
     from loadtest.compare import compare_table
 
     def pooled(rounds: list[float]) -> dict:
-        keys = {f"p{q}_{k}_ms": 1000.0 + q for q in (50, 90, 99) for k in ("ttft", "itl", "tpot", "e2el")}
+        keys = {f"p{q}_{k}_ms": 1000.0 + q for q in (50, 90, 99) for k in METRICS}
         return {"output_throughput": sum(rounds) / len(rounds), "request_throughput": 1.0, "completed": 10,
                 "failed": 0, "total_output_tokens": 1000, "load_generator_cpu_s": 1.0, "duration": 60.0,
                 "rounds_output_throughput": rounds, **keys}  # fmt: skip

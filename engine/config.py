@@ -57,8 +57,9 @@ class ContinuousBatchingConfig:
     max_decode_stall: float | None = None
     # With that cap on: when at least two requests wait for their first token and they outnumber the decoding
     # ones, they are prefilled first as a wave (shortest first, uncapped; at most 4 steps' budget of prompt
-    # tokens) and the running decodes wait for it, so that requests that arrive together decode together.
-    # Off by default: with short outputs the pause after a wave's first tokens becomes the inter-token tail.
+    # tokens; every first token in its last step) and the running decodes wait for it, so that requests that
+    # arrive together decode together, with no pause after their first token. Off by default: a burst's first
+    # tokens then all wait for the whole wave (a TTFT several times the capped path's; docs/engine.md).
     prefill_waves: bool = False
     # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
     # transformers resolves it when no logits processor needs vocabulary-sized scratch space.

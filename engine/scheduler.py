@@ -16,16 +16,16 @@ whole budget goes to prompts.
 
 Prompts that arrive together can be prefilled as a wave (`prefill_waves`, off by default): when at least
 two requests wait for their first token and they outnumber the decoding ones, and their prompts fit in
-WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first and without the
-cap, in steps just long enough that a step's fixed cost is WAVE_STEP_FIXED_SHARE of it (so that the
-shortest get their first token early), and the running decodes are held until the last of them has its
-first token; prompts that arrive while it is prefilled join it within the same bound. The wave then
-decodes together, and finishes together when its requests ask for the same length: a closed loop of
-users stays in step instead of spreading every prompt over steps beside everyone else's decodes. A held
-decode waits at most the wave's prefill; a step in which the wave cannot move (no block, no slot) runs
-the decodes instead. Prompts that arrive when every running request is a decode within JOIN_STEPS tokens
-of its `max_new_tokens` wait for those to finish (the arrivals join the next wave instead of going in
-capped chunks beside them): a closed loop's users that finished a few steps before the others rejoin
+WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first, without the cap
+and with the running decodes held; every member's last prompt token waits for the wave's last step, so
+that all its first tokens come in that step and no member waits out the rest of the wave between its
+first token and its second. Prompts that arrive while it is prefilled join it within the same bound. The
+wave then decodes together, and finishes together when its requests ask for the same length: a closed
+loop of users stays in step instead of spreading every prompt over steps beside everyone else's decodes.
+A held decode waits at most the wave's prefill; a step in which the wave cannot move (no block, no slot)
+runs the decodes instead. Prompts that arrive when every running request is a decode within JOIN_STEPS
+tokens of its `max_new_tokens` wait for those to finish (the arrivals join the next wave instead of going
+in capped chunks beside them): a closed loop's users that finished a few steps before the others rejoin
 them, rather than staying a second group whose prompts are chunked beside the first group's decodes
 every round.
 """
@@ -45,9 +45,6 @@ from engine.step_cost import StepCostModel
 from engine.swap import HostSwapPool
 
 WAVE_STEPS = 4  # a wave's prompt tokens fit this many steps' budget: the longest the running decodes are held
-# a wave goes in steps just long enough that their fixed part (reading the weights) is this share of them, so
-# that its shortest prompts get their first token early; within the budget, and the whole budget while unfitted
-WAVE_STEP_FIXED_SHARE = 0.05
 # with waves on, new prompts wait for running decodes that all end within this many tokens (their max_new_tokens)
 JOIN_STEPS = 8
 # with decodes running, the fewest prompt tokens a step takes (one block where blocks are smaller), so
@@ -107,6 +104,7 @@ class Scheduler:
         self.wave: set[Request] = set()  # the wave being prefilled: requests still waiting for their first token
         self.wave_tokens = 0  # the prompt tokens the wave under way took on (at most WAVE_STEPS steps' budget)
         self.joining = False  # this step admits no new prompt: they wait for the decodes about to end (JOIN_STEPS)
+        self.wave_holds_last = False  # this wave step is not its last: its members' last prompt tokens wait for that
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -219,11 +217,12 @@ class Scheduler:
 
     def _schedule(self, hold_decodes: bool, hold_arrivals: bool = False) -> ScheduledBatch:
         if hold_decodes:
-            step = self.step_cost.prefill_tokens_for_share(WAVE_STEP_FIXED_SHARE) or self.max_batch_tokens
-            step = min(self.max_batch_tokens, max(self.min_prefill_chunk, step))
-            budget = [step, step]  # all tokens; prompt tokens
+            budget = [self.max_batch_tokens, self.max_batch_tokens]  # all tokens; prompt tokens
+            left = sum(req.num_tokens - req.num_computed for req in self.wave)  # (a waiting request's num_computed is 0)
+            self.wave_holds_last = left > self.max_batch_tokens and left > len(self.wave)  # not the wave's last step
         else:
             budget = [self.max_batch_tokens, self.prefill_budget()]
+            self.wave_holds_last = False
         chosen: dict[Request, int] = {}
         self._copies: list[tuple[int, int]] = []
         if self.prefill_first:
@@ -290,8 +289,9 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget[0])
             if _prompt_row(req):
                 n = min(n, budget[1])
-                if n == 0:  # a prompt chunk, and the step's prompt tokens are spent: decodes behind it still run
-                    continue
+            n = self._wave_chunk(req, req.num_computed, n)
+            if n == 0:  # a prompt chunk, and the step's prompt tokens are spent (or a wave's last token held): decodes
+                continue  # behind it still run
             while not self.bm.can_grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim, chosen, budget)
@@ -321,6 +321,7 @@ class Scheduler:
             n = min(req.num_tokens - start, budget[0])
             if req.num_tokens - start > 1:  # a prompt row (req.num_computed is `start` from here on)
                 n = min(n, budget[1])  # 0: the step's prompt tokens are spent
+                n = self._wave_chunk(req, start, n)  # (one the cache holds but for its last token samples at once)
             if n == 0 or not self.bm.can_grow(req, start + n):
                 self.bm.release(req)  # give the cached blocks back; try again next step
                 req.num_computed = 0
@@ -337,6 +338,14 @@ class Scheduler:
             req.status = RequestStatus.PREFILLING
             if req.scheduled_time is None:
                 req.scheduled_time = time.perf_counter()
+
+    def _wave_chunk(self, req: Request, start: int, n: int) -> int:
+        """`n` tokens of `req` from `start`, less its last prompt token when it is a member of a wave whose last
+        step this is not: the wave's first tokens all come in its last step, so that none of its requests waits
+        for the rest of the wave between its first token and its second."""
+        if self.wave_holds_last and start + n == req.num_tokens and req in self.wave:
+            return n - 1
+        return n
 
     def _take(self, req: Request, n: int, chosen: dict[Request, int], budget: list[int]) -> None:
         self._copies += self.bm.grow(req, req.num_computed + n)

@@ -191,8 +191,9 @@ SETTINGS: tuple[Setting, ...] = (
             "for offline batches (generate_batch, cbserve generate)", nullable=True, minimum=0, operator=True),
     Setting("prefill_waves", "bool", False, "with the max_decode_stall cap on: when at least two requests wait for "
             "their first token and they outnumber the decoding ones, they are prefilled first as a wave (shortest "
-            "first, uncapped, at most 4 steps' budget of prompt tokens) and the running decodes wait for it, so that "
-            "requests that arrive together decode together; off: every prompt goes under the cap", operator=True),
+            "first, uncapped, at most 4 steps' budget of prompt tokens, all their first tokens in its last step) and "
+            "the running decodes wait for it, so that requests that arrive together decode together; off: every "
+            "prompt goes under the cap", operator=True),
     Setting("max_memory_percent", "float", 0.9, "share of the memory free after the model loads that the KV cache may "
             "take (unset: 0.9)", nullable=True, minimum=0, exclusive_minimum=True, maximum=1, operator=True),
     Setting("max_requests_per_batch", "int", None, "cap on requests running at once; unset: derived at start-up",

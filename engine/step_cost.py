@@ -16,7 +16,6 @@ decode step of SmolLM2, and the line moves slowly.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import numpy as np
@@ -78,14 +77,3 @@ class StepCostModel:
         if decode <= 0 or c <= 0:
             return None
         return max(0, int(((factor - 1.0) * decode - e) / c))
-
-    def prefill_tokens_for_share(self, share: float) -> int | None:
-        """The fewest prompt tokens a step without decodes may carry for its fixed part (a + e) to be at most
-        `share` of it; None while the model cannot say (unfitted, or prompt tokens cost nothing)."""
-        coef = self.coefficients()
-        if coef is None:
-            return None
-        a, _, c, e = coef
-        if c <= 0:
-            return None
-        return max(0, math.ceil(round((a + e) * (1.0 - share) / (share * c), 6)))  # (round: a fit's last bits)

@@ -149,10 +149,11 @@ def test_prompts_that_arrive_together_are_prefilled_as_a_wave_and_decode_togethe
             assert all(decode_rows(b) and decode_rows(b)[0] == "r0" for b in steps)  # r0 never waits
             assert max(prompt_tokens(b) for b in steps) == BUDGET // 8  # the unfitted cap
             continue
-        assert all(not decode_rows(b) for b in steps) and s.wave  # r0 held through the wave
-        assert [prompt_tokens(b) for b in steps] == [512, 512, 96]  # the whole budget, uncapped
+        assert all("r0" not in decode_rows(b) for b in steps) and s.wave  # r0 held through the wave
+        assert [b.num_tokens for b in steps] == [512, 512, 96]  # the whole budget, uncapped
         first = [r.request_id for r, _ in steps[0].items]
         assert first[:3] == ["r2", "r6", "r4"]  # shortest first: 100, 120, 150 tokens
+        assert all(not b.samples for b in steps[:-1]) and len(steps[-1].samples) == 6  # first tokens: the last step
         after = run_step(s)
         assert sorted(decode_rows(after)) == [f"r{i}" for i in range(7)] and not prompt_tokens(after)
         assert not s.wave or all(r.num_generated for r in s.wave)
@@ -174,18 +175,22 @@ def test_no_wave_by_default_nor_under_prefill_first(kw) -> None:
     assert decode_rows(batch) == ["r0"] and prompt_tokens(batch) == BUDGET // 8 and not s.wave
 
 
-def test_a_fitted_wave_goes_in_steps_whose_fixed_part_is_a_twentieth() -> None:
-    """Steps cost 10 ms + 1 ms a decode row + 0.5 ms a prompt token (+ 0): a wave step holds the fewest prompt
-    tokens that make the 10 ms 5% of it, 10 * 0.95 / (0.05 * 0.5) = 380."""
+def test_a_waves_first_tokens_all_come_in_its_last_step() -> None:
+    """Four prompts of 300 tokens beside one decode: the wave's steps carry the whole budget (512, 512, then the
+    176 left), every member's last prompt token waits for the last of them, and all four sample their first
+    token there; the next step decodes all five. Without that the members prefilled first would wait out the
+    rest of the wave between their first token and their second."""
     s = scheduler(stall=4.0, prefill_waves=True)
-    for d, p in [(0, 100), (0, 300), (0, 50), (0, 200), (1, 0), (2, 0), (4, 0), (8, 0)]:
-        s.step_cost.observe(d, p, 0.010 + 0.001 * d + 0.0005 * p)
-    assert s.step_cost.prefill_tokens_for_share(0.05) == 380
     s.add(request(0, 40))
     run_step(s)
     for i in range(1, 5):
         s.add(request(i, 300))
-    assert [prompt_tokens(run_step(s)) for _ in range(4)] == [380, 380, 380, 60] and s.wave
+    steps = [run_step(s) for _ in range(3)]
+    assert [b.num_tokens for b in steps] == [512, 512, 176] and s.wave_tokens == 1200
+    assert [len(b.samples) for b in steps] == [0, 0, 4]
+    assert sorted(r.request_id for r, n in steps[-1].items if n == 1) == ["r1", "r2", "r3"]  # held at their last token
+    assert all(s.requests[f"r{i}"].num_generated == 1 for i in range(1, 5))
+    assert sorted(decode_rows(run_step(s))) == [f"r{i}" for i in range(5)]
 
 
 def test_no_wave_when_the_decodes_outnumber_the_prompts_or_the_prompts_are_too_long() -> None:
@@ -228,15 +233,16 @@ def test_prompts_arriving_while_a_wave_is_prefilled_join_it() -> None:
 
 
 def test_a_wave_prompts_last_token_goes_in_the_wave_not_with_the_held_decodes() -> None:
-    """A wave step that ends a prompt one token short: the next step computes that token alone (one new
-    token, but the request has none yet: not a decode), the running decode still held."""
+    """A wave step that leaves each member one token short (their last tokens wait for the wave's last step):
+    the next step computes those tokens alone (one new token each, but the requests have none yet: not
+    decodes), the running decode still held; then all three decode."""
     s = scheduler(stall=4.0, prefill_waves=True)
     s.add(request(0, 40))
     run_step(s)
     s.add(request(1, 100))
     s.add(request(2, BUDGET - 100 + 1))
-    assert prompt_tokens(run_step(s)) == BUDGET and s.wave
-    assert [(r.request_id, n) for r, n in run_step(s).items] == [("r2", 1)]
+    assert prompt_tokens(run_step(s)) == BUDGET - 1 and s.wave
+    assert sorted((r.request_id, n) for r, n in run_step(s).items) == [("r1", 1), ("r2", 1)]
     assert sorted(decode_rows(run_step(s))) == ["r0", "r1", "r2"]
 
 

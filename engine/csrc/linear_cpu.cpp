@@ -105,6 +105,10 @@ void linear_impl(const float* x, const W* panels, const T* bias, T* y, int64_t m
     for (int64_t mc0 = 0; mc0 < m; mc0 += kMC) {  // rows of x that stay in L2 while every panel passes
       const int64_t mc = std::min(kMC, m - mc0);
       const float* xc = x + mc0 * k;
+      // the rows in blocks of nearly equal size (16 rows: 8 + 8, not 12 + 4): a block of few rows
+      // spends each weight it loads on few sums
+      const int64_t blocks = (mc + kMR - 1) / kMR;
+      const auto rows_of = [&](int64_t b) { return mc / blocks + (b < mc % blocks ? 1 : 0); };
       for (int64_t p = p0; p < p1; ++p) {
         const W* panel = panels + p * k * kNR;
         std::fill(acc.begin(), acc.end(), 0.0f);
@@ -114,19 +118,16 @@ void linear_impl(const float* x, const W* panels, const T* bias, T* y, int64_t m
           const W* next = chunk + kc * kNR;  // the next chunk, of this panel or the next one
           if (widen) {
             for (int64_t i = 0; i < kc * kNR; i += kLanes) store(wide.data() + i, load(chunk + i));
-            for (int64_t m0 = 0; m0 < mc; m0 += kMR)
-              block_rows<float>(std::min(kMR, mc - m0), xc + m0 * k + k0, k, wide.data(), kc, acc.data() + m0 * kNR,
-                                nullptr, 1);
+            for (int64_t b = 0, m0 = 0; b < blocks; m0 += rows_of(b), ++b)
+              block_rows<float>(rows_of(b), xc + m0 * k + k0, k, wide.data(), kc, acc.data() + m0 * kNR, nullptr, 1);
           } else {
             // the next chunk's steps prefetched evenly over every block of rows (a share each, one
             // step every `blocks` steps): its memory traffic then runs beside all of the chunk's sums
             // instead of in a burst beside the first block's
-            const int64_t blocks = (mc + kMR - 1) / kMR, share = (kKC + blocks - 1) / blocks;
-            for (int64_t b = 0; b < blocks; ++b) {
-              const int64_t m0 = b * kMR;
-              block_rows(std::min(kMR, mc - m0), xc + m0 * k + k0, k, chunk, kc, acc.data() + m0 * kNR,
-                         next + b * share * kNR, blocks);
-            }
+            const int64_t share = (kKC + blocks - 1) / blocks;
+            for (int64_t b = 0, m0 = 0; b < blocks; m0 += rows_of(b), ++b)
+              block_rows(rows_of(b), xc + m0 * k + k0, k, chunk, kc, acc.data() + m0 * kNR, next + b * share * kNR,
+                         blocks);
           }
         }
         const int64_t c0 = p * kNR, width = std::min(kNR, n - c0);

@@ -409,7 +409,7 @@ def test_panel_products_equal_f_linear_to_rounding_at_every_block_edge(dtype, bi
         b = torch.randn(n, generator=g).to(dtype) if bias else None
         panels = ops.pack_linear_weight(weight)
         assert panels.dtype == dtype and panels.shape[1:] == (k, ops.linear_panel_width())
-        for rows in (1, 5, 6, 13, 97, 250):
+        for rows in (1, 5, 6, 13, 16, 25, 97, 250):  # (16 rows: two blocks of 8 under AVX-512)
             x = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, ::2]  # not contiguous
             y = ops.packed_linear(x, panels, b, n)
             exact = x.double() @ weight.double().T + (b.double() if bias else 0)

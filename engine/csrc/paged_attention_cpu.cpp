@@ -125,10 +125,12 @@ inline void transpose_lanes(vfloat* r) {
 #undef CB_SECOND
 #undef CB_SWAP
 
-// the cache lines of [p, p + bytes) on their way to this core's caches
+// the cache lines of [p, p + bytes) on their way to this core's caches: with Locality 3 (prefetcht0)
+// into L1, with 1 (prefetcht2) into L2 only
+template <int Locality = 3>
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, Locality);
 }
 
 // {0, 1, ..., kLanes - 1}
@@ -324,7 +326,10 @@ struct Attention {
   // decode token's keys are read once, and loads straight from memory overlap with the products.
   // The key rows kPrefetchKeys ahead (up to `ahead` past the range) and this tile's value rows (p.V
   // reads them after the chunk's softmax) are prefetched: the hardware's own prefetch alone left a
-  // long context's decode tokens reading at half the host's bandwidth.
+  // long context's decode tokens reading at half the host's bandwidth. They are fetched into L2, not
+  // L1 (prefetcht2): 2 x kLanes rows of keys and a tile of values are hundreds of cache lines, far more
+  // than L1 has misses in flight, and the loads find them in L2 (on a Zen 4, 6-17% less time in
+  // float32 and 16-28% in bfloat16 than prefetcht0, docs/benchmarks.md).
   template <int KC>
   void scores_in_place(const Item& it, Scratch& s, int64_t per_head, int64_t rows, int64_t first, int64_t n,
                        int64_t npad, int64_t ahead) const {
@@ -334,8 +339,8 @@ struct Attention {
     for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
       for (int64_t j = 0; j < kLanes; ++j) {
         const int64_t t = t0 + kPrefetchKeys + j;
-        if (t < n + ahead) prefetch(cache_row(k_cache, head_dim, it.seq, it.h0, first + t), k_bytes);
-        if (t0 + j < n) prefetch(cache_row(v_cache, v_dim, it.seq, it.h0, first + t0 + j), v_bytes);
+        if (t < n + ahead) prefetch<1>(cache_row(k_cache, head_dim, it.seq, it.h0, first + t), k_bytes);
+        if (t0 + j < n) prefetch<1>(cache_row(v_cache, v_dim, it.seq, it.h0, first + t0 + j), v_bytes);
       }
       const T* kp[kLanes];
       for (int64_t j = 0; j < kLanes; ++j) kp[j] = cache_row(k_cache, head_dim, it.seq, it.h0, first + std::min(t0 + j, n - 1));

@@ -328,7 +328,7 @@ struct Attention {
   // reads them after the chunk's softmax) are prefetched: the hardware's own prefetch alone left a
   // long context's decode tokens reading at half the host's bandwidth. They are fetched into L2, not
   // L1 (prefetcht2): 2 x kLanes rows of keys and a tile of values are hundreds of cache lines, far more
-  // than L1 has misses in flight, and the loads find them in L2 (on a Zen 4, 6-17% less time in
+  // than L1 has misses in flight, and the loads find them in L2 (on a Zen 4, 6-16% less time in
   // float32 and 16-28% in bfloat16 than prefetcht0, docs/benchmarks.md).
   template <int KC>
   void scores_in_place(const Item& it, Scratch& s, int64_t per_head, int64_t rows, int64_t first, int64_t n,

@@ -45,6 +45,9 @@ from engine.step_cost import StepCostModel
 from engine.swap import HostSwapPool
 
 WAVE_STEPS = 4  # a wave's prompt tokens fit this many steps' budget: the longest the running decodes are held
+# a wave's majority gets its first tokens early (then waits out the rest of the wave once) when those pauses are
+# at most this share of the wave's inter-token gaps: one pause in 200 gaps stays out of the streams' p99
+EARLY_PAUSE_SHARE = 1 / 200
 # with waves on, new prompts wait for running decodes that all end within this many tokens (their max_new_tokens)
 JOIN_STEPS = 8
 # with decodes running, the fewest prompt tokens a step takes (one block where blocks are smaller), so
@@ -103,6 +106,7 @@ class Scheduler:
         self.prefill_waves = prefill_waves  # with the cap on: prompts that arrive together go first, as a wave
         self.wave: set[Request] = set()  # the wave being prefilled: requests still waiting for their first token
         self.wave_tokens = 0  # the prompt tokens the wave under way took on (at most WAVE_STEPS steps' budget)
+        self.wave_size = 0  # the requests the wave under way took on, its early group's first tokens included
         self.joining = False  # this step admits no new prompt: they wait for the decodes about to end (JOIN_STEPS)
         self.wave_holds_last = False  # this wave step is not its last: its members' last prompt tokens wait for that
 
@@ -177,6 +181,7 @@ class Scheduler:
             return False
         self.wave = set(first)
         self.wave_tokens = left
+        self.wave_size = len(first)
         self._sort_waiting()
         return True
 
@@ -191,6 +196,7 @@ class Scheduler:
                 break
             self.wave.add(req)
             self.wave_tokens += req.num_prompt_tokens
+            self.wave_size += 1
         if late and late[0] in self.wave:
             self._sort_waiting()
 
@@ -220,6 +226,10 @@ class Scheduler:
             budget = [self.max_batch_tokens, self.max_batch_tokens]  # all tokens; prompt tokens
             left = sum(req.num_tokens - req.num_computed for req in self.wave)  # (a waiting request's num_computed is 0)
             self.wave_holds_last = left > self.max_batch_tokens and left > len(self.wave)  # not the wave's last step
+            early = self._early_group_tokens() if self.wave_holds_last else None
+            if early is not None:  # this step ends the prompts of the wave's majority, and they sample
+                budget = [early, early]
+                self.wave_holds_last = False
         else:
             budget = [self.max_batch_tokens, self.prefill_budget()]
             self.wave_holds_last = False
@@ -338,6 +348,26 @@ class Scheduler:
             req.status = RequestStatus.PREFILLING
             if req.scheduled_time is None:
                 req.scheduled_time = time.perf_counter()
+
+    def _early_group_tokens(self) -> int | None:
+        """The tokens that finish the prompts of the wave's majority (its members in the order this step takes
+        them), when they fit this step's budget and no member has its first token yet, and one pause for each of
+        them is at most EARLY_PAUSE_SHARE of the wave's inter-token gaps; else None. Those members sample at the
+        end of this step and wait out the rest of the wave once: the wave's median first token comes when its
+        majority is prefilled, not when all of it is (as vLLM's chunked prefill gives a wave's first chunk)."""
+        if len(self.wave) < self.wave_size:  # the early group had its first tokens (or a member left)
+            return None
+        need = self.wave_size // 2 + 1
+        gaps = sum(max(req.max_new_tokens - 1, 0) for req in self.wave)
+        if need > EARLY_PAUSE_SHARE * gaps:
+            return None
+        tokens = 0
+        for req in (*(req for req in self.running if req in self.wave), *self.waiting):  # (preempted ones first)
+            if need == 0:
+                break
+            tokens += req.num_tokens - req.num_computed
+            need -= req in self.wave
+        return tokens if tokens <= self.max_batch_tokens else None
 
     def _wave_chunk(self, req: Request, start: int, n: int) -> int:
         """`n` tokens of `req` from `start`, less its last prompt token when it is a member of a wave whose last

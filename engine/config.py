@@ -27,8 +27,11 @@ NO_EFFECT = {
 _warned: set[str] = set()
 DEFAULT_BLOCK_SIZE = {"cpu": 64, "cuda": 256}
 # max_decode_stall unset: the cap where tokens are streamed; offline batches (generate_batch) leave it off:
-# nobody reads their tokens before the batch ends, and on an offline W3 (long prompts) it cost 12-15%
-STREAMING_DECODE_STALL = 4.0
+# nobody reads their tokens before the batch ends, and on an offline W3 (long prompts) it cost 12-15%.
+# 16: a prompt that arrives alone beside running decodes mostly goes whole in one step, as vLLM's does (its
+# first token as soon as vLLM's), a long one or several are still cut; prompts that arrive together go as a
+# wave (prefill_waves). Measured against 4, 8 and 12 under three loads (docs/benchmarks.md).
+STREAMING_DECODE_STALL = 16.0
 OFFLINE_DECODE_STALL = 0.0
 
 
@@ -57,10 +60,11 @@ class ContinuousBatchingConfig:
     max_decode_stall: float | None = None
     # With that cap on: when at least two requests wait for their first token and they outnumber the decoding
     # ones, they are prefilled first as a wave (shortest first, uncapped; at most 4 steps' budget of prompt
-    # tokens; every first token in its last step) and the running decodes wait for it, so that requests that
-    # arrive together decode together, with no pause after their first token. Off by default: a burst's first
-    # tokens then all wait for the whole wave (a TTFT several times the capped path's; docs/engine.md).
-    prefill_waves: bool = False
+    # tokens; first tokens in its last step, or its majority's when the prompts that end it are done, where
+    # one pause each stays under 1 in 200 of the wave's gaps) and the running decodes wait for it, so that
+    # requests that arrive together decode together. False: every prompt goes in capped chunks beside the
+    # decodes (a burst's first tokens come sooner, and its users' streams stall every step; docs/engine.md).
+    prefill_waves: bool = True
     # Share of the memory free after the model loads that the KV cache may take. None: 0.9, as
     # transformers resolves it when no logits processor needs vocabulary-sized scratch space.
     max_memory_percent: float | None = 0.9

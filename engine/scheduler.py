@@ -18,9 +18,12 @@ Prompts that arrive together can be prefilled as a wave (`prefill_waves`, off by
 two requests wait for their first token and they outnumber the decoding ones, and their prompts fit in
 WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first, without the cap
 and with the running decodes held; every member's last prompt token waits for the wave's last step, so
-that all its first tokens come in that step and no member waits out the rest of the wave between its
-first token and its second. Prompts that arrive while it is prefilled join it within the same bound. The
-wave then decodes together, and finishes together when its requests ask for the same length: a closed
+that its first tokens come together and no member waits out the rest of the wave between its first token
+and its second, with one exception: when that one pause each is at most EARLY_PAUSE_SHARE of the wave's
+inter-token gaps (its members ask for enough tokens), the wave's majority, the first in its order, samples
+in the step that ends their prompts (a step cut there) and then waits once, so that the wave's median first
+token comes when most of it is prefilled. Prompts that arrive while it is prefilled join it within the
+same bound. The wave then decodes together, and finishes together when its requests ask for the same length: a closed
 loop of users stays in step instead of spreading every prompt over steps beside everyone else's decodes.
 A held decode waits at most the wave's prefill; a step in which the wave cannot move (no block, no slot)
 runs the decodes instead. Prompts that arrive when every running request is a decode within JOIN_STEPS

@@ -187,13 +187,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_decode_stall", "float", None, "with decodes running, a step's prompt tokens are capped so that it is "
             "predicted to take at most this many times a step of its decodes alone (a cost model fitted to the "
             "measured steps; at least 16 prompt tokens a step, or one smaller block); 0: off, prompt chunks fill "
-            "max_batch_tokens; unset: 4 where tokens are streamed (cbserve serve, ContinuousBatchingManager), off "
+            "max_batch_tokens; unset: 16 where tokens are streamed (cbserve serve, ContinuousBatchingManager), off "
             "for offline batches (generate_batch, cbserve generate)", nullable=True, minimum=0, operator=True),
-    Setting("prefill_waves", "bool", False, "with the max_decode_stall cap on: when at least two requests wait for "
+    Setting("prefill_waves", "bool", True, "with the max_decode_stall cap on: when at least two requests wait for "
             "their first token and they outnumber the decoding ones, they are prefilled first as a wave (shortest "
-            "first, uncapped, at most 4 steps' budget of prompt tokens, all their first tokens in its last step) and "
-            "the running decodes wait for it, so that requests that arrive together decode together; off: every "
-            "prompt goes under the cap", operator=True),
+            "first, uncapped, at most 4 steps' budget of prompt tokens; first tokens in its last step, or its "
+            "majority's in the step that ends their prompts where one pause each stays under 1 in 200 of the "
+            "wave's gaps) and the running decodes wait for it, so that requests that arrive together decode "
+            "together; off: every prompt goes under the cap", operator=True),
     Setting("max_memory_percent", "float", 0.9, "share of the memory free after the model loads that the KV cache may "
             "take (unset: 0.9)", nullable=True, minimum=0, exclusive_minimum=True, maximum=1, operator=True),
     Setting("max_requests_per_batch", "int", None, "cap on requests running at once; unset: derived at start-up",

@@ -159,14 +159,16 @@ def test_prompts_that_arrive_together_are_prefilled_as_a_wave_and_decode_togethe
         assert not s.wave or all(r.num_generated for r in s.wave)
 
 
-@pytest.mark.parametrize("kw", [{}, {"prefill_waves": True, "prefill_first": True}], ids=["default", "prefill-first"])
-def test_no_wave_by_default_nor_under_prefill_first(kw) -> None:
-    """Six prompts arriving together beside one decode: by default (waves off) and under prefill_first (prompts
-    go first anyway, capped beside the decodes) every prompt goes under the cap and the decode runs."""
+@pytest.mark.parametrize("kw", [{"prefill_waves": False}, {"prefill_waves": True, "prefill_first": True}],
+                         ids=["waves-off", "prefill-first"])
+def test_no_wave_when_off_nor_under_prefill_first(kw) -> None:
+    """Six prompts arriving together beside one decode: with waves off and under prefill_first (prompts go
+    first anyway, capped beside the decodes) every prompt goes under the cap and the decode runs. Waves are
+    on by default."""
     from engine import ContinuousBatchingConfig
 
     s = Scheduler(BlockManager(256, BLOCK), BUDGET, max_running=64, max_decode_stall=4.0, **kw)
-    assert ContinuousBatchingConfig().prefill_waves is False
+    assert ContinuousBatchingConfig().prefill_waves is True
     s.add(request(0, 40))
     run_step(s)
     for i in range(1, 7):
@@ -500,7 +502,8 @@ def test_an_offline_batch_leaves_the_cap_off_unless_it_is_set(tmp_path, monkeypa
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv("CBSERVE_STEP_LOG", str(path))
     model = model_for("llama")
-    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall)
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64, max_decode_stall=stall,
+                                      prefill_waves=False)  # (a wave would take these prompts uncapped)
     prompts = [[5 + i + j for j in range(60)] for i in range(3)]  # more than a step's budget: chunked
     try:
         generate_batch(model, prompts, continuous_batching_config=config, max_new_tokens=6, do_sample=False,

@@ -242,8 +242,9 @@ def test_switch_to_cb_friendly_attn_leaves_the_model_as_loaded(implementation) -
 def test_the_safety_margin_holds_new_requests_back_while_others_run() -> None:
     from engine import LLMEngine
 
-    engine = LLMEngine(build_test_model("llama", vocab_size=VOCAB),
-                       ContinuousBatchingConfig(block_size=16, num_blocks=16, safety_margin=0.6))  # fmt: skip
+    # (waves off: as a wave the two would go shortest first, the short one ahead of the long one)
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=16, safety_margin=0.6, prefill_waves=False)
+    engine = LLMEngine(build_test_model("llama", vocab_size=VOCAB), config)
     first = engine.make_request(list(range(5, 120)), max_new_tokens=4, ignore_eos=True)  # 8 of 16 blocks
     second = engine.make_request([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     engine.add_request(first)

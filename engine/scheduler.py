@@ -14,7 +14,7 @@ to the measured steps (engine/step_cost.py; until it is fitted, an eighth of the
 never below one block, so the oldest prompt in the queue always moves; with no decode running, the
 whole budget goes to prompts.
 
-Prompts that arrive together can be prefilled as a wave (`prefill_waves`, off by default): when at least
+Prompts that arrive together are prefilled as a wave (`prefill_waves`, on by default): when at least
 two requests wait for their first token and they outnumber the decoding ones, and their prompts fit in
 WAVE_STEPS steps' budget, those requests (the wave) are prefilled first, shortest first, without the cap
 and with the running decodes held; every member's last prompt token waits for the wave's last step, so

@@ -1,7 +1,7 @@
 """Workloads W1-W4 on cbserve and its peers, in one process run, alternating, median of the runs.
 
     python benchmarks/throughput.py [--workload W1|W2|W3|W4] [--runs 5]
-                                    [--peers all|transformers|generate|vllm|none|tp2] [--dtype float32]
+                                    [--peers all|transformers|generate|vllm|none|tp2|async] [--dtype float32]
                                     [--model random|embedded]
 
 The model: Llama config (vocab 32000, hidden 512, intermediate 1376, 8 layers, 8 heads, 4 KV
@@ -23,7 +23,8 @@ that stays up across runs, given the same model saved to a folder and the same t
 caching on for W2 only, as for cbserve; TCMalloc preloaded, alone or with Intel OpenMP, whichever
 ran the workload faster in two alternating runs each before the measured ones, named in its row).
 `--peers tp2` instead runs cbserve over two tensor-parallel ranks (two processes, gloo, one thread
-each) against cbserve in one. Prints output tokens/s per system (median), the ratio of cbserve to
+each) against cbserve in one, and `--peers async` cbserve with async batching (`use_async_batching`:
+each step launched before the last one's tokens are back) against cbserve one step at a time. Prints output tokens/s per system (median), the ratio of cbserve to
 each, how many greedy outputs equal model.generate's, and the split of cbserve's wall time
 (schedule, prepare, forward, sample, output).
 
@@ -104,12 +105,14 @@ def block_size_error(block_size: int) -> str | None:
     return None
 
 
-def run_cbserve(model, prompts, tensor_parallel_size: int = 1) -> tuple[float, list[list[int]], dict]:
+def run_cbserve(model, prompts, tensor_parallel_size: int = 1, async_batching: bool = False
+                ) -> tuple[float, list[list[int]], dict]:  # fmt: skip
     # an offline batch, as generate_batch runs one: no prompt cap beside the decodes (max_decode_stall off)
     engine = LLMEngine(model, ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=CACHE_TOKENS // BLOCK_SIZE,
                                                        max_batch_tokens=1024,
                                                        max_decode_stall=OFFLINE_DECODE_STALL,
-                                                       tensor_parallel_size=tensor_parallel_size))  # fmt: skip
+                                                       tensor_parallel_size=tensor_parallel_size,
+                                                       use_async_batching=async_batching))  # fmt: skip
     start = time.perf_counter()
     reqs = [engine.make_request(p, max_new_tokens=NEW, ignore_eos=True) for p in prompts]
     for r in reqs:
@@ -121,6 +124,11 @@ def run_cbserve(model, prompts, tensor_parallel_size: int = 1) -> tuple[float, l
     split["mean_ttft_s"] = sum(r.first_token_time - r.created_time for r in reqs) / len(reqs)
     engine.close()  # a tensor-parallel engine's ranks stop (not timed)
     return elapsed, [r.generated_ids for r in reqs], split
+
+
+def run_cbserve_async(model, prompts) -> tuple[float, list[list[int]], dict]:
+    """cbserve with async batching (use_async_batching): each step launched before the last one's tokens are back."""
+    return run_cbserve(model, prompts, async_batching=True)
 
 
 def run_cbserve_two_ranks(model, prompts) -> tuple[float, list[list[int]], dict]:
@@ -201,7 +209,7 @@ def start_vllm(model, prompts, dtype: str, workload: str, folder: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none", "tp2"])
+    parser.add_argument("--peers", default="all", choices=["all", "transformers", "generate", "vllm", "none", "tp2", "async"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="W1", choices=["W1", "W2", "W3", "W4"])
     parser.add_argument("--model", default="random", choices=["random", "embedded"])
@@ -224,6 +232,8 @@ def main() -> None:
     systems = {"cbserve": run_cbserve}
     if args.peers == "tp2":  # the cost of two ranks against one, on the same cores
         systems["cbserve, 2 ranks"] = run_cbserve_two_ranks
+    if args.peers == "async":  # async batching against one step at a time, on the same cores
+        systems["cbserve, async batching"] = run_cbserve_async
     if args.peers in ("all", "transformers"):
         systems["transformers generate_batch"] = run_transformers
     if args.peers in ("all", "generate"):
@@ -368,6 +378,9 @@ def measure(args, model, prompts, systems) -> None:
     if "cbserve, 2 ranks" in outputs:
         same = sum(a == b for a, b in zip(outputs["cbserve, 2 ranks"], outputs["cbserve"]))
         print(f"greedy outputs of 2 ranks identical to 1 rank's: {same}/{len(prompts)}")
+    if "cbserve, async batching" in outputs:
+        same = sum(a == b for a, b in zip(outputs["cbserve, async batching"], outputs["cbserve"]))
+        print(f"greedy outputs with async batching identical to one step at a time: {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":

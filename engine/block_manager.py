@@ -115,9 +115,12 @@ class BlockManager:
         last = min(len(req.block_ids), self.blocks_needed(num_tokens))
         return [i for i in range(first, last) if self.ref_count[req.block_ids[i]] > 1]
 
+    def blocks_to_grow(self, req: Request, num_tokens: int) -> int:
+        """Free blocks `grow(req, num_tokens)` takes: new ones, and copies of shared ones it writes into."""
+        return max(0, self.blocks_needed(num_tokens) - len(req.block_ids)) + len(self._shared_in_range(req, num_tokens))
+
     def can_grow(self, req: Request, num_tokens: int) -> bool:
-        new = self.blocks_needed(num_tokens) - len(req.block_ids)
-        return new + len(self._shared_in_range(req, num_tokens)) <= len(self.free)
+        return self.blocks_to_grow(req, num_tokens) <= len(self.free)
 
     def grow(self, req: Request, num_tokens: int) -> list[tuple[int, int]]:
         """Give the request enough blocks to hold `num_tokens` tokens (caller checked `can_grow`).

@@ -21,7 +21,6 @@ NO_EFFECT = {
     "disable_nccl_graph_mixing": (True, "under tensor parallel every cbserve rank captures the same CUDA graphs "
                                   "(all-reduces inside) in lockstep"),
     "q_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
-    "use_async_batching": (None, "cbserve prepares each step once the last step's tokens are known (no async scheduling)"),
     "kv_padding_interval_size": (0, "cbserve pads CUDA-graph steps to its own buckets (engine/backends/cuda/graphs.py)"),
 }
 _warned: set[str] = set()
@@ -75,7 +74,9 @@ class ContinuousBatchingConfig:
     max_blocks_per_request: int | None = None
     # Prefix caching: requests sharing a prompt prefix share its full blocks.
     allow_block_sharing: bool = True
-    # GPU only (see docs/gpu.md): prepare step N+1 on the host while step N runs.
+    # Async batching: launch step N+1 before step N's tokens are back on the host (decodes scheduled ahead,
+    # fed their tokens on the device), so that a GPU's forward overlaps the host's work between steps.
+    # None: off (it has not been measured on a GPU yet; on the CPU the forward keeps every core busy).
     use_async_batching: bool | None = None
     # GPU only: CUDA graphs, as a bool or a (varlen, decode) pair.
     use_cuda_graph: bool | tuple[bool, bool] | None = None
@@ -170,6 +171,9 @@ class ContinuousBatchingConfig:
             if getattr(self, name) != default and name not in _warned:
                 _warned.add(name)
                 logger.warning("%s=%r has no effect: %s", name, getattr(self, name), why)
+        if self.use_async_batching and self.tensor_parallel_size > 1:
+            raise ValueError("use_async_batching needs tensor_parallel_size 1: the other ranks take each step's "
+                             "token ids from the host")
         graph = self.use_cuda_graph
         if isinstance(graph, list):
             self.use_cuda_graph = graph = tuple(graph)

@@ -4,6 +4,8 @@
 the sampled tokens), `scheduler.update_from_output()` (append them, end what is done). It is
 synchronous and single-threaded; `ContinuousBatchingManager` runs it on a thread. The executor
 (engine/backends/) holds everything about the device; the core never asks which device it is on.
+With async batching (`use_async_batching`) a step is launched before the last one's tokens are taken
+back, so that a device's forward overlaps the host's work between steps (`_step_async`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +30,8 @@ from engine.generation_defaults import resolve as resolve_generation_defaults
 from engine.model_runner import restore_modes
 from engine.output_processor import OutputProcessor
 from engine.request import ParamError, Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampler import PendingSample
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.structured import Grammar, GrammarCompiler, StructuredOutput
 from engine.swap import HostSwapPool
 from engine.tp_group import Launch, TPGroup
@@ -118,6 +122,15 @@ def _open_step_log():
         raise ValueError(f"{STEP_LOG_ENV}={path}: cannot append to it ({exc.strerror})") from None
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose tokens are not taken back yet (async batching)."""
+
+    batch: ScheduledBatch
+    sample: PendingSample
+    started: float  # perf_counter when it was scheduled
+
+
 class LLMEngine:
     def __init__(
         self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config=None,
@@ -181,6 +194,12 @@ class LLMEngine:
         self.step_times = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "output": 0.0}
         # ends found off the engine thread (a stop string in the output thread's text): applied at the next step
         self._ends: deque[tuple[Request, int, str, str | None]] = deque()
+        # async batching: the step in flight, whose tokens the next call takes back after launching the one after it
+        self.async_batching = bool(config.use_async_batching)
+        self._in_flight: _InFlight | None = None
+        self._last_ready = 0.0  # when the last step's tokens were back (async batching: a step's time starts there)
+        self.steps_ahead = 0  # steps scheduled ahead of the last one's tokens (async batching)
+        self.rows_dropped = 0  # their rows whose request the step before ended (its token dropped)
         restore_modes(model, modes)
 
     # the executor's parts, as attributes of the engine (benchmarks and tests read them)
@@ -371,10 +390,11 @@ class LLMEngine:
         return ended
 
     def fail_all(self, error: str) -> list[Request]:
+        self._in_flight = None  # its tokens are not taken back
         return [self.abort_request(rid, "error", error) for rid in list(self.requests)]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step -------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
@@ -386,17 +406,26 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         self.executor.weights_replaced()
 
-    def step(self) -> list[Request]:
-        """One iteration: schedule, run the model once and sample, take the tokens back. Returns the
-        requests that got a token (some of them finished by it), after those that end_at ended."""
-        t0 = time.perf_counter()
-        ended = self.apply_ends() if self._ends else []
-        if self._watch.version() != self._weights_seen or self.executor.weights_moved():
+    def _weights_changed(self) -> bool:
+        return self._watch.version() != self._weights_seen or self.executor.weights_moved()
+
+    def _check_weights(self) -> None:
+        if self._weights_changed():
             if self.tp:
                 raise RuntimeError("the model's weights changed, but tensor-parallel ranks hold their own copies: "
                                    "build a new engine for new weights (tensor_parallel_size > 1)")
             self.reset_prefix_cache()
             logger.info("cbserve: model weights changed; prefix cache cleared, packed weights and graphs refreshed")
+
+    def step(self) -> list[Request]:
+        """One iteration: schedule, run the model once and sample, take the tokens back. Returns the
+        requests that got a token (some of them finished by it), after those that end_at ended. With
+        async batching a call takes back the tokens of the step the call before launched (`_step_async`)."""
+        if self.async_batching:
+            return self._step_async()
+        t0 = time.perf_counter()
+        ended = self.apply_ends() if self._ends else []
+        self._check_weights()
         batch = self.scheduler.schedule()
         if not batch:
             return ended
@@ -411,6 +440,69 @@ class LLMEngine:
         self.scheduler.observe_step(batch, t3 - t0, threads)  # what its decodes waited: the cost model's sample
         self._time(t0, t1, t2, t3)
         return ended + batch.samples if ended else batch.samples
+
+    def _step_async(self) -> list[Request]:
+        """Async batching: launch the next step, then take back the tokens of the one in flight, so that on
+        an accelerator the device runs the next forward while the host waits for those tokens, appends them and ends
+        requests. Where every running request decodes, the next step is scheduled ahead of those tokens
+        (`Scheduler.lookahead`: the device feeds each row its token); otherwise it is scheduled after them,
+        as without async batching, and launched before this call returns. Tokens and their order are those
+        of the steps one at a time; a request ended by a token of the step in flight has a row of the next
+        step computed and its token dropped."""
+        t0 = time.perf_counter()
+        last, self._in_flight = self._in_flight, None
+        launched = None
+        if last is not None and not self._ends and not self._weights_changed():
+            batch = self.scheduler.lookahead(last.batch, self.max_context)
+            if batch:
+                launched = self._launch(batch, t0, last.sample)
+                self.steps_ahead += 1
+        got = self._take_back(last) if last is not None else []
+        ended = []
+        if launched is None:
+            t1 = time.perf_counter()
+            ended = self.apply_ends() if self._ends else []
+            self._check_weights()
+            batch = self.scheduler.schedule()
+            if batch:
+                launched = self._launch(batch, t1)
+        self._in_flight = launched
+        return ended + got if ended else got
+
+    def settle(self) -> list[Request]:
+        """Async batching: take back the tokens of the step in flight and launch none, so that nothing runs
+        on the device (before the caller uses the model: `ContinuousBatchingManager.pause`). Returns the
+        requests that got a token; none without a step in flight."""
+        last, self._in_flight = self._in_flight, None
+        return self._take_back(last) if last is not None else []
+
+    def _launch(self, batch: ScheduledBatch, t0: float, feed: PendingSample | None = None) -> _InFlight:
+        t1 = time.perf_counter()
+        sample = self.executor.launch(batch, self.config.return_logprobs, feed)
+        t2 = time.perf_counter()
+        step = self.executor.last_times
+        times = self.step_times
+        times["schedule"] += t1 - t0
+        times["prepare"] += step["prepare"]
+        times["forward"] += t2 - t1 - step["prepare"] - step["sample"]
+        times["sample"] += step["sample"]
+        return _InFlight(batch, sample, t0)
+
+    def _take_back(self, flight: _InFlight) -> list[Request]:
+        """The tokens of the step in flight, appended; returns the requests that got one."""
+        out = flight.sample.result()
+        ready = time.perf_counter()
+        batch = flight.batch
+        for req in self.scheduler.update_from_output(batch, out, self.max_context):
+            telemetry.request_finished(req)
+        self.generation_tokens_total += len(batch.taken)
+        self.rows_dropped += len(batch.samples) - len(batch.taken)
+        threads = torch.get_num_threads() if self.scheduler.step_log is not None else None
+        # the step ran from its launch, or from when the step before it ended where it was queued behind that
+        self.scheduler.observe_step(batch, ready - max(flight.started, self._last_ready), threads)
+        self._last_ready = time.perf_counter()
+        self.step_times["output"] += self._last_ready - ready
+        return batch.taken
 
     def _time(self, t0: float, t1: float, t2: float, t3: float) -> None:
         times, step = self.step_times, self.executor.last_times
@@ -437,6 +529,7 @@ class LLMEngine:
             "num_free_blocks": bm.num_free,
             "num_blocks": bm.num_blocks,
             "prefill_token_cap": self.scheduler.prefill_cap,
+            "steps_ahead_total": self.steps_ahead,
         }
 
     def close(self) -> None:

@@ -441,6 +441,14 @@ class ContinuousBatchingManager:
                 self._pause.wait_for(lambda: not self._pausers)
                 self._paused = False
 
+    def _hand_out(self, updated: list) -> None:
+        """The outputs of the requests a step gave a token."""
+        for req in updated:
+            if req.streaming or req.is_finished:
+                self._deliver_request(req)
+            elif req.text_deferred:  # its stop strings are looked for on the output thread
+                self._outputs.put(req, deliver=False)
+
     def _loop(self, nice: int = 0) -> None:
         engine = self.engine
         lower_this_thread(nice)  # before its first step: its OpenMP workers inherit it (engine/openmp.py)
@@ -450,6 +458,7 @@ class ContinuousBatchingManager:
                 self._wake.clear()
                 if self._pausers:
                     team.idle()  # a core lent meanwhile is not waited for
+                    self._hand_out(engine.settle())  # async batching: nothing runs on the device while parked
                 self._park_if_paused()
                 self._drain_inbox()
                 for req in engine.apply_ends():  # stop strings the output thread found (its final outputs went out)
@@ -473,11 +482,7 @@ class ContinuousBatchingManager:
                         self._deliver_request(req)
                     engine.block_manager.reset_prefix_cache()
                     continue
-                for req in updated:
-                    if req.streaming or req.is_finished:
-                        self._deliver_request(req)
-                    elif req.text_deferred:  # its stop strings are looked for on the output thread
-                        self._outputs.put(req, deliver=False)
+                self._hand_out(updated)
         except GroupBroken as exc:  # the engine cannot step any more: its requests fail, the owner is told
             self._fatal = exc
             for req in engine.fail_all(str(exc)):

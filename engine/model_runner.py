@@ -45,6 +45,10 @@ class StepInputs:
 
     @classmethod
     def of(cls, batch: ScheduledBatch, sample_rows: list[int]) -> StepInputs:
+        if batch.ahead:  # one token a row, not yet known on the host (the executor feeds it on the device)
+            n = len(batch.items)
+            tables = [r.block_ids for r, _ in batch.items]
+            return cls([0] * n, [1] * n, list(batch.ahead_starts), tables, sample_rows, list(batch.copies or ()))
         token_ids: list[int] = []
         q_lens, starts, tables = [], [], []
         for r, n in batch.items:
@@ -184,13 +188,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInputs, dispatch: StepForward | None = None,
-            before_forward: Callable[[AttentionMetadata], None] | None = None) -> torch.Tensor:  # fmt: skip
+            before_forward: Callable[[AttentionMetadata], None] | None = None,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Forward the step; returns logits [len(step.sample_rows), vocab] for those sequences (model
         dtype). `dispatch` runs the forward (a graph replay or a compiled forward:
         engine/backends/step_dispatch.py); None: `self.forward`, eagerly. `before_forward` is called
-        with the step's metadata before the forward (tensor-parallel ranks agree on its route there)."""
+        with the step's metadata before the forward (tensor-parallel ranks agree on its route there).
+        `input_ids`: the step's tokens already on the device (a step scheduled ahead of the last one's
+        tokens), in place of `step.token_ids`."""
         start = time.perf_counter()
-        input_ids, positions, meta, logits_rows = self.build_metadata(step)
+        ids, positions, meta, logits_rows = self.build_metadata(step)
+        if input_ids is None:
+            input_ids = ids
         if self.rope is not None:
             self.rope.update(meta.max_seqlen_k)
         self.last_prepare_s = time.perf_counter() - start

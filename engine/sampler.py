@@ -117,9 +117,13 @@ class Sampler:
         return self._device_generators[device]
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], default_logprobs: bool = False) -> SampleResult:
+        return self.sample(logits, reqs, default_logprobs).result()
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request], default_logprobs: bool = False) -> PendingSample:
+        """The rows' tokens, still on the logits' device until `result()` (the step's one wait on CUDA)."""
         want_logprobs = default_logprobs or any(r.sampling.logprobs is not None for r in reqs)
         if not want_logprobs and all(r.sampling.greedy and not _needs_processing(r) for r in reqs):
-            return SampleResult(self.argmax(logits).tolist(), None, None)
+            return PendingSample(self.argmax(logits))
         if self.race is not None and not (want_logprobs and self.processed_logprobs):
             raced = self._race(logits, reqs, want_logprobs)
             if raced is not None:
@@ -139,9 +143,9 @@ class Sampler:
                     probs = torch.zeros_like(logits).scatter_(1, ids, probs)
                 drawn_from = torch.where(_on(logits.device, greedy, torch.bool)[:, None], torch.softmax(logits, dim=-1), probs)
                 raw_logprobs = _Logprobs(torch.log(drawn_from / drawn_from.sum(dim=-1, keepdim=True)))
-        return _result(tokens, raw_logprobs, reqs)
+        return PendingSample(tokens, raw_logprobs, reqs)
 
-    def _race(self, logits: torch.Tensor, reqs: list[Request], want_logprobs: bool) -> SampleResult | None:
+    def _race(self, logits: torch.Tensor, reqs: list[Request], want_logprobs: bool) -> PendingSample | None:
         """The step's tokens by the backend's one-pass race: greedy rows and sampled rows without a
         top-k (with their top-p and min-p) in it; the rest through `_sample` on their own rows. None
         when the backend cannot take these logits, or every row has a top-k. A seeded row's uniforms
@@ -172,7 +176,7 @@ class Sampler:
             index = torch.tensor(rest)
             drawn, _, _ = self._sample(logits.float().index_select(0, index), [reqs[i] for i in rest], [False] * len(rest))
             tokens.index_copy_(0, index, drawn)
-        return _result(tokens, raw_logprobs, reqs)
+        return PendingSample(tokens, raw_logprobs, reqs)
 
     @staticmethod
     def _process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -322,20 +326,48 @@ class _Logprobs:
         return values.float() - self.norm, ids
 
 
-def _result(tokens: torch.Tensor, raw_logprobs: _Logprobs | None, reqs: list[Request]) -> SampleResult:
+class PendingSample:
+    """A step's sampled tokens (with their logprobs when asked) still on the logits' device: `tokens` feeds
+    the next step's inputs there (async batching, engine/llm_engine.py), and `result()` brings them to the
+    host. On CUDA the copies to the host are started at once, without blocking, and `result()` waits for
+    them alone (an event), not for what the stream took on after them: the next step's forward."""
+
+    def __init__(self, tokens: torch.Tensor, raw_logprobs: _Logprobs | None = None,
+                 reqs: list[Request] | None = None) -> None:  # fmt: skip
+        self.tokens = tokens
+        parts = [tokens]
+        self._ns: list[int] = []
+        if raw_logprobs is not None:
+            parts.append(raw_logprobs.at(tokens[:, None]).squeeze(1))
+            self._ns = [req.sampling.logprobs or 0 for req in reqs or ()]
+            if max(self._ns, default=0):
+                parts.extend(raw_logprobs.top(max(self._ns)))  # one topk for the batch, each row's first n
+        self._event = None
+        if tokens.device.type == "cuda":  # into pinned host memory, in stream order
+            parts = [part.to("cpu", non_blocking=True) for part in parts]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._parts = parts
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = _host_result(self._parts, self._ns)
+        return self._result
+
+
+def _host_result(parts: list[torch.Tensor], ns: list[int]) -> SampleResult:
     """The tokens, with the logprobs of each and each row's top ones when asked."""
-    token_list = tokens.tolist()
-    if raw_logprobs is None:
+    token_list = parts[0].tolist()
+    if len(parts) == 1:
         return SampleResult(token_list, None, None)
-    sampled = raw_logprobs.at(tokens[:, None]).squeeze(1).tolist()
-    most = max((req.sampling.logprobs or 0) for req in reqs)
-    if not most:
-        return SampleResult(token_list, sampled, [None] * len(reqs))
-    values, ids = (t.tolist() for t in raw_logprobs.top(most))  # one topk for the batch, each row's first n
-    tops: list[dict[int, float] | None] = []
-    for row, req in enumerate(reqs):
-        n = req.sampling.logprobs or 0
-        tops.append(dict(zip(ids[row][:n], values[row][:n])) if n else None)
+    sampled = parts[1].tolist()
+    if len(parts) == 2:
+        return SampleResult(token_list, sampled, [None] * len(ns))
+    values, ids = parts[2].tolist(), parts[3].tolist()
+    tops = [dict(zip(ids[row][:n], values[row][:n])) if n else None for row, n in enumerate(ns)]
     return SampleResult(token_list, sampled, tops)
 
 

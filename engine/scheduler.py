@@ -68,6 +68,12 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
     samples: list[Request] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    # scheduled ahead (`Scheduler.lookahead`): one decode a row whose input is the token its request samples in
+    # the step before, not yet taken back: row i's is that step's sample `feed_rows[i]`, at position `ahead_starts[i]`
+    ahead: bool = False
+    feed_rows: list[int] = field(default_factory=list)
+    ahead_starts: list[int] = field(default_factory=list)
+    taken: list[Request] = field(default_factory=list)  # after update_from_output: the requests that got a token
 
     @property
     def num_tokens(self) -> int:
@@ -271,10 +277,15 @@ class Scheduler:
         """The step ran: its tokens are computed, and `out.tokens[i]` (with its logprobs when asked)
         is appended to `batch.samples[i]`. Returns the requests that ended, taken out with their
         blocks released."""
+        # with async batching a request may end between the step's launch and now (by the step before's token,
+        # a cancel, a stop string found off the engine thread): it takes nothing
+        keep = [i for i, req in enumerate(batch.samples) if not req.is_finished]
+        batch.taken = [batch.samples[i] for i in keep]
         for req, n in batch.items:
             req.num_computed += n
         now = time.perf_counter()
-        for i, req in enumerate(batch.samples):
+        for i in keep:
+            req = batch.samples[i]
             req.append_token(out.tokens[i], now, max_context)
             if out.logprobs is not None and req.sampling.logprobs is not None:
                 req.logprobs.append(out.logprobs[i])
@@ -283,10 +294,56 @@ class Scheduler:
         for req, _ in batch.items:
             if req.status == RequestStatus.PREFILLING and req.num_computed >= req.num_prompt_tokens:
                 req.status = RequestStatus.DECODING
-        ended = [req for req in batch.samples if req.is_finished]
+        ended = [req for req in batch.taken if req.is_finished]
         for req in ended:
             self.remove(req)
         return ended
+
+    def lookahead(self, last: ScheduledBatch, max_context: int | None) -> ScheduledBatch | None:
+        """The step after `last`, scheduled before `last`'s tokens are taken back (async batching): each of
+        its decodes once more, fed its token on the device. Only where nothing else would be scheduled and
+        nothing depends on that token on the host: every running request decodes in `last` (no prompt
+        chunk, no fork, nobody waiting), and none has a grammar, penalties, a logit bias, a min_new_tokens
+        still to reach or a seed of its own (its draws count its tokens). A request that `last` ends for
+        certain (max_new_tokens, the context) is left out; one that `last`'s token ends (EOS, a stop) gets a
+        row whose token is dropped. None when that does not hold or the blocks are short (then the step is
+        scheduled as usual, after `last`'s tokens, and may preempt)."""
+        if self.waiting or not last.items or len(last.samples) != len(last.items):
+            return None
+        rows = {}
+        for row, (req, n) in enumerate(last.items):
+            if n != 1 or last.sample_rows[row] != row or req.num_children:
+                return None
+            rows[req] = row
+        if any(req not in rows for req in self.running):
+            return None
+        reqs, need = [], 0
+        for req, row in rows.items():
+            if req.is_finished or req not in self.running:
+                continue
+            sp = req.sampling
+            if req.matcher is not None or sp.seed is not None or sp.needs_penalties or sp.logit_bias:
+                return None
+            if sp.min_new_tokens > req.num_generated:
+                return None
+            num_tokens = req.num_tokens + 1  # with `last`'s token
+            if req.num_generated + 1 >= req.max_new_tokens or (max_context is not None and num_tokens >= max_context):
+                continue  # `last` ends it
+            need += self.bm.blocks_to_grow(req, num_tokens)
+            reqs.append(req)
+        if not reqs or need > self.bm.num_free:
+            return None
+        batch = ScheduledBatch(ahead=True)
+        for i, req in enumerate(reqs):
+            num_tokens = req.num_tokens + 1
+            batch.copies += self.bm.grow(req, num_tokens)
+            self.bm.register_full_blocks(req, req.num_tokens)  # the tokens known on the host
+            batch.items.append((req, 1))
+            batch.samples.append(req)
+            batch.sample_rows.append(i)
+            batch.feed_rows.append(rows[req])
+            batch.ahead_starts.append(req.num_tokens)
+        return batch
 
     def _schedule_running(self, chosen: dict[Request, int], budget: list[int], hold_decodes: bool = False) -> bool:
         """Give running requests their tokens (with `hold_decodes`, only prompt rows); returns True if

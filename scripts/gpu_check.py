@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from scripts.gpu_checks import (  # noqa: E402
+    async_batching,
     equality,
     forked,
     graphs,
@@ -58,7 +59,8 @@ from scripts.gpu_checks.environment import environment  # noqa: E402
 
 # in this order: the correctness rows first, the measurements (8B model) last
 CHECKS = {"kernels": kernels, "equality": equality, "graphs": graphs, "sampling": sampling, "sync": sync,
-          "serve": serve, "memory": memory, "throughput": throughput, "transformers": transformers_peer,
+          "async": async_batching, "serve": serve, "memory": memory, "throughput": throughput,
+          "transformers": transformers_peer,
           "vllm": vllm_peer, "tensor-parallel": tensor_parallel}  # fmt: skip
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BUDGET_S = 450  # the whole run; scripts/gpu_check.sh adds the bundle's install and stays under 8 minutes

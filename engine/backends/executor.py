@@ -38,7 +38,7 @@ from engine.backends.step_dispatch import Route, StepDispatcher, normalize_cuda_
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner, ModuleSwaps, NativeForward, StepInputs, restore_modes
-from engine.sampler import Sampler, SampleResult, to_device
+from engine.sampler import PendingSample, Sampler, SampleResult, to_device
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger("cbserve.engine")
@@ -121,6 +121,7 @@ class Executor:
                 "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
                 "kv_cache_bytes": self.sizes.cache_bytes,
                 "tensor_parallel_size": self.peers.world if self.peers else 1,
+                "use_async_batching": bool(self.config.use_async_batching),
                 # a GGUF model's weights: which kinds kept their blocks and the probe that chose (gguf_loader)
                 "quantization": getattr(self.model, "cbserve_quantization", {"setting": "none"})}  # fmt: skip
 
@@ -203,8 +204,22 @@ class Executor:
     def execute_model(self, batch: ScheduledBatch, default_logprobs: bool = False) -> SampleResult:
         """Copy-on-write copies, one forward over the batch's tokens (in eval mode), and the sampled
         tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
+        return self.launch(batch, default_logprobs).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, default_logprobs: bool = False, feed: PendingSample | None = None
+               ) -> PendingSample:  # fmt: skip
+        """`execute_model` without taking the tokens back: on CUDA the forward and the sampling are queued
+        and this returns before they run. A batch scheduled ahead (`batch.ahead`, async batching) takes
+        its input tokens from `feed`, the step before's tokens, on the device: its row `batch.feed_rows[i]`
+        is row i's input."""
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
         step = StepInputs.of(batch, rows)
+        input_ids = None
+        if batch.ahead:
+            if feed is None:
+                raise ValueError("a batch scheduled ahead needs the step before's tokens (feed)")
+            input_ids = feed.tokens.index_select(0, to_device(torch.tensor(batch.feed_rows), feed.tokens.device))
         send = None  # tensor parallel: the other ranks run the same step (engine/tp_worker.py), told its route
         if (peers := self.peers) is not None:
 
@@ -218,7 +233,7 @@ class Executor:
             modes = [m.training for m in self.model.modules()]
             self.model.eval()
         try:
-            logits = self.runner.run(step, self.dispatch, send)
+            logits = self.runner.run(step, self.dispatch, send, input_ids)
         finally:
             if modes is not None:
                 restore_modes(self.model, modes)
@@ -227,7 +242,7 @@ class Executor:
             order = to_device(torch.tensor([where[row] for row in batch.sample_rows]), logits.device)
             logits = logits.index_select(0, order)  # a Python list as the index would wait for a copy
         t1 = time.perf_counter()
-        result = self.sampler(logits, batch.samples, default_logprobs)
+        result = self.sampler.sample(logits, batch.samples, default_logprobs)
         t2 = time.perf_counter()
         self.last_times = {"prepare": self.runner.last_prepare_s, "sample": t2 - t1}
         return result

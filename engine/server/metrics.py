@@ -54,6 +54,7 @@ ENGINE_COUNTERS = (  # (name, key in the engine's stats, doc)
     ("num_preemptions", "num_preemptions_total", "Preemptions of running requests."),
     ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    ("steps_ahead", "steps_ahead_total", "Steps launched before the last step's tokens were back (async batching)."),
 )
 
 

@@ -269,7 +269,7 @@ def test_every_thread_that_runs_the_cuda_executor_makes_the_models_device_curren
     me = threading.current_thread().name
     assert (me, "__init__", model.device) in entered
     assert ("cbserve-warmup", "warmup", model.device) in entered
-    assert ("cbserve-warmup", "execute_model", model.device) in entered
+    assert ("cbserve-warmup", "launch", model.device) in entered
     assert not any(name == "warm-up" for name, *_ in entered)  # the caller's thread does no device work
-    assert ("cbserve-engine", "execute_model", model.device) in entered
+    assert ("cbserve-engine", "launch", model.device) in entered
     assert {device for *_, device in entered} == {model.device}

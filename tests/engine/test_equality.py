@@ -22,6 +22,9 @@ SETTINGS = {
     "decode-stall-off": dict(block_size=16, num_blocks=512, max_batch_tokens=256, max_decode_stall=0.0),
     # prefill waves: the prompts all arrive together, so they go as one wave, shortest first
     "prefill-waves": dict(block_size=16, num_blocks=512, max_batch_tokens=64, max_decode_stall=4.0, prefill_waves=True),
+    # async batching: decodes scheduled ahead of the last step's tokens, fed them on the device
+    "async-batching": dict(block_size=16, num_blocks=512, max_batch_tokens=64, use_async_batching=True),
+    "async-batching-preemption": dict(block_size=16, num_blocks=16, max_batch_tokens=256, use_async_batching=True),
 }
 
 

@@ -34,8 +34,9 @@ def tok():
     return build_test_tokenizer()
 
 
-def config(output_thread: bool, num_blocks: int = 64) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(block_size=16, num_blocks=num_blocks, output_thread=output_thread)
+def config(output_thread: bool, num_blocks: int = 64, async_batching: bool = False) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(block_size=16, num_blocks=num_blocks, output_thread=output_thread,
+                                    use_async_batching=async_batching)
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +66,10 @@ def workload(texts: dict[int, str]) -> list[dict]:
     ]
 
 
-def run(tokenizer, output_thread: bool, requests: list[dict], num_blocks: int = 64):
+def run(tokenizer, output_thread: bool, requests: list[dict], num_blocks: int = 64, async_batching: bool = False):
     """Every request's streamed outputs, by request id, and the engine's stats at the end."""
-    manager = ContinuousBatchingManager(model_for("llama"), continuous_batching_config=config(output_thread, num_blocks),
-                                        tokenizer=tokenizer)  # fmt: skip
+    manager = ContinuousBatchingManager(model_for("llama"), tokenizer=tokenizer,
+                                        continuous_batching_config=config(output_thread, num_blocks, async_batching))
     ids = [manager.add_request(max_new_tokens=40, ignore_eos=True, request_id=f"r{i}", **kw)
            for i, kw in enumerate(requests)]  # fmt: skip
     manager.start()
@@ -205,3 +206,16 @@ def test_a_tokenizer_that_fails_fails_its_request_and_the_engine_ends_it(tok) ->
     assert failed.finish_reason == "error" and "the tokenizer broke" in failed.error and len(failed.generated_tokens) < 40
     assert fine.finish_reason == "length" and len(fine.generated_tokens) == 40
     assert stats["generation_tokens_total"] == len(failed.generated_tokens) + 40
+
+
+@pytest.mark.parametrize("output_thread", [True, False], ids=["output-thread", "engine-thread"])
+def test_outputs_are_the_same_with_async_batching(tok, free_texts, output_thread) -> None:
+    """Stop strings, streams, n = 2 and logprobs with each step launched before the last one's tokens are
+    back (use_async_batching): the outputs of one step at a time."""
+    requests = workload(free_texts)
+    ahead, ahead_stats = run(tok, output_thread, requests, async_batching=True)
+    plain, plain_stats = run(tok, False, requests)
+    check_streams(ahead)
+    assert final(ahead) == final(plain)
+    total = sum(len(outs[-1].generated_tokens) for outs in ahead.values())
+    assert ahead_stats["generation_tokens_total"] == plain_stats["generation_tokens_total"] == total

@@ -312,10 +312,13 @@ def test_keep_for_next_session_hands_the_manager_back(model) -> None:
         manager.start()
 
 
-def test_pause_lets_a_trainer_use_the_model_between_steps(model) -> None:
+@pytest.mark.parametrize("async_batching", [False, True], ids=["one-step-at-a-time", "async-batching"])
+def test_pause_lets_a_trainer_use_the_model_between_steps(model, async_batching) -> None:
     """Inside pause() the loop is parked: the trainer updates weights in place and may call
-    model.generate itself (outside it, the engine's forwards and model.generate must not overlap)."""
-    manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(**CB))
+    model.generate itself (outside it, the engine's forwards and model.generate must not overlap). With
+    async batching no step is left in flight while parked."""
+    manager = model.init_continuous_batching(
+        continuous_batching_config=ContinuousBatchingConfig(**CB, use_async_batching=async_batching))
     with pytest.raises(RuntimeError, match="running"):
         with manager.pause():
             pass
@@ -323,6 +326,7 @@ def test_pause_lets_a_trainer_use_the_model_between_steps(model) -> None:
     long_running = manager.add_request([5, 6, 7], max_new_tokens=400, ignore_eos=True, streaming=True)
     assert manager.get_result(long_running, timeout=60) is not None
     with manager.pause():
+        assert not manager.engine.has_unfinished() or manager.engine.settle() == []  # nothing in flight
         before = manager.engine.generation_tokens_total
         with torch.no_grad():
             for p in model.parameters():

@@ -18,7 +18,7 @@ import torch
 from engine.backends.executor import Executor
 from engine.device import on_device
 from engine.model_runner import StepInputs
-from engine.sampler import SampleResult
+from engine.sampler import PendingSample
 from engine.scheduler import ScheduledBatch
 
 
@@ -35,9 +35,10 @@ class CUDAExecutor(Executor):
         with on_device(self.device):  # may capture the graphs again
             super().weights_replaced()
 
-    def execute_model(self, batch: ScheduledBatch, default_logprobs: bool = False) -> SampleResult:
+    def launch(self, batch: ScheduledBatch, default_logprobs: bool = False, feed: PendingSample | None = None
+               ) -> PendingSample:  # fmt: skip
         with on_device(self.device):
-            return super().execute_model(batch, default_logprobs)
+            return super().launch(batch, default_logprobs, feed)
 
     def execute_inputs(self, step: StepInputs) -> None:
         with on_device(self.device):

@@ -59,20 +59,22 @@ def test_gpu_check_sh_runs_offline_in_the_image_venv(image_python, tmp_path):
             assert row["status"] == "skipped" and skipped[name] in row["reason"], row
         else:
             assert row["status"] == "pass", row
-    assert len(rows) == 11 and result["passed"]
+    assert len(rows) == 12 and result["passed"]
     equality = rows["greedy equality with the model (teacher-forced)"]["figures"]
     assert equality["diverged"] == 0 and equality["argmax"] == equality["tokens"] > 0 and equality["equal to generate"] == 6
     graphs = rows["CUDA graphs captured, replayed, equal to eager"]["figures"]
     assert graphs["captured"] == graphs["expected"] == graphs["captured after serving"] > 0
     assert rows["cbserve serve on the device, streamed chat"]["figures"]["device"] == "cpu"
     assert rows["throughput against transformers' generate_batch"]["figures"]["requests"] == "4/4"
+    ahead = rows["async batching against one step at a time"]["figures"]
+    assert ahead["steps run ahead"] > 0 and ahead["sequences the same"] == "5/5"
     markdown = (out / "gpu_check.md").read_text()
     assert markdown.startswith("## cbserve GPU check, ") and ", attention cpu" in markdown.splitlines()[0]
     assert "| check | status | seconds | figures |" in markdown and "| transformers | 5.17.0 |" in markdown
     assert markdown in proc.stdout + "\n"
     assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(
-        ["environment.log", "kernels.log", "equality.log", "graphs.log", "sampling.log", "sync.log", "serve.log",
-         "memory.log", "throughput.log", "transformers.log"])  # fmt: skip
+        ["environment.log", "kernels.log", "equality.log", "graphs.log", "sampling.log", "sync.log", "async.log",
+         "serve.log", "memory.log", "throughput.log", "transformers.log"])  # fmt: skip
 
 
 def test_without_pip_the_wheels_are_unpacked_into_the_target(image_python, tmp_path):

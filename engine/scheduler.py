@@ -294,6 +294,9 @@ class Scheduler:
         for req, _ in batch.items:
             if req.status == RequestStatus.PREFILLING and req.num_computed >= req.num_prompt_tokens:
                 req.status = RequestStatus.DECODING
+        if batch.ahead:  # its blocks filled with tokens the host now knows: hashed as its scheduling would have
+            for req in batch.taken:
+                self.bm.register_full_blocks(req, req.num_computed)
         ended = [req for req in batch.taken if req.is_finished]
         for req in ended:
             self.remove(req)

@@ -67,24 +67,27 @@ def test_prefix_hits_on_blocks_that_steps_ahead_filled() -> None:
     """A second request whose prompt is the first one's prompt and output finds the blocks the first one's
     decodes filled, steps ahead included (their block hashes are taken once the tokens are known)."""
     prompt = list(prompts_for()[5])
+    # the first request's last computed token (its last token is sampled, never computed) ends a block: that
+    # block is filled by a step ahead, and no step after it hashes it
+    new = 2 * MAX_NEW + (1 - len(prompt) - 2 * MAX_NEW) % 16
 
     def run(async_on: bool):
         engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=256,
                                                                          use_async_batching=async_on))  # fmt: skip
         outs = []
         for p in (prompt, None):
-            req = engine.make_request(p or prompt + outs[0][:40] + [5, 6], max_new_tokens=MAX_NEW * 2, ignore_eos=True)
+            req = engine.make_request(p or prompt + outs[0] + [5, 6], max_new_tokens=new, ignore_eos=True)
             engine.add_request(req)
             while engine.has_unfinished():
                 engine.step()
             outs.append(req.generated_ids)
         return outs, engine
 
-    want, _ = run(False)
+    want, sync = run(False)
     got, engine = run(True)
     assert got == want
-    assert got[0] == list(reference("llama", tuple(prompt), MAX_NEW * 2))
-    assert engine.block_manager.prefix_hits > 0 and engine.steps_ahead > 0
+    assert (len(prompt) + new - 1) % 16 == 0 and got[0] == list(reference("llama", tuple(prompt), new))
+    assert engine.block_manager.prefix_hits == sync.block_manager.prefix_hits > 0 and engine.steps_ahead > 0
 
 
 def test_requests_that_need_their_tokens_on_the_host_are_never_run_ahead() -> None:

@@ -10,8 +10,10 @@ whose code it knows, whole steps run the decoder stack in one native call
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psutil
+import torch
 
 from engine.backends import cpu_malloc
 from engine.backends import cpu_layers
@@ -28,6 +30,13 @@ class CPUExecutor(Executor):
     packed_linears: PackedLinears | None = None
     fused_modules: FusedModules | None = None
     native_layers: NativeLayers | None = None
+
+    def __init__(self, model: torch.nn.Module, config: Any, peers: Any = None) -> None:
+        super().__init__(model, config, peers)
+        if config.use_async_batching:
+            logger.warning("cbserve: use_async_batching on the CPU overlaps nothing (a step is launched and run by the "
+                           "same thread) and hands each step's tokens out after the next step's forward, a step late; "
+                           "it is meant for GPUs")  # fmt: skip
 
     def module_swaps(self) -> list[ModuleSwaps]:
         if self.device.type != "cpu":  # another host-like device: the generic path only

@@ -6,6 +6,8 @@ requests (EOS in flight, max_new_tokens, cancels, stop strings) and whatever the
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, LLMEngine, RequestStatus
@@ -151,6 +153,13 @@ def test_manager_streams_and_cancels() -> None:
         assert mgr.engine.steps_ahead > 0
     finally:
         mgr.stop(block=True, timeout=30)
+
+
+def test_on_the_cpu_it_says_it_is_meant_for_gpus(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="cbserve.engine"):
+        LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=32, use_async_batching=True))
+    [said] = [r.getMessage() for r in caplog.records if "use_async_batching" in r.getMessage()]
+    assert "a step late" in said and "meant for GPUs" in said
 
 
 def test_not_with_tensor_parallel() -> None:

@@ -197,7 +197,7 @@ class LLMEngine:
         # async batching: the step in flight, whose tokens the next call takes back after launching the one after it
         self.async_batching = bool(config.use_async_batching)
         self._in_flight: _InFlight | None = None
-        self._last_ready = 0.0  # when the last step's tokens were back (async batching: a step's time starts there)
+        self._done = 0.0  # when the last step's tokens were taken back
         self.steps_ahead = 0  # steps scheduled ahead of the last one's tokens (async batching)
         self.rows_dropped = 0  # their rows whose request the step before ended (its token dropped)
         restore_modes(model, modes)
@@ -429,17 +429,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return ended
-        t1 = time.perf_counter()
-        out = self.executor.execute_model(batch, self.config.return_logprobs)
-        t2 = time.perf_counter()
-        for req in self.scheduler.update_from_output(batch, out, self.max_context):
-            telemetry.request_finished(req)
-        self.generation_tokens_total += len(batch.samples)
-        t3 = time.perf_counter()
-        threads = torch.get_num_threads() if self.scheduler.step_log is not None else None
-        self.scheduler.observe_step(batch, t3 - t0, threads)  # what its decodes waited: the cost model's sample
-        self._time(t0, t1, t2, t3)
-        return ended + batch.samples if ended else batch.samples
+        taken = self._take_back(self._launch(batch, t0))
+        return ended + taken if ended else taken
 
     def _step_async(self) -> list[Request]:
         """Async batching: launch the next step, then take back the tokens of the one in flight, so that on
@@ -489,28 +480,25 @@ class LLMEngine:
         return _InFlight(batch, sample, t0)
 
     def _take_back(self, flight: _InFlight) -> list[Request]:
-        """The tokens of the step in flight, appended; returns the requests that got one."""
+        """The tokens of a launched step (waiting for them where the device runs it), appended; returns the
+        requests that got one."""
+        t0 = time.perf_counter()
         out = flight.sample.result()
-        ready = time.perf_counter()
+        t1 = time.perf_counter()
         batch = flight.batch
         for req in self.scheduler.update_from_output(batch, out, self.max_context):
             telemetry.request_finished(req)
         self.generation_tokens_total += len(batch.taken)
         self.rows_dropped += len(batch.samples) - len(batch.taken)
+        done = time.perf_counter()
         threads = torch.get_num_threads() if self.scheduler.step_log is not None else None
-        # the step ran from its launch, or from when the step before it ended where it was queued behind that
-        self.scheduler.observe_step(batch, ready - max(flight.started, self._last_ready), threads)
-        self._last_ready = time.perf_counter()
-        self.step_times["output"] += self._last_ready - ready
+        # what its decodes waited (the cost model's sample): from its scheduling, or, where it was queued behind
+        # the step before (async batching), from that step's end
+        self.scheduler.observe_step(batch, done - max(flight.started, self._done), threads)
+        self._done = done
+        self.step_times["forward"] += t1 - t0  # the device's forward, where the host waits for it
+        self.step_times["output"] += done - t1
         return batch.taken
-
-    def _time(self, t0: float, t1: float, t2: float, t3: float) -> None:
-        times, step = self.step_times, self.executor.last_times
-        times["schedule"] += t1 - t0
-        times["prepare"] += step["prepare"]
-        times["forward"] += t2 - t1 - step["prepare"] - step["sample"]
-        times["sample"] += step["sample"]
-        times["output"] += t3 - t2
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

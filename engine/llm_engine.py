@@ -129,6 +129,7 @@ class _InFlight:
     batch: ScheduledBatch
     sample: PendingSample
     started: float  # perf_counter when it was scheduled
+    launch_seconds: float  # scheduling and launching it (where the executor runs a step inside its launch: the step)
 
 
 class LLMEngine:
@@ -477,7 +478,7 @@ class LLMEngine:
         times["prepare"] += step["prepare"]
         times["forward"] += t2 - t1 - step["prepare"] - step["sample"]
         times["sample"] += step["sample"]
-        return _InFlight(batch, sample, t0)
+        return _InFlight(batch, sample, t0, t2 - t0)
 
     def _take_back(self, flight: _InFlight) -> list[Request]:
         """The tokens of a launched step (waiting for them where the device runs it), appended; returns the
@@ -492,9 +493,14 @@ class LLMEngine:
         self.rows_dropped += len(batch.samples) - len(batch.taken)
         done = time.perf_counter()
         threads = torch.get_num_threads() if self.scheduler.step_log is not None else None
-        # what its decodes waited (the cost model's sample): from its scheduling, or, where it was queued behind
-        # the step before (async batching), from that step's end
-        self.scheduler.observe_step(batch, done - max(flight.started, self._done), threads)
+        # what its decodes waited (the cost model's sample): where the device runs steps behind the host, from its
+        # scheduling or from the end of the step it was queued behind (async batching); where the step ran inside
+        # its launch, that and this take-back (not the next step's launch, which async batching ran in between)
+        if self.executor.launches_ahead:
+            seconds = done - max(flight.started, self._done)
+        else:
+            seconds = flight.launch_seconds + done - t0
+        self.scheduler.observe_step(batch, seconds, threads)
         self._done = done
         self.step_times["forward"] += t1 - t0  # the device's forward, where the host waits for it
         self.step_times["output"] += done - t1

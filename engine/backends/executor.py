@@ -67,6 +67,9 @@ class RankPeers(Protocol):
 class Executor:
     """Placement, sizing, the KV cache, module swaps, step dispatch (graphs or compiled) and sampling."""
 
+    # whether `launch` returns before the step has run (a device that queues work); False: the step runs inside it
+    launches_ahead = False
+
     def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig, peers: RankPeers | None = None) -> None:
         """`peers`: the other tensor-parallel ranks when `model` is one rank's shard
         (engine/tensor_parallel.py): the KV cache holds the rank's heads, rank 0's sizes are every

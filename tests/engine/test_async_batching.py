@@ -165,3 +165,30 @@ def test_on_the_cpu_it_says_it_is_meant_for_gpus(caplog) -> None:
 def test_not_with_tensor_parallel() -> None:
     with pytest.raises(ValueError, match="use_async_batching needs tensor_parallel_size 1"):
         ContinuousBatchingConfig(use_async_batching=True, tensor_parallel_size=2)
+
+
+def test_the_cost_model_sees_each_step_alone_where_steps_run_inside_their_launch() -> None:
+    """On the CPU a step runs inside its launch, and async batching launches the next step before taking
+    this one's tokens back: the step's time (the `max_decode_stall` cost model's sample) is its own launch
+    and take-back, not the next step's forward too. Each launch here takes 30 ms more than it would."""
+    import time
+
+    engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=128, use_async_batching=True))
+    assert not engine.executor.launches_ahead
+    launch = engine.executor.launch
+
+    def slow_launch(*args, **kwargs):
+        time.sleep(0.03)  # a step of known length, not a wait for anything
+        return launch(*args, **kwargs)
+
+    seen: list[float] = []
+    observe = engine.scheduler.observe_step
+    engine.executor.launch = slow_launch
+    engine.scheduler.observe_step = lambda batch, seconds, threads=None: (seen.append(seconds),
+                                                                           observe(batch, seconds, threads))
+    for p in prompts_for()[:4]:
+        engine.add_request(engine.make_request(list(p), max_new_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.steps_ahead > 5 and len(seen) > 10
+    assert all(0.03 <= s < 0.055 for s in seen), seen  # one launch each, never two

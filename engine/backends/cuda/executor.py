@@ -23,6 +23,7 @@ from engine.scheduler import ScheduledBatch
 
 
 class CUDAExecutor(Executor):
+    launches_ahead = True  # kernels are queued on the stream; the host waits for a step's tokens alone
     def __init__(self, model: torch.nn.Module, config: Any, group: Any = None) -> None:
         with on_device(next(model.parameters()).device):
             super().__init__(model, config, group)

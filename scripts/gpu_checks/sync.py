@@ -5,8 +5,11 @@ A warmed engine serves 8 requests, with decode graphs when the attention backend
 under `torch.cuda.set_sync_debug_mode("warn")`, which makes every synchronizing CUDA call (a
 device-to-host read, a blocking host-to-device copy from pageable memory, a stream synchronize)
 raise a warning attributed to the Python line that made it. The warnings are recorded per step.
-A step must end in one sync, the sampled tokens' `.tolist()` in engine/sampler.py (the scheduler
-needs them on the host before the next step), and have no other: at most one sync per step, in
+A step waits for the GPU once, for its sampled tokens (the scheduler needs them on the host before the
+next step): since 2026-11-30 as an event's wait after a non-blocking copy into pinned memory
+(`PendingSample` in engine/sampler.py), which the debug mode does not report (it reports stream and
+device synchronizes and blocking copies, not `cudaEventSynchronize`), so a step shows none; before, the
+tokens' `.tolist()`, one sync in engine/sampler.py. Asserted: at most one sync per step, in
 engine/sampler.py. Greedy steps and sampled steps (temperature, top-p, half the rows seeded) are checked apart.
 "warn" rather than "error": an error would stop the step at the intended sync, and counting is what
 tells the one intended sync from another.

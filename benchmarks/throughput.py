@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -127,8 +128,15 @@ def run_cbserve(model, prompts, tensor_parallel_size: int = 1, async_batching: b
 
 
 def run_cbserve_async(model, prompts) -> tuple[float, list[list[int]], dict]:
-    """cbserve with async batching (use_async_batching): each step launched before the last one's tokens are back."""
-    return run_cbserve(model, prompts, async_batching=True)
+    """cbserve with async batching (use_async_batching): each step launched before the last one's tokens are back
+    (run on the CPU too, where an engine turns it down unless told: CBSERVE_ASYNC_BATCHING_ON_CPU)."""
+    from engine.backends.cpu_executor import ASYNC_ON_CPU_ENV
+
+    os.environ[ASYNC_ON_CPU_ENV] = "1"
+    try:
+        return run_cbserve(model, prompts, async_batching=True)
+    finally:
+        del os.environ[ASYNC_ON_CPU_ENV]
 
 
 def run_cbserve_two_ranks(model, prompts) -> tuple[float, list[list[int]], dict]:

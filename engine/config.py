@@ -76,7 +76,8 @@ class ContinuousBatchingConfig:
     allow_block_sharing: bool = True
     # Async batching: launch step N+1 before step N's tokens are back on the host (decodes scheduled ahead,
     # fed their tokens on the device), so that a GPU's forward overlaps the host's work between steps.
-    # None: off (it has not been measured on a GPU yet; on the CPU the forward keeps every core busy).
+    # None: off (it has not been measured on a GPU yet). The CPU turns it down with a warning: a step runs
+    # inside its launch there (engine/backends/cpu_executor.py).
     use_async_batching: bool | None = None
     # GPU only: CUDA graphs, as a bool or a (varlen, decode) pair.
     use_cuda_graph: bool | tuple[bool, bool] | None = None

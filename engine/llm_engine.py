@@ -196,7 +196,7 @@ class LLMEngine:
         # ends found off the engine thread (a stop string in the output thread's text): applied at the next step
         self._ends: deque[tuple[Request, int, str, str | None]] = deque()
         # async batching: the step in flight, whose tokens the next call takes back after launching the one after it
-        self.async_batching = bool(config.use_async_batching)
+        self.async_batching = ex.async_batching  # asked for, where the device takes it
         self._in_flight: _InFlight | None = None
         self._done = 0.0  # when the last step's tokens were taken back
         self.steps_ahead = 0  # steps scheduled ahead of the last one's tokens (async batching)

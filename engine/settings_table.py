@@ -238,8 +238,8 @@ SETTINGS: tuple[Setting, ...] = (
             "unset: on when the copies take under a quarter of free memory", nullable=True),
     Setting("use_async_batching", "bool", None, "async batching: each step is launched before the last one's tokens "
             "are back on the host (decodes scheduled ahead, fed their tokens on the device), so that a GPU's forward "
-            "overlaps the host's work between steps; not with tensor parallel; unset: off (not yet measured on a GPU; "
-            "no gain on the CPU, whose forward keeps every core busy)", nullable=True, operator=True),
+            "overlaps the host's work between steps; not with tensor parallel; turned down on the CPU, where a step runs "
+            "inside its launch (one warning); unset: off (not yet measured on a GPU)", nullable=True, operator=True),
     Setting("use_cuda_graph", "cuda_graph", None, "GPU: CUDA graphs, a bool or a [varlen, decode] pair; unset: decode "
             "graphs on CUDA (docs/gpu.md)", nullable=True, flag=False, operator=True, crd_deprecated=("cudaGraphs",)),
     Setting("varlen_compile_config", "compile", None, "GPU: torch.compile of prefill and mixed steps (a transformers "

@@ -10,10 +10,9 @@ whose code it knows, whole steps run the decoder stack in one native call
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
 
 import psutil
-import torch
 
 from engine.backends import cpu_malloc
 from engine.backends import cpu_layers
@@ -24,6 +23,7 @@ from engine.backends.executor import Executor
 from engine.model_runner import ModuleSwaps, NativeForward
 
 logger = logging.getLogger("cbserve.engine")
+ASYNC_ON_CPU_ENV = "CBSERVE_ASYNC_BATCHING_ON_CPU"  # "1": async batching on the CPU too (its pipeline, tested here)
 
 
 class CPUExecutor(Executor):
@@ -31,12 +31,16 @@ class CPUExecutor(Executor):
     fused_modules: FusedModules | None = None
     native_layers: NativeLayers | None = None
 
-    def __init__(self, model: torch.nn.Module, config: Any, peers: Any = None) -> None:
-        super().__init__(model, config, peers)
-        if config.use_async_batching:
-            logger.warning("cbserve: use_async_batching on the CPU overlaps nothing (a step is launched and run by the "
-                           "same thread) and hands each step's tokens out after the next step's forward, a step late; "
-                           "it is meant for GPUs")  # fmt: skip
+    def takes_async_batching(self, asked: bool) -> bool:
+        """Not on the CPU, unless ASYNC_ON_CPU_ENV=1 (tests run the pipeline here): a step runs inside its
+        launch, so nothing would overlap and each step's tokens would be handed out after the next step's
+        forward, a step late."""
+        if not asked or os.environ.get(ASYNC_ON_CPU_ENV) == "1":
+            return asked
+        logger.warning("cbserve: use_async_batching has no effect on the CPU: a step runs inside its launch there, so "
+                       "nothing would overlap and each step's tokens would come a step late (%s=1 runs it anyway)",
+                       ASYNC_ON_CPU_ENV)  # fmt: skip
+        return False
 
     def module_swaps(self) -> list[ModuleSwaps]:
         if self.device.type != "cpu":  # another host-like device: the generic path only

@@ -100,6 +100,7 @@ class Executor:
                 raise ValueError(f"tensor parallel: rank {peers.rank} holds {self.dtype} KV blocks of "
                                  f"{own.bytes_per_block} bytes, rank 0 blocks of {self.sizes.bytes_per_block}: every "
                                  "host must load the same model with the same --dtype")  # fmt: skip
+        self.async_batching = self.takes_async_batching(bool(config.use_async_batching))  # what the engine runs
         logger.info("cbserve engine: %s", self.placement_line())
         self.cache = PagedKVCache(num_layers, self.sizes.num_blocks + extra_blocks, self.block_size, num_kv_heads,
                                   head_dim, self.dtype, self.device)  # fmt: skip
@@ -124,7 +125,7 @@ class Executor:
                 "kv_cache_blocks": self.sizes.num_blocks, "kv_cache_tokens": self.sizes.num_tokens,
                 "kv_cache_bytes": self.sizes.cache_bytes,
                 "tensor_parallel_size": self.peers.world if self.peers else 1,
-                "use_async_batching": bool(self.config.use_async_batching),
+                "use_async_batching": self.async_batching,  # as run: asked for, and not turned down (the CPU)
                 # a GGUF model's weights: which kinds kept their blocks and the probe that chose (gguf_loader)
                 "quantization": getattr(self.model, "cbserve_quantization", {"setting": "none"})}  # fmt: skip
 
@@ -136,6 +137,10 @@ class Executor:
                 f"{self.sizes.summary()}")
 
     # -- what a device adds ---------------------------------------------------------------------
+    def takes_async_batching(self, asked: bool) -> bool:
+        """Whether the engine runs async batching (`use_async_batching`): as asked, by default."""
+        return asked
+
     def module_swaps(self) -> list[ModuleSwaps]:
         """Replacement forwards active only inside the engine's forwards (the CPU's packed linears and
         fused passes); none by default."""

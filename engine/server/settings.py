@@ -31,10 +31,10 @@ DEFAULT_SERVER_QUEUE = 4096
 # CBSERVE_* variables that set up the process, not the engine or the server: read where they act
 # (the cache folder, hf:// models' folder, the CPU probe and kernels, malloc tuning, the native decoder
 # stack, the benchmark's vLLM venv, the engine's step log: engine/llm_engine.py STEP_LOG_ENV, the engine
-# thread's priority: engine/openmp.py NICE_ENV)
+# thread's priority: engine/openmp.py NICE_ENV, async batching on the CPU: engine/backends/cpu_executor.py)
 PROCESS_ENV = frozenset({"CBSERVE_CACHE_DIR", "CBSERVE_MODEL_DIR", "CBSERVE_CPU_ISA", "CBSERVE_CPU_KERNELS",
                          "CBSERVE_CPU_MALLOC_TUNING", "CBSERVE_CPU_NATIVE_LAYERS", "CBSERVE_VLLM_VENV", "CBSERVE_STEP_LOG",
-                         "CBSERVE_ENGINE_NICE", API_KEY_ENV})  # fmt: skip
+                         "CBSERVE_ENGINE_NICE", "CBSERVE_ASYNC_BATCHING_ON_CPU", API_KEY_ENV})  # fmt: skip
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 

@@ -9,11 +9,13 @@ run on the two engines in turn, twice (ABAB, after one untimed run each): 16 pro
 tokens decoding 128 new tokens each, and one prompt alone decoding 128. Reported: output tokens/s of
 each engine (median of its runs), the ratio, and the steps scheduled ahead. Asserted: the two
 engines' tokens are the same (on CUDA: the same in at least `min_exact` of the sequences, near-ties
-in bfloat16 may flip where step shapes differ), and steps did run ahead.
+in bfloat16 may flip where step shapes differ), and steps did run ahead (on the CPU, where an engine
+turns async batching down, with CBSERVE_ASYNC_BATCHING_ON_CPU=1).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -39,8 +41,12 @@ def _model(ctx: Context):
 
 
 def run(ctx: Context) -> dict:
+    from engine.backends.cpu_executor import ASYNC_ON_CPU_ENV
     from engine.llm_engine import LLMEngine
     from engine.testing import random_prompts
+
+    if not ctx.cuda:
+        os.environ[ASYNC_ON_CPU_ENV] = "1"  # the smoke run holds the pipeline to one step at a time (this row's process)
 
     model = _model(ctx)
     vocab = model.config.vocab_size

@@ -47,3 +47,12 @@ def ops():
     ops = cpu_ops()
     assert ops is not None, "the C++ kernels must build here (a compiler is part of the dev setup)"
     return ops
+
+
+@pytest.fixture(autouse=True)
+def async_batching_on_the_cpu(monkeypatch):
+    """An engine asked for async batching runs it here too (on the CPU it is turned down, with a warning,
+    unless this is set): the engine tests hold its pipeline to one step at a time."""
+    from engine.backends.cpu_executor import ASYNC_ON_CPU_ENV
+
+    monkeypatch.setenv(ASYNC_ON_CPU_ENV, "1")

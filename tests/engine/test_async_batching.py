@@ -155,11 +155,24 @@ def test_manager_streams_and_cancels() -> None:
         mgr.stop(block=True, timeout=30)
 
 
-def test_on_the_cpu_it_says_it_is_meant_for_gpus(caplog) -> None:
+def test_on_the_cpu_it_is_turned_down_with_one_warning(monkeypatch, caplog) -> None:
+    """Without the tests' switch an engine on the CPU runs one step at a time when asked for async batching,
+    and says why once."""
+    from engine.backends.cpu_executor import ASYNC_ON_CPU_ENV
+
+    monkeypatch.delenv(ASYNC_ON_CPU_ENV)
     with caplog.at_level(logging.WARNING, logger="cbserve.engine"):
-        LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=32, use_async_batching=True))
+        engine = LLMEngine(model_for("llama"), ContinuousBatchingConfig(block_size=16, num_blocks=32,
+                                                                         use_async_batching=True))  # fmt: skip
     [said] = [r.getMessage() for r in caplog.records if "use_async_batching" in r.getMessage()]
-    assert "a step late" in said and "meant for GPUs" in said
+    assert "no effect on the CPU" in said and "a step late" in said and ASYNC_ON_CPU_ENV in said
+    assert not engine.async_batching and engine.placement()["use_async_batching"] is False
+    req = engine.make_request(list(prompts_for()[0]), max_new_tokens=8, ignore_eos=True)
+    engine.add_request(req)
+    assert len(engine.step()) == 1  # its first token at once, as one step at a time gives it
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.steps_ahead == 0 and req.generated_ids == list(reference("llama", prompts_for()[0], 8))
 
 
 def test_not_with_tensor_parallel() -> None:

@@ -1,6 +1,7 @@
 """`cbserve serve --use-async-batching`, as a pod runs it with `engine.useAsyncBatching: true`: greedy
 answers, streamed and not, concurrent with other requests, are those of a server stepping one step at a
-time (the engine's tests hold both to model.generate), and the steps it ran ahead are counted on /metrics."""
+time (the engine's tests hold both to model.generate), and the steps it ran ahead are counted on /metrics.
+On the CPU the flag is turned down unless CBSERVE_ASYNC_BATCHING_ON_CPU=1."""
 
 from __future__ import annotations
 
@@ -38,13 +39,21 @@ def answers(server: Server) -> list[str]:
 
 
 def test_greedy_answers_are_those_of_one_step_at_a_time_and_steps_run_ahead(model_dir, tmp_path) -> None:
+    """On the CPU the flag alone is turned down (one step at a time, said in /v1/models); the tests' switch
+    runs the pipeline through the whole server."""
+    from engine.backends.cpu_executor import ASYNC_ON_CPU_ENV
+
     engine = {"block_size": 16, "num_blocks": 256}
-    plain = Server(model_dir, tmp_path, engine)
+    plain = Server(model_dir, tmp_path, engine, ["--use-async-batching"])
     try:
         want = answers(plain)
+        [model] = httpx.get(plain.url + "/v1/models").json()["data"]
+        assert model["engine"]["use_async_batching"] is False
+        assert plain.metrics()["cbserve:steps_ahead_total"] == 0
     finally:
         assert plain.stop() == 0
-    ahead = Server(model_dir, tmp_path, engine, ["--use-async-batching"])
+    assert "use_async_batching has no effect on the CPU" in plain.log.read_text()
+    ahead = Server(model_dir, tmp_path, engine, ["--use-async-batching"], env={ASYNC_ON_CPU_ENV: "1"})
     try:
         assert answers(ahead) == want
         [model] = httpx.get(ahead.url + "/v1/models").json()["data"]

@@ -227,7 +227,11 @@ class Executor:
         if batch.ahead:
             if feed is None:
                 raise ValueError("a batch scheduled ahead needs the step before's tokens (feed)")
-            input_ids = feed.tokens.index_select(0, to_device(torch.tensor(batch.feed_rows), feed.tokens.device))
+            rows_fed = batch.feed_rows
+            if len(rows_fed) == feed.tokens.shape[0] and rows_fed == list(range(len(rows_fed))):
+                input_ids = feed.tokens  # every row of the step before, in order: no gather
+            else:
+                input_ids = feed.tokens.index_select(0, to_device(torch.tensor(rows_fed), feed.tokens.device))
         send = None  # tensor parallel: the other ranks run the same step (engine/tp_worker.py), told its route
         if (peers := self.peers) is not None:
 

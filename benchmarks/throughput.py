@@ -132,11 +132,15 @@ def run_cbserve_async(model, prompts) -> tuple[float, list[list[int]], dict]:
     (run on the CPU too, where an engine turns it down unless told: CBSERVE_ASYNC_BATCHING_ON_CPU)."""
     from engine.backends.cpu_executor import ASYNC_ON_CPU_ENV
 
+    before = os.environ.get(ASYNC_ON_CPU_ENV)
     os.environ[ASYNC_ON_CPU_ENV] = "1"
     try:
         return run_cbserve(model, prompts, async_batching=True)
     finally:
-        del os.environ[ASYNC_ON_CPU_ENV]
+        if before is None:
+            del os.environ[ASYNC_ON_CPU_ENV]
+        else:
+            os.environ[ASYNC_ON_CPU_ENV] = before
 
 
 def run_cbserve_two_ranks(model, prompts) -> tuple[float, list[list[int]], dict]:

@@ -1,7 +1,7 @@
 """The engine core: requests, the scheduler (which owns them and their blocks) and a device executor.
 
-`step()` is the whole loop body: `scheduler.schedule()`, `executor.execute_model()` (one forward and
-the sampled tokens), `scheduler.update_from_output()` (append them, end what is done). It is
+`step()` is the whole loop body: `scheduler.schedule()`, `executor.launch()` (one forward and the
+sampled tokens), `scheduler.update_from_output()` (append them, end what is done). It is
 synchronous and single-threaded; `ContinuousBatchingManager` runs it on a thread. The executor
 (engine/backends/) holds everything about the device; the core never asks which device it is on.
 With async batching (`use_async_batching`) a step is launched before the last one's tokens are taken
@@ -196,7 +196,6 @@ class LLMEngine:
         # ends found off the engine thread (a stop string in the output thread's text): applied at the next step
         self._ends: deque[tuple[Request, int, str, str | None]] = deque()
         # async batching: the step in flight, whose tokens the next call takes back after launching the one after it
-        self.async_batching = ex.async_batching  # asked for, where the device takes it
         self._in_flight: _InFlight | None = None
         self._done = 0.0  # when the last step's tokens were taken back
         self.steps_ahead = 0  # steps scheduled ahead of the last one's tokens (async batching)
@@ -210,6 +209,7 @@ class LLMEngine:
     sampler = property(lambda self: self.executor.sampler)
     packed_linears = property(lambda self: getattr(self.executor, "packed_linears", None))
     fused_modules = property(lambda self: getattr(self.executor, "fused_modules", None))
+    async_batching = property(lambda self: self.executor.async_batching)  # asked for, where the device takes it
 
     def placement(self) -> dict[str, Any]:
         """Where the engine runs and how big its KV cache is (the server's /v1/models shows it)."""
@@ -424,14 +424,20 @@ class LLMEngine:
         async batching a call takes back the tokens of the step the call before launched (`_step_async`)."""
         if self.async_batching:
             return self._step_async()
+        ended, flight = self._schedule_and_launch()
+        if flight is None:
+            return ended
+        taken = self._take_back(flight)
+        return ended + taken if ended else taken
+
+    def _schedule_and_launch(self) -> tuple[list[Request], _InFlight | None]:
+        """The ends end_at queued, then the next step scheduled from the tokens known and launched (None:
+        nothing to run)."""
         t0 = time.perf_counter()
         ended = self.apply_ends() if self._ends else []
         self._check_weights()
         batch = self.scheduler.schedule()
-        if not batch:
-            return ended
-        taken = self._take_back(self._launch(batch, t0))
-        return ended + taken if ended else taken
+        return ended, self._launch(batch, t0) if batch else None
 
     def _step_async(self) -> list[Request]:
         """Async batching: launch the next step, then take back the tokens of the one in flight, so that on
@@ -452,12 +458,7 @@ class LLMEngine:
         got = self._take_back(last) if last is not None else []
         ended = []
         if launched is None:
-            t1 = time.perf_counter()
-            ended = self.apply_ends() if self._ends else []
-            self._check_weights()
-            batch = self.scheduler.schedule()
-            if batch:
-                launched = self._launch(batch, t1)
+            ended, launched = self._schedule_and_launch()
         self._in_flight = launched
         return ended + got if ended else got
 

@@ -3,8 +3,9 @@
 `make_executor(model, config)` (engine/backends/executors.py) builds the one for the model's device:
 `CPUExecutor` (engine/backends/cpu_executor.py: packed weights, fused passes, C++ kernels) or
 `CUDAExecutor` (engine/backends/cuda/executor.py: flash-attn, graphs). The engine core reads its
-sizes and cache geometry once, and each step calls `execute_model(batch)`, which runs the forward
-and returns the sampled tokens of `batch.samples`. The core never asks which device it is on.
+sizes and cache geometry once, and each step calls `launch(batch)`, which runs the forward and samples
+the tokens of `batch.samples` (`PendingSample`: on the host with `.result()`). The core never asks
+which device it is on.
 
 An executor runs one rank. Under tensor parallel (engine/tp_worker.py) the model is the rank's shard
 and the executor is handed `RankPeers`: the little it needs from the other ranks (rank 0's cache
@@ -38,7 +39,7 @@ from engine.backends.step_dispatch import Route, StepDispatcher, normalize_cuda_
 from engine.config import DEFAULT_BLOCK_SIZE, ContinuousBatchingConfig
 from engine.kv_cache import PagedKVCache, kv_geometry
 from engine.model_runner import ModelRunner, ModuleSwaps, NativeForward, StepInputs, restore_modes
-from engine.sampler import PendingSample, Sampler, SampleResult, to_device
+from engine.sampler import PendingSample, Sampler, to_device
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger("cbserve.engine")
@@ -114,7 +115,7 @@ class Executor:
         )  # fmt: skip
         self.sampler = Sampler(config.seed, argmax=self.backend.argmax, logprobs_mode=config.logprobs_mode,
                                race=self.backend.sample_race, logsumexp=self.backend.logsumexp)  # fmt: skip
-        self.last_times = {"prepare": 0.0, "sample": 0.0}  # of the last execute_model (the engine times the rest)
+        self.last_times = {"prepare": 0.0, "sample": 0.0}  # of the last launch (the engine times the rest)
         self._graph_weights: list[int] | None = None  # the weights' addresses when graphs were captured
 
     def placement(self) -> dict:
@@ -209,18 +210,13 @@ class Executor:
         self._graph_weights = self._weight_ptrs() if self.dispatch.captured else None
 
     @torch.inference_mode()
-    def execute_model(self, batch: ScheduledBatch, default_logprobs: bool = False) -> SampleResult:
-        """Copy-on-write copies, one forward over the batch's tokens (in eval mode), and the sampled
-        tokens of `batch.samples` (siblings of n > 1 sample from their parent's row)."""
-        return self.launch(batch, default_logprobs).result()
-
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, default_logprobs: bool = False, feed: PendingSample | None = None
                ) -> PendingSample:  # fmt: skip
-        """`execute_model` without taking the tokens back: on CUDA the forward and the sampling are queued
-        and this returns before they run. A batch scheduled ahead (`batch.ahead`, async batching) takes
-        its input tokens from `feed`, the step before's tokens, on the device: its row `batch.feed_rows[i]`
-        is row i's input."""
+        """Copy-on-write copies, one forward over the batch's tokens (in eval mode), and the sampled tokens
+        of `batch.samples` (siblings of n > 1 sample from their parent's row), left on the device until
+        `.result()`: on CUDA the forward and the sampling are queued and this returns before they run. A
+        batch scheduled ahead (`batch.ahead`, async batching) takes its input tokens from `feed`, the step
+        before's tokens, on the device: its row `batch.feed_rows[i]` is row i's input."""
         rows = list(dict.fromkeys(batch.sample_rows))  # each row's logits once
         step = StepInputs.of(batch, rows)
         input_ids = None

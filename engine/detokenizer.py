@@ -2,11 +2,22 @@
 
 `IncrementalDetokenizer` decodes only a small window around the newest tokens, so each token costs
 the same however long the output is, and it holds text back while the last token ends inside a
-multi-byte character. `StopStrings` holds back any tail that could still become a stop string, and
-cuts the text right before the first stop string found, even when it spans several tokens.
+multi-byte character (for `MAX_HELD` tokens at most). `StopStrings` holds back any tail that could
+still become a stop string, and cuts the text right before the first stop string found, even when it
+spans several tokens; a request's stop strings are one automaton (`StopMatcher`), so each character
+costs the same however many there are.
 """
 
 from __future__ import annotations
+
+from collections import deque
+
+
+# Tokens held back at most while the text ends inside a character (or they add no text): a character is
+# at most 4 bytes, a token at least one, so past this the text is no character's start (a model made to
+# repeat a lone byte's token) and goes out as decoded, replacement characters and all, instead of each
+# token decoding every one held before it on the thread that detokenizes every stream.
+MAX_HELD = 16
 
 
 class IncrementalDetokenizer:
@@ -25,7 +36,7 @@ class IncrementalDetokenizer:
         self.tokens.extend(token_ids)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") or len(full) <= len(prefix)) and len(self.tokens) - self.read_offset <= MAX_HELD:
             return ""  # an incomplete UTF-8 sequence, or a token that adds no text
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return full[len(prefix) :]
@@ -42,42 +53,92 @@ class IncrementalDetokenizer:
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
-class StopStrings:
+class StopMatcher:
+    """Stop strings as one Aho-Corasick automaton, built once for a request and shared by its
+    samples. Fed text one character at a time, its state is the longest tail of the text that begins
+    some stop string, and each state names the stop strings that end there: a character costs the
+    same however many stop strings there are, where scanning each of them at each token costs their
+    number times their length (the server caps them too: engine/server/protocol.py)."""
+
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
+        self.goto: list[dict[str, int]] = [{}]  # node (a prefix of some stop string) -> its one-character extensions
+        self.depth = [0]  # the node's prefix length
+        self.ends = [-1]  # the first stop string that is the node's prefix, -1: none
+        for index, stop in enumerate(self.stops):
+            node = 0
+            for ch in stop:
+                child = self.goto[node].get(ch)
+                if child is None:
+                    child = len(self.goto)
+                    self.goto[node][ch] = child
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    self.ends.append(-1)
+                node = child
+            if self.ends[node] < 0:
+                self.ends[node] = index
+        self.fail = [0] * len(self.goto)  # the node of the longest proper suffix that is a prefix too
+        self.more = [0] * len(self.goto)  # the longest proper suffix that is a whole stop string: 0 none
+        queue = deque(self.goto[0].values())
+        while queue:
+            node = queue.popleft()
+            for ch, child in self.goto[node].items():
+                f = self.fail[node]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                f = self.goto[f].get(ch, 0) if node else 0
+                self.fail[child] = f
+                self.more[child] = f if self.ends[f] >= 0 else self.more[f]
+                queue.append(child)
+
+    def step(self, node: int, ch: str) -> int:
+        while True:
+            child = self.goto[node].get(ch)
+            if child is not None:
+                return child
+            if not node:
+                return 0
+            node = self.fail[node]
+
+
+class StopStrings:
+    def __init__(self, stops: list[str] | StopMatcher) -> None:
+        self.matcher = stops if isinstance(stops, StopMatcher) else StopMatcher(stops)
+        self.node = 0  # the matcher's state after the text so far; `pending` holds its prefix's characters
         self.pending = ""  # text received but not yet released
         self.stopped: str | None = None  # the stop string that ended the text
 
+    @property
+    def stops(self) -> list[str]:
+        return self.matcher.stops
+
     def feed(self, text: str) -> str:
-        """Text that is safe to release; after a stop string, nothing more."""
+        """Text that is safe to release; after a stop string, nothing more. The text is cut right before
+        the stop string that starts first among those found (the first listed of those starting there)."""
         if self.stopped is not None:
             return ""
+        m = self.matcher
+        if not m.stops:
+            return text
+        at = len(self.pending)
         self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
+        node, found = self.node, None  # found: (start, stop string's index)
+        for end in range(at, len(self.pending)):
+            node = m.step(node, self.pending[end])
+            whole = node if m.ends[node] >= 0 else m.more[node]
+            while whole:  # every stop string that ends here
+                hit = (end + 1 - m.depth[whole], m.ends[whole])
+                found = hit if found is None or hit < found else found
+                whole = m.more[whole]
+        if found is not None:
+            self.stopped = m.stops[found[1]]
+            out, self.pending = self.pending[: found[0]], ""
             return out
-        first = None
-        for stop in self.stops:
-            i = self.pending.find(stop)
-            if i != -1 and (first is None or i < first[0]):
-                first = (i, stop)
-        if first is not None:
-            self.stopped = first[1]
-            out, self.pending = self.pending[: first[0]], ""
-            return out
-        keep = self._partial_tail()
-        cut = len(self.pending) - keep
+        self.node = node
+        cut = len(self.pending) - m.depth[node]  # hold the tail that begins some stop string
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
-
-    def _partial_tail(self) -> int:
-        """Length of the longest tail of the pending text that begins some stop string."""
-        for n in range(min(self.longest - 1, len(self.pending)), 0, -1):
-            tail = self.pending[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
 
     def flush(self) -> str:
         """At the end of generation: whatever was held back (it never became a stop string)."""
@@ -88,7 +149,8 @@ class StopStrings:
 class TextStream:
     """Detokenizer and stop strings together: feed tokens, get releasable text."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: list[str] | StopMatcher | None = None, skip_special_tokens: bool = True
+                 ) -> None:  # fmt: skip
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = StopStrings(stop or [])
         self.text = ""
@@ -100,7 +162,7 @@ class TextStream:
 
     def fresh(self) -> TextStream:
         """A new stream with the same tokenizer and stop strings."""
-        return TextStream(self.detokenizer.tokenizer, self.stops.stops, self.detokenizer.skip_special_tokens)
+        return TextStream(self.detokenizer.tokenizer, self.stops.matcher, self.detokenizer.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         out = ""

@@ -16,6 +16,10 @@ from engine.structured import STRUCTURED_KEYS, StructuredOutput
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# stop strings: OpenAI takes 4, TGI 4 by default, vLLM any number; each one costs nothing per token (one
+# automaton, engine/detokenizer.py), but building it costs its characters, on the thread that admits
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # OpenAI's chat roles
 INT64 = (-(2**63), 2**63 - 1)  # integers beyond these reach no engine knob: refused, not overflowed
 
@@ -197,10 +201,14 @@ def _stop(body: dict) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [text(value, "stop")]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [text(s, "stop") for s in value if s]
-    raise bad("stop", "'stop' must be a string or a list of strings")
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad("stop", "'stop' must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad("stop", f"'stop' holds {len(value)} strings; at most {MAX_STOP_STRINGS}")
+    if (chars := sum(map(len, value))) > MAX_STOP_CHARS:
+        raise bad("stop", f"'stop' holds {chars} characters; at most {MAX_STOP_CHARS} in all")
+    return [text(s, "stop") for s in value if s]
 
 
 def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:

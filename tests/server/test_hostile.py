@@ -17,6 +17,7 @@ import pytest
 
 from engine.server.constraints import ConstraintCompiler
 from engine.server.errors import APIError
+from engine.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from engine.structured import MAX_ALTERNATIVES, MAX_CHOICES, GrammarCompiler, client_error, count_alternatives
 from engine.testing import build_test_tokenizer
 from tests.server.conftest import Server
@@ -61,6 +62,21 @@ HOSTILE = [
     ("a GBNF grammar of 2,001 alternatives, streamed", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "guided_grammar": gbnf(2001), "stream": True}, 400,
      f"at most {MAX_ALTERNATIVES} are allowed", "guided_grammar"),
+    (f"{MAX_STOP_STRINGS + 1} stop strings", "/v1/completions",
+     {"prompt": "x", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], "max_tokens": 1}, 400,
+     f"at most {MAX_STOP_STRINGS}", "stop"),
+    ("300,000 stop strings, 16 samples", "/v1/completions",
+     {"prompt": "x", "stop": [f"{i:08}" for i in range(300_000)], "n": 16, "max_tokens": 100}, 400,
+     f"at most {MAX_STOP_STRINGS}", "stop"),
+    (f"{MAX_STOP_CHARS + 1} characters of stop strings", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stop": ["x" * MAX_STOP_CHARS, "y"]}, 400,
+     f"at most {MAX_STOP_CHARS} in all", "stop"),
+    (f"{MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS // MAX_STOP_STRINGS} characters, 16 samples (served)",
+     "/v1/completions", {"prompt": "x", "n": 16, "max_tokens": 64, "ignore_eos": True,
+                         "stop": [f"{i:0{MAX_STOP_CHARS // MAX_STOP_STRINGS}}" for i in range(MAX_STOP_STRINGS)]},
+     200, None, None),
+    ("a lone byte's token 256 times, 16 samples (served)", "/v1/completions",
+     {"prompt": "x", "n": 16, "max_tokens": 256, "ignore_eos": True, "logit_bias": {"98": 100}}, 200, None, None),
     ("1.3 M ids to detokenize", "/detokenize", {"tokens": [5] * 1_300_000}, 400, "more than 4096 ids", "tokens"),
     ("a context of ids to detokenize, the last outside the vocabulary", "/detokenize",
      {"tokens": [5] * 4095 + [10**6]}, 400, "outside the vocabulary", "tokens"),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
+from engine.detokenizer import MAX_HELD, IncrementalDetokenizer, StopStrings, TextStream
 from engine.server.settings import SettingsError, load_settings
 from engine.testing import build_test_tokenizer
 
@@ -51,6 +53,67 @@ def test_held_back_prefix_is_released_when_it_does_not_become_a_stop() -> None:
     assert s.feed("ty") == "Party"
     assert s.feed(" Pari") == " "
     assert s.flush() == "Pari"
+
+
+def searched(stops: list[str], chunks: list[str]) -> tuple[list[str], str | None, str]:
+    """Stop strings by brute force, fed `chunks`: each time the whole held text is searched for every
+    stop string (cut before the one that starts first, the first listed of those starting there), and
+    the longest tail that begins some stop string is held back."""
+    stops = [s for s in stops if s]
+    pending, outs, stopped = "", [], None
+    for chunk in chunks:
+        if stopped is not None:
+            outs.append("")
+            continue
+        pending += chunk
+        hits = sorted((pending.find(s), i) for i, s in enumerate(stops) if s in pending)
+        if hits:
+            stopped, (out, pending) = stops[hits[0][1]], (pending[: hits[0][0]], "")
+        else:
+            keep = max((n for n in range(1, len(pending) + 1) if any(s.startswith(pending[-n:]) for s in stops)),
+                       default=0)  # fmt: skip
+            out, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+        outs.append(out)
+    return outs, stopped, ("" if stopped is not None else pending)
+
+
+def test_stop_strings_release_and_cut_as_a_search_of_the_whole_held_text_would() -> None:
+    """The automaton (engine/detokenizer.py: StopMatcher) against brute force, over stop strings that
+    overlap and contain one another (a two- or three-letter alphabet) and text cut into random pieces."""
+    rnd = random.Random(0)
+    for trial in range(3000):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = ["".join(rnd.choices(alphabet, k=rnd.randint(0, 6))) for _ in range(rnd.randint(0, 5))]
+        chunks = ["".join(rnd.choices(alphabet, k=rnd.randint(0, 4))) for _ in range(rnd.randint(1, 12))]
+        s = StopStrings(stops)
+        outs = [s.feed(c) for c in chunks]
+        assert (outs, s.stopped, s.flush()) == searched(stops, chunks), (stops, chunks)
+
+
+def test_the_samples_of_a_request_share_one_automaton(tok) -> None:
+    s = TextStream(tok, ["Paris", "capital"])
+    fork = s.fresh()
+    assert fork.stops.matcher is s.stops.matcher
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    assert "".join(fork.add([t]) for t in ids) == TEXT[: TEXT.index("capital")]
+    assert s.text == "" and not s.stopped  # the forks' states are their own
+
+
+def test_a_run_of_bytes_that_never_makes_a_character_is_released_after_max_held_tokens(tok) -> None:
+    """A model made to repeat a lone byte's token (logit_bias): its text ends inside a character at every
+    token. It goes out as decoded after MAX_HELD tokens, so no token decodes more than that many held
+    before it, and the whole text still equals a decode of every token."""
+    byte = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")
+    d = IncrementalDetokenizer(tok)
+    out, longest = "", 0
+    for _ in range(40 * MAX_HELD):
+        out += d.add([byte])
+        longest = max(longest, len(d.tokens) - d.prefix_offset)
+    assert longest <= 2 * MAX_HELD + 2
+    assert out + d.flush() == tok.decode([byte] * 40 * MAX_HELD)
+    ids = tok("Ünïcödé ✓", add_special_tokens=False).input_ids  # real characters are still held whole
+    s = TextStream(tok)
+    assert "".join(s.add([t]) for t in ids * 20) + s.finish() == "Ünïcödé ✓" * 20
 
 
 def test_settings_precedence_and_errors(tmp_path) -> None:

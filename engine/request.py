@@ -4,6 +4,7 @@ engine/output_processor.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @functools.cached_property
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as host tensors of token ids and biases (float64: each step rounds them once, to
+        its logits' dtype), made once: a request can bias the whole vocabulary, and a list of it turned
+        into a tensor at every step of every sample slowed every stream's steps."""
+        bias = self.logit_bias or {}
+        return torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float64)
 
     @property
     def needs_penalties(self) -> bool:

@@ -194,8 +194,8 @@ class Sampler:
                 logits, cloned = logits.clone(), True
             x = logits[row]
             if sp.logit_bias:
-                ids = _on(x.device, list(sp.logit_bias), torch.long)
-                x.index_add_(0, ids, _on(x.device, list(sp.logit_bias.values()), x.dtype))
+                ids, biases = sp.bias
+                x.index_add_(0, to_device(ids, x.device), to_device(biases.to(x.dtype), x.device))
             if sp.repetition_penalty != 1.0:
                 seen = _on(x.device, sorted(set(req.token_ids)), torch.long)
                 vals = x[seen]

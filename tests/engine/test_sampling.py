@@ -153,6 +153,20 @@ def test_logit_bias_forces_a_token() -> None:
     assert out[0] == [77] * 16
 
 
+def test_logit_bias_is_made_into_tensors_once_and_rounded_once_to_the_logits_dtype() -> None:
+    """A request may bias the whole vocabulary: its tensors are made once (SamplingParams.bias), not at
+    each step of each sample, and each bias is rounded once, from the client's number to the logits' dtype."""
+    biases = {i: 0.1 + i / 3 for i in range(0, 1000, 7)}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.zeros(1, 1000, dtype=dtype)
+        sampler, req = _sampler_rows(logits, logit_bias=biases)
+        assert req.sampling.bias is req.sampling.bias
+        processed = sampler._process(logits, [req])[0]
+        want = torch.zeros(1000, dtype=dtype)
+        want[list(biases)] = torch.tensor(list(biases.values()), dtype=dtype)
+        assert torch.equal(processed, want)
+
+
 def _sampler_rows(logits: torch.Tensor, **params):
     from engine.request import Request, SamplingParams
     from engine.sampler import Sampler

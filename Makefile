@@ -62,8 +62,8 @@ $(IMAGE_VENV)/bundle/README.txt: $(IMAGE_VENV)/.installed-$(IMAGE_TORCH)-$(IMAGE
 	$(IMAGE_PY) scripts/gpu_bundle.py build --dest $(IMAGE_VENV)/bundle \
 		--python-version $$($(IMAGE_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
-# Two pytest-xdist workers, each a whole test file at a time (a file's tests share its module fixtures,
-# and some read what the file's earlier tests left); tests/conftest.py gives each its share of the cores.
+# Two pytest-xdist workers, each a whole test file at a time (pyproject.toml's --dist loadfile: a file's
+# tests share its module fixtures, and some read what the file's earlier tests left); tests/conftest.py gives each its share of the cores.
 # Then the tests marked serial (timing a second worker would disturb), alone, collected from the files
 # that name the marker (not the whole suite again); both runs always run.
 # Once torch is in, the rest of the install, the kernel build, the kube tools and the GPU-image venv
@@ -72,7 +72,7 @@ TEST_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j4 install tools kernels gpu-image
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; export PATH; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --no-loadscope-reorder -m "not serial"; parallel=$$?; \
 	$(PY) -m pytest -q -m serial $$(grep -rlE --include='*.py' 'mark\.serial' tests); serial=$$?; \
 	test $$parallel -eq 0 && test $$serial -eq 0
 

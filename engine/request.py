@@ -81,8 +81,7 @@ class SamplingParams:
     @functools.cached_property
     def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """logit_bias as host tensors of token ids and biases (float64: each step rounds them once, to
-        its logits' dtype), made once: a request can bias the whole vocabulary, and a list of it turned
-        into a tensor at every step of every sample slowed every stream's steps."""
+        its logits' dtype), made once, not at every step: a request may bias the whole vocabulary."""
         bias = self.logit_bias or {}
         return torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float64)
 

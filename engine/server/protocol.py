@@ -16,8 +16,9 @@ from engine.structured import STRUCTURED_KEYS, StructuredOutput
 
 MAX_N = 16
 MAX_LOGPROBS = 20
-# stop strings: OpenAI takes 4, TGI 4 by default, vLLM any number; each one costs nothing per token (one
-# automaton, engine/detokenizer.py), but building it costs its characters, on the thread that admits
+# stop strings: OpenAI takes 4, TGI 4 by default, vLLM any number; how many there are costs nothing per
+# token (one automaton, engine/detokenizer.py), but building it costs their characters, on the thread that
+# admits the request
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # OpenAI's chat roles

@@ -16,7 +16,8 @@ both times, and the costly request's status and seconds:
 
 `--detokenizer` times the incremental detokenizer alone (engine/detokenizer.py) over `--tokens`
 repeats of a token that decodes to a lone byte (U+FFFD), as a model made to repeat it would send.
-Run the script from another checkout (`PYTHONPATH=that/tree`) to measure that tree's server.
+With `PYTHONPATH=that/tree` it measures another checkout's server and detokenizer (this tree's
+installed packages give way to it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import json
 import random
 import string
-import sys
 import tempfile
 import threading
 import time
@@ -33,9 +33,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loadtest.target import Target, cbserve_command, free_port  # noqa: E402
+from loadtest.target import Target, cbserve_command, free_port
 
 VICTIM = {"prompt": "Tell me about cats.", "max_tokens": 100, "ignore_eos": True, "stream": True}
 

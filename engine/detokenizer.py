@@ -109,10 +109,6 @@ class StopStrings:
         self.pending = ""  # text received but not yet released
         self.stopped: str | None = None  # the stop string that ended the text
 
-    @property
-    def stops(self) -> list[str]:
-        return self.matcher.stops
-
     def feed(self, text: str) -> str:
         """Text that is safe to release; after a stop string, nothing more. The text is cut right before
         the stop string that starts first among those found (the first listed of those starting there)."""
